@@ -1,0 +1,60 @@
+"""float8kit: float8 training for PyTorch.
+
+    from float8kit import convert_to_float8_training, Float8LinearConfig, precompute_scales
+"""
+
+import torch
+
+from float8kit import ops as _ops  # noqa: F401  (registers the op table)
+from float8kit.config import (
+    E4M3,
+    E5M2,
+    CastConfig,
+    Float8LinearConfig,
+    Float8Recipe,
+    GemmConfig,
+    GemmRole,
+    ScalingGranularity,
+    ScalingType,
+)
+from float8kit.convert import convert_to_float8_training, default_module_filter
+from float8kit.linear import Float8Linear
+from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
+from float8kit.tensor import Float8TrainingTensor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # converting a model
+    "convert_to_float8_training",
+    "default_module_filter",
+    "Float8Linear",
+    # configuration
+    "Float8LinearConfig",
+    "Float8Recipe",
+    "CastConfig",
+    "GemmConfig",
+    "ScalingType",
+    "ScalingGranularity",
+    "GemmRole",
+    "E4M3",
+    "E5M2",
+    # per-step scale update
+    "precompute_scales",
+    "precompute_float8_dynamic_scale_for_fsdp",
+    # internals users may meet (FSDP2 all-gathered weights, debugging)
+    "Float8TrainingTensor",
+]
+
+# Anything of ours that can reach a pickle loads under torch.load(weights_only=True).
+torch.serialization.add_safe_globals(
+    [
+        Float8TrainingTensor,
+        Float8LinearConfig,
+        CastConfig,
+        GemmConfig,
+        ScalingType,
+        ScalingGranularity,
+        GemmRole,
+    ]
+)

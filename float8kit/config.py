@@ -1,0 +1,285 @@
+"""All float8kit configuration: enums, frozen dataclasses and named recipes.
+
+Every dataclass validates itself in ``__post_init__`` and raises ``ValueError`` naming the
+offending field and the fix, so a bad config fails at construction, not inside a gemm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+# The two float8 formats, defined once. e4m3 has more mantissa (inputs, weights); e5m2 more
+# range (gradients). ``fn`` = finite: e4m3fn has NaN but no inf.
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+FP8_DTYPES = (E4M3, E5M2)
+
+
+class ScalingType(enum.Enum):
+    """Where an operand's scale comes from."""
+
+    DYNAMIC = "dynamic"  # amax of the tensor being cast, now
+    DISABLED = "disabled"  # not cast: the gemm that uses this operand runs in hp
+
+
+class ScalingGranularity(enum.Enum):
+    """How many scales an operand has."""
+
+    TENSORWISE = "tensorwise"  # one scale for the whole tensor
+    AXISWISE = "axiswise"  # one scale per row of the left operand / column of the right one
+
+
+class GemmRole(enum.Enum):
+    """Which operand of a linear layer a float8 tensor stands for."""
+
+    INPUT = "input"
+    WEIGHT = "weight"
+    GRAD_OUTPUT = "grad_output"
+
+
+def _coerce_enum(obj, field: str, enum_cls: type[enum.Enum]) -> None:
+    """Accept an enum member or its string value; raise naming ``field`` otherwise."""
+    value = getattr(obj, field)
+    if isinstance(value, enum_cls):
+        return
+    valid = ", ".join(repr(m.value) for m in enum_cls)
+    if isinstance(value, str):
+        try:
+            object.__setattr__(obj, field, enum_cls(value.lower()))
+            return
+        except ValueError:
+            pass
+    raise ValueError(
+        f"{type(obj).__name__}.{field}={value!r} is not valid: use a {enum_cls.__name__} "
+        f"member or one of {valid}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CastConfig:
+    """How one operand of one gemm is cast to float8.
+
+    Args:
+        scaling_type: where the scale comes from (``ScalingType`` or its string value).
+        scaling_granularity: one scale per tensor or per row/column.
+        target_dtype: the float8 dtype; None picks the role's default (e4m3 for input and
+            weight, e5m2 for grad_output when tensorwise, e4m3 everywhere when axiswise).
+    """
+
+    # where the scale comes from
+    scaling_type: ScalingType = ScalingType.DYNAMIC
+    # one scale per tensor, or one per row of the left / column of the right gemm operand
+    scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
+    # float8 dtype to cast to; None = the role's default
+    target_dtype: torch.dtype | None = None
+
+    def __post_init__(self):
+        _coerce_enum(self, "scaling_type", ScalingType)
+        _coerce_enum(self, "scaling_granularity", ScalingGranularity)
+        if self.target_dtype is not None and self.target_dtype not in FP8_DTYPES:
+            raise ValueError(
+                f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype: use "
+                "torch.float8_e4m3fn, torch.float8_e5m2 or None (the role's default)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.scaling_type is not ScalingType.DISABLED
+
+    def dtype_for(self, role: GemmRole) -> torch.dtype:
+        """The float8 dtype this cast produces for an operand of ``role``."""
+        if self.target_dtype is not None:
+            return self.target_dtype
+        if role is GemmRole.GRAD_OUTPUT and (
+            self.scaling_granularity is ScalingGranularity.TENSORWISE
+        ):
+            return E5M2
+        return E4M3
+
+    def short(self, role: GemmRole) -> str:
+        """Compact text for reprs, e.g. ``dyn_tensor_e4m3`` or ``hp``."""
+        if not self.enabled:
+            return "hp"
+        dtype = "e4m3" if self.dtype_for(role) == E4M3 else "e5m2"
+        gran = "tensor" if self.scaling_granularity is ScalingGranularity.TENSORWISE else "axis"
+        return f"{self.scaling_type.value[:3]}_{gran}_{dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Settings of one of the three gemms of a linear layer."""
+
+    # accumulate in the tensor cores' faster, lower-precision mode (CUDA only; CPU ignores it)
+    use_fast_accum: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.use_fast_accum, bool):
+            raise ValueError(
+                f"GemmConfig.use_fast_accum={self.use_fast_accum!r} must be a bool"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8LinearConfig:
+    """How a ``Float8Linear`` casts its operands and runs its three gemms.
+
+    The three gemms are ``output = input @ weight.T``, ``grad_input = grad_output @ weight``
+    and ``grad_weight = grad_output.T @ input``. Each operand is used by two gemms; the
+    ``*_for_grad_*`` fields override the cast for its second use (None = same as the first),
+    which is how ``rowwise_with_gw_hp`` keeps the grad_weight gemm in hp.
+    """
+
+    # input, as used by the output gemm
+    cast_config_input: CastConfig = CastConfig()
+    # input, as used by the grad_weight gemm (None = cast_config_input)
+    cast_config_input_for_grad_weight: CastConfig | None = None
+    # weight, as used by the output gemm
+    cast_config_weight: CastConfig = CastConfig()
+    # weight, as used by the grad_input gemm (None = cast_config_weight)
+    cast_config_weight_for_grad_input: CastConfig | None = None
+    # grad_output, as used by the grad_input gemm
+    cast_config_grad_output: CastConfig = CastConfig()
+    # grad_output, as used by the grad_weight gemm (None = cast_config_grad_output)
+    cast_config_grad_output_for_grad_weight: CastConfig | None = None
+    # per-gemm settings
+    gemm_config_output: GemmConfig = GemmConfig(use_fast_accum=True)
+    gemm_config_grad_input: GemmConfig = GemmConfig()
+    gemm_config_grad_weight: GemmConfig = GemmConfig()
+    # under FSDP2, cast weight shards to float8 before the all-gather (half the bytes of bf16)
+    enable_fsdp_float8_all_gather: bool = False
+    # run the float8 math in fp32 instead of torch._scaled_mm (debugging, unsupported devices)
+    emulate: bool = False
+    # zero-pad the gemms' inner dim to a multiple of 16 instead of raising on CUDA
+    pad_inner_dim: bool = False
+    # floor every scale to a power of two (exact rescaling; used by the rowwise recipes)
+    round_scales_to_power_of_2: bool = False
+
+    def __post_init__(self):
+        for name in ("cast_config_input", "cast_config_weight", "cast_config_grad_output"):
+            if not isinstance(getattr(self, name), CastConfig):
+                raise ValueError(
+                    f"Float8LinearConfig.{name}={getattr(self, name)!r} must be a CastConfig"
+                )
+        defaults = {
+            "cast_config_input_for_grad_weight": self.cast_config_input,
+            "cast_config_weight_for_grad_input": self.cast_config_weight,
+            "cast_config_grad_output_for_grad_weight": self.cast_config_grad_output,
+        }
+        for name, default in defaults.items():
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, default)
+            elif not isinstance(value, CastConfig):
+                raise ValueError(
+                    f"Float8LinearConfig.{name}={value!r} must be a CastConfig or None"
+                )
+        for name in ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weight"):
+            if not isinstance(getattr(self, name), GemmConfig):
+                raise ValueError(f"Float8LinearConfig.{name} must be a GemmConfig")
+        for name in (
+            "enable_fsdp_float8_all_gather",
+            "emulate",
+            "pad_inner_dim",
+            "round_scales_to_power_of_2",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"Float8LinearConfig.{name}={getattr(self, name)!r} must be a bool"
+                )
+        # Both operands of a gemm are float8 or both hp: _scaled_mm takes no mixed pair.
+        for gemm, (left, right) in self.gemm_operands().items():
+            lcfg, rcfg = getattr(self, left), getattr(self, right)
+            if lcfg.enabled != rcfg.enabled:
+                raise ValueError(
+                    f"Float8LinearConfig: the {gemm} gemm has {left} "
+                    f"{'enabled' if lcfg.enabled else 'DISABLED'} but {right} "
+                    f"{'enabled' if rcfg.enabled else 'DISABLED'}; set both to "
+                    "ScalingType.DISABLED or neither"
+                )
+        if self.enable_fsdp_float8_all_gather:
+            w = self.cast_config_weight
+            if not w.enabled or w.scaling_granularity is not ScalingGranularity.TENSORWISE:
+                raise ValueError(
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 "
+                    "tensorwise weight (cast_config_weight); rowwise weights with float8 "
+                    "all-gather are not supported yet: set enable_fsdp_float8_all_gather=False"
+                )
+            if self.cast_config_weight_for_grad_input != w:
+                raise ValueError(
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True gathers one float8 "
+                    "weight for both gemms, so cast_config_weight_for_grad_input must equal "
+                    "cast_config_weight (or be None)"
+                )
+
+    @staticmethod
+    def gemm_operands() -> dict[str, tuple[str, str]]:
+        """gemm name -> (left operand's cast field, right operand's cast field)."""
+        return {
+            "output": ("cast_config_input", "cast_config_weight"),
+            "grad_input": ("cast_config_grad_output", "cast_config_weight_for_grad_input"),
+            "grad_weight": (
+                "cast_config_grad_output_for_grad_weight",
+                "cast_config_input_for_grad_weight",
+            ),
+        }
+
+    @staticmethod
+    def from_recipe_name(name: str | Float8Recipe) -> Float8LinearConfig:
+        """A named preset: ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``."""
+        if isinstance(name, str):
+            try:
+                name = Float8Recipe(name)
+            except ValueError:
+                valid = ", ".join(repr(r.value) for r in Float8Recipe)
+                raise ValueError(f"unknown float8 recipe {name!r}: use one of {valid}") from None
+        return _RECIPES[name]()
+
+
+class Float8Recipe(enum.Enum):
+    """Named presets for ``Float8LinearConfig.from_recipe_name``."""
+
+    TENSORWISE = "tensorwise"  # dynamic tensorwise everywhere: fastest, the torchao default
+    ROWWISE = "rowwise"  # dynamic rowwise, e4m3 everywhere, power-of-2 scales: more accurate
+    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"  # rowwise, but the grad_weight gemm in hp
+
+
+def _tensorwise() -> Float8LinearConfig:
+    return Float8LinearConfig()
+
+
+def _rowwise() -> Float8LinearConfig:
+    axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3)
+    return Float8LinearConfig(
+        cast_config_input=axis,
+        cast_config_weight=axis,
+        cast_config_grad_output=axis,
+        gemm_config_output=GemmConfig(use_fast_accum=True),
+        round_scales_to_power_of_2=True,
+    )
+
+
+def _rowwise_with_gw_hp() -> Float8LinearConfig:
+    # grad_weight accumulates over the token dim, where rowwise scales fit worst and where
+    # precision matters most for the optimizer; keep that gemm in hp. The weight's second
+    # use (grad_input) is scaled tensorwise so it needs no second rowwise pass.
+    axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3)
+    hp = CastConfig(scaling_type=ScalingType.DISABLED)
+    return Float8LinearConfig(
+        cast_config_input=axis,
+        cast_config_input_for_grad_weight=hp,
+        cast_config_weight=axis,
+        cast_config_weight_for_grad_input=CastConfig(target_dtype=E4M3),
+        cast_config_grad_output=axis,
+        cast_config_grad_output_for_grad_weight=hp,
+        round_scales_to_power_of_2=True,
+    )
+
+
+_RECIPES = {
+    Float8Recipe.TENSORWISE: _tensorwise,
+    Float8Recipe.ROWWISE: _rowwise,
+    Float8Recipe.ROWWISE_WITH_GW_HP: _rowwise_with_gw_hp,
+}

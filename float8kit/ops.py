@@ -1,0 +1,249 @@
+"""The op table of ``Float8TrainingTensor``: each aten op it supports, and nothing else.
+
+An op is registered with ``@implements([aten.op.overload, ...])``. ``dispatch`` raises
+``NotImplementedError`` naming any other op, so nothing silently falls back to hp math.
+
+Metadata ops (view, transpose, slice, ...) act on the fp8 data and keep the scale; with
+axiswise scales they transform the scale tensor the same way, and raise where the result
+would no longer have one scale per slice of the gemm's inner dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from float8kit.config import FP8_DTYPES, Float8LinearConfig, GemmConfig, GemmRole
+from float8kit.gemm import scaled_mm
+from float8kit.scaling import to_fp8_saturated
+from float8kit.tensor import Float8TrainingTensor
+
+aten = torch.ops.aten
+_TABLE: dict[torch._ops.OpOverload, Callable] = {}
+
+
+def implements(ops: list):
+    """Register the decorated ``fn(func, args, kwargs)`` for each aten op overload."""
+
+    def decorator(fn):
+        for op in ops:
+            _TABLE[op] = fn
+        return fn
+
+    return decorator
+
+
+def dispatch(func, args, kwargs):
+    fn = _TABLE.get(func)
+    if fn is None:
+        raise NotImplementedError(
+            f"float8kit: {func} is not implemented for Float8TrainingTensor; call "
+            ".dequantize() first if hp math is really meant, or register it in float8kit/ops.py"
+        )
+    return fn(func, args, kwargs)
+
+
+def supported_ops() -> list:
+    """The aten op overloads the table covers (for docs and tests)."""
+    return sorted(_TABLE, key=str)
+
+
+# ---------------------------------------------------------------------------- metadata ops
+
+
+@implements([aten.detach.default, aten.alias.default, aten.clone.default])
+def _same_scale(func, args, kwargs):
+    t = args[0]
+    scale = t._scale.clone() if func is aten.clone.default else t._scale
+    return t.with_data(func(t._data, *args[1:], **kwargs), scale)
+
+
+@implements([aten.t.default])
+def _t(func, args, kwargs):
+    t = args[0]
+    if t._axiswise_dim is None:
+        return t.with_data(t._data.t())
+    return t.with_data(t._data.t(), t._scale.t(), axiswise_dim=t.dim() - 1 - t._axiswise_dim)
+
+
+@implements([aten.transpose.int])
+def _transpose(func, args, kwargs):
+    t, d0, d1 = args[0], args[1] % args[0].dim(), args[2] % args[0].dim()
+    data = t._data.transpose(d0, d1)
+    if t._axiswise_dim is None:
+        return t.with_data(data)
+    dim = {d0: d1, d1: d0}.get(t._axiswise_dim, t._axiswise_dim)
+    return t.with_data(data, t._scale.transpose(d0, d1), axiswise_dim=dim)
+
+
+@implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
+def _view(func, args, kwargs):
+    t, shape = args[0], list(args[1])
+    data = func(t._data, shape)
+    if t._axiswise_dim is None:
+        return t.with_data(data)
+    # Axiswise: only views that keep the scaled-along dim at the same end with the same size
+    # (flattening or unflattening the other dims) keep one scale per slice.
+    new_shape = data.shape
+    if t._axiswise_dim == t.dim() - 1 and new_shape[-1] == t.shape[-1]:
+        scale = t._scale.reshape(*new_shape[:-1], 1)
+        return t.with_data(data, scale, axiswise_dim=len(new_shape) - 1)
+    if t._axiswise_dim == 0 and new_shape[0] == t.shape[0]:
+        return t.with_data(data, t._scale.reshape(1, *new_shape[1:]), axiswise_dim=0)
+    raise NotImplementedError(
+        f"float8kit: {func} from {tuple(t.shape)} to {tuple(new_shape)} would mix the scales of "
+        f"an axiswise tensor (scaled along dim {t._axiswise_dim})"
+    )
+
+
+@implements([aten.as_strided.default])
+def _as_strided(func, args, kwargs):
+    t = args[0]
+    if t._axiswise_dim is not None:
+        raise NotImplementedError("float8kit: as_strided is tensorwise-only")
+    return t.with_data(func(t._data, *args[1:], **kwargs))
+
+
+def _scale_slice(t: Float8TrainingTensor, dim: int, fn: Callable):
+    """Apply a slicing ``fn(tensor)`` to the scale where it varies along ``dim``."""
+    if t._axiswise_dim is None or t._axiswise_dim == dim:
+        return t._scale
+    return fn(t._scale)
+
+
+@implements([aten.slice.Tensor])
+def _slice(func, args, kwargs):
+    t = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % t.dim()
+    scale = _scale_slice(t, dim, lambda s: func(s, *args[1:], **kwargs))
+    return t.with_data(func(t._data, *args[1:], **kwargs), scale)
+
+
+@implements([aten.split.Tensor])
+def _split(func, args, kwargs):
+    t, size = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % t.dim()
+    datas = func(t._data, size, dim)
+    scales = (
+        [t._scale] * len(datas)
+        if t._axiswise_dim is None or t._axiswise_dim == dim
+        else func(t._scale, size, dim)
+    )
+    return [t.with_data(d, s) for d, s in zip(datas, scales, strict=True)]
+
+
+@implements([aten.cat.default])
+def _cat(func, args, kwargs):
+    tensors = args[0]
+    dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % tensors[0].dim()
+    first = tensors[0]
+    if not all(isinstance(t, Float8TrainingTensor) for t in tensors):
+        raise NotImplementedError("float8kit: cat of float8 and hp tensors; dequantize first")
+    same = first._axiswise_dim is None or first._axiswise_dim == dim
+    for t in tensors[1:]:
+        if t._data.dtype != first._data.dtype or t._axiswise_dim != first._axiswise_dim:
+            raise ValueError("float8kit: cat needs the same float8 dtype and granularity")
+        if same and not torch.equal(t._scale, first._scale):
+            raise ValueError("float8kit: cat of float8 tensors with different scales")
+    data = func([t._data for t in tensors], dim)
+    scale = first._scale if same else func([t._scale for t in tensors], dim)
+    return first.with_data(data, scale)
+
+
+@implements([aten.is_same_size.default])
+def _is_same_size(func, args, kwargs):
+    return args[0].shape == args[1].shape
+
+
+@implements([aten._pin_memory.default])
+def _pin(func, args, kwargs):
+    t = args[0]
+    return t.with_data(func(t._data, *args[1:], **kwargs), t._scale.pin_memory())
+
+
+@implements([aten.is_pinned.default])
+def _is_pinned(func, args, kwargs):
+    return func(args[0]._data, *args[1:], **kwargs)
+
+
+@implements([aten.empty_like.default])
+def _empty_like(func, args, kwargs):
+    t = args[0]
+    kwargs = {k: v for k, v in kwargs.items() if k != "dtype"}
+    return t.with_data(func(t._data, *args[1:], **kwargs), t._scale.clone())
+
+
+@implements([aten._to_copy.default])
+def _to_copy(func, args, kwargs):
+    """``.to(dtype/device)``: an hp dtype changes the dtype it stands for (the fp8 data is
+    unchanged); a device moves data and scale. A float8 dtype is refused: that would
+    reinterpret values, not cast them."""
+    t = args[0]
+    dtype = kwargs.get("dtype", t._orig_dtype)
+    if dtype in FP8_DTYPES:
+        raise ValueError("float8kit: .to(float8 dtype) on a Float8TrainingTensor; use ._data")
+    device = kwargs.get("device", None)
+    data = t._data if device is None else t._data.to(device)
+    scale = t._scale if device is None else t._scale.to(device)
+    return t.with_data(data, scale, orig_dtype=dtype)
+
+
+@implements([aten.copy_.default])
+def _copy_(func, args, kwargs):
+    """Float8 <- Float8 copies data and scale; Float8 <- hp casts with the destination's
+    scale; hp <- Float8 dequantizes."""
+    dst, src = args[0], args[1]
+    if isinstance(dst, Float8TrainingTensor) and isinstance(src, Float8TrainingTensor):
+        if dst._data.dtype != src._data.dtype or dst._axiswise_dim != src._axiswise_dim:
+            raise ValueError("float8kit: copy_ between float8 tensors of different formats")
+        dst._data.copy_(src._data)
+        dst._scale.copy_(src._scale)
+    elif isinstance(dst, Float8TrainingTensor):
+        dst._data.copy_(to_fp8_saturated(src, dst._scale, dst._data.dtype))
+    else:
+        dst.copy_(src.dequantize(dst.dtype))
+    return dst
+
+
+# ---------------------------------------------------------------------------- gemms
+
+# Which of a linear layer's three gemms a pair of operand roles is.
+_GEMM_BY_ROLES = {
+    (GemmRole.INPUT, GemmRole.WEIGHT): "gemm_config_output",
+    (GemmRole.GRAD_OUTPUT, GemmRole.WEIGHT): "gemm_config_grad_input",
+    (GemmRole.GRAD_OUTPUT, GemmRole.INPUT): "gemm_config_grad_weight",
+}
+
+
+def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
+    if not (isinstance(a, Float8TrainingTensor) and isinstance(b, Float8TrainingTensor)):
+        raise NotImplementedError(
+            "float8kit: mm of a float8 and an hp tensor; both operands of a float8 gemm must "
+            "be float8 (check the CastConfig of both operands of that gemm)"
+        )
+    config = a._config or b._config or Float8LinearConfig()
+    field = _GEMM_BY_ROLES.get((a._role, b._role))
+    gemm = getattr(config, field) if field else GemmConfig()
+    return scaled_mm(
+        a,
+        b,
+        use_fast_accum=gemm.use_fast_accum,
+        emulate=config.emulate,
+        pad_inner_dim=config.pad_inner_dim,
+    )
+
+
+@implements([aten.mm.default])
+def _mm_op(func, args, kwargs):
+    return _mm(args[0], args[1])
+
+
+@implements([aten.addmm.default])
+def _addmm_op(func, args, kwargs):
+    bias, a, b = args[0], args[1], args[2]
+    beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    out = _mm(a, b)
+    if alpha != 1:
+        out = out * alpha
+    return out + (bias if beta == 1 else bias * beta).to(out.dtype)

@@ -1,0 +1,69 @@
+"""Scaling math: amax, amax -> scale, power-of-2 rounding, the saturated cast.
+
+Convention (everywhere in float8kit): ``fp8 = saturate(hp * scale)`` and ``hp ~ fp8 / scale``
+with ``scale = fp8_max / max(amax, EPS)``. Every function here is plain tensor math with no
+host sync, so eager and ``torch.compile`` produce bitwise-equal scales.
+
+Non-finite values stay visible: torch's own ``inf.to(float8_e4m3fn)`` saturates to 448, which
+would hide an overflow from a loss scaler. ``to_fp8_saturated`` clamps only finite values and
+turns inf/NaN into NaN (e4m3fn has no inf) or keeps them (e5m2 has inf).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from float8kit.config import E4M3, E5M2
+
+# amax floor: an all-zero tensor gets a large but finite scale (and casts to zeros).
+EPS = 1e-12
+
+_FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
+_EXPONENT_MASK = 0x7F800000  # fp32 sign 0, exponent bits set, mantissa 0
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of a float8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return _FP8_MAX[dtype]
+
+
+def amax(hp: torch.Tensor, reduce_dim: int | None = None) -> torch.Tensor:
+    """max(|hp|) in fp32: over the whole tensor (``reduce_dim=None``, shape ``()``), or along
+    ``reduce_dim`` keeping it (one amax per row/column). NaN propagates."""
+    if reduce_dim is None:
+        return torch.amax(torch.abs(hp)).to(torch.float32)
+    return torch.amax(torch.abs(hp), dim=reduce_dim, keepdim=True).to(torch.float32)
+
+
+def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
+    """Floor positive fp32 scales to a power of two by clearing the mantissa bits (exact,
+    no log2 rounding). 0 and inf are kept; NaN stays NaN."""
+    assert scale.dtype == torch.float32, "scales are fp32"
+    floored = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
+    return torch.where(torch.isnan(scale), scale, floored)
+
+
+def amax_to_scale(
+    amax: torch.Tensor, fp8_dtype: torch.dtype, round_to_pow2: bool = False
+) -> torch.Tensor:
+    """``fp8_max / max(amax, EPS)`` in fp32. An inf amax gives scale 0 and a NaN amax a NaN
+    scale, so a cast with it yields NaN: overflow stays visible downstream."""
+    amax = amax.to(torch.float32)
+    # clamp_min keeps NaN (torch.clamp propagates it), unlike torch.maximum with a scalar.
+    scale = fp8_max(fp8_dtype) / torch.clamp(amax, min=EPS)
+    if round_to_pow2:
+        scale = round_to_power_of_2(scale)
+    return scale
+
+
+def to_fp8_saturated(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(hp * scale)`` as ``fp8_dtype``: finite values clamp to +-fp8_max, inf/NaN stay
+    non-finite (NaN in e4m3fn, which has no inf; inf/NaN kept in e5m2)."""
+    scaled = hp.to(torch.float32) * scale
+    limit = fp8_max(fp8_dtype)
+    clamped = torch.clamp(scaled, min=-limit, max=limit)
+    # Adding (scaled - scaled) is 0 for finite values and NaN for inf/NaN: one fused
+    # elementwise op that puts non-finite values back after the clamp.
+    if fp8_dtype == E4M3:
+        return (clamped + (scaled - scaled)).to(fp8_dtype)
+    return torch.where(torch.isfinite(scaled), clamped, scaled).to(fp8_dtype)

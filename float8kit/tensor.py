@@ -1,0 +1,121 @@
+"""The float8 training tensor: fp8 data + scale, standing in for an hp tensor.
+
+Internal: users meet it only as the weight FSDP2 all-gathers in float8, or by debugging.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from float8kit.config import Float8LinearConfig, GemmRole
+from float8kit.scaling import to_fp8_saturated
+
+
+class Float8TrainingTensor(torch.Tensor):
+    """A float8 tensor that reports itself as its hp dtype.
+
+    Invariants:
+        - ``_data`` is a float8 tensor of ``self.shape``; ``self.dtype`` is ``_orig_dtype``
+          (the hp dtype it stands for), so autograd and FSDP2 see an hp tensor.
+        - ``_scale`` is fp32 and multiplies: ``_data ~ saturate(hp * _scale)``. Tensorwise:
+          shape ``()``. Axiswise: ``_data``'s shape with ``_axiswise_dim`` reduced to 1 (one
+          scale per slice along the gemm's inner dim).
+        - ``_axiswise_dim`` is None (tensorwise) or a non-negative dim index.
+        - ``_role`` says which linear operand it is; ``_config`` carries the gemm settings
+          (fast accumulation, emulate, padding) that ``mm`` on it uses (None = defaults).
+        - Every aten op on it goes through ``ops.py``'s table; an op not in it raises.
+    """
+
+    _data: torch.Tensor
+    _scale: torch.Tensor
+    _orig_dtype: torch.dtype
+    _role: GemmRole
+    _axiswise_dim: int | None
+    _config: Float8LinearConfig | None
+
+    __slots__ = ["_data", "_scale", "_orig_dtype", "_role", "_axiswise_dim", "_config"]
+
+    @staticmethod
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale: torch.Tensor,
+        orig_dtype: torch.dtype,
+        role: GemmRole,
+        axiswise_dim: int | None = None,
+        config: Float8LinearConfig | None = None,
+    ):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.size(),
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=orig_dtype,
+            layout=data.layout,
+            device=data.device,
+            requires_grad=False,
+        )
+        self._data = data
+        self._scale = scale
+        self._orig_dtype = orig_dtype
+        self._role = role
+        self._axiswise_dim = axiswise_dim
+        self._config = config
+        return self
+
+    def __repr__(self):
+        gran = "tensorwise" if self._axiswise_dim is None else f"axiswise(dim={self._axiswise_dim})"
+        return (
+            f"Float8TrainingTensor(role={self._role.value}, fp8={self._data.dtype}, "
+            f"hp={self._orig_dtype}, {gran}, shape={tuple(self.shape)})"
+        )
+
+    def __tensor_flatten__(self):
+        ctx = (self._orig_dtype, self._role, self._axiswise_dim, self._config)
+        return ["_data", "_scale"], ctx
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        orig_dtype, role, axiswise_dim, config = ctx
+        return Float8TrainingTensor(
+            inner_tensors["_data"], inner_tensors["_scale"], orig_dtype, role, axiswise_dim, config
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from float8kit.ops import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    # No torch_function override: ops reach __torch_dispatch__ after autograd.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The hp tensor this stands for: ``_data / _scale`` in ``dtype`` (default: hp)."""
+        return (self._data.to(torch.float32) / self._scale).to(dtype or self._orig_dtype)
+
+    def with_data(self, data: torch.Tensor, scale: torch.Tensor | None = None, **changes):
+        """A copy of this tensor's metadata around new ``data`` (and ``scale``)."""
+        return Float8TrainingTensor(
+            data,
+            self._scale if scale is None else scale,
+            changes.get("orig_dtype", self._orig_dtype),
+            self._role,
+            changes.get("axiswise_dim", self._axiswise_dim),
+            self._config,
+        )
+
+
+def hp_to_float8(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    role: GemmRole,
+    axiswise_dim: int | None = None,
+    config: Float8LinearConfig | None = None,
+) -> Float8TrainingTensor:
+    """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)) and wrap it."""
+    data = to_fp8_saturated(hp, scale, fp8_dtype)
+    if axiswise_dim is not None and axiswise_dim < 0:
+        axiswise_dim += hp.dim()
+    return Float8TrainingTensor(data, scale, hp.dtype, role, axiswise_dim, config)
