@@ -1,0 +1,92 @@
+import dataclasses
+
+import pytest
+import torch
+
+from float8kit import (
+    E4M3,
+    E5M2,
+    CastConfig,
+    Float8LinearConfig,
+    GemmRole,
+    ScalingGranularity,
+    ScalingType,
+)
+
+
+def test_cast_config_accepts_enum_values_as_strings():
+    assert CastConfig(scaling_type="dynamic", scaling_granularity="axiswise") == CastConfig(
+        scaling_type=ScalingType.DYNAMIC, scaling_granularity=ScalingGranularity.AXISWISE
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"scaling_type": "fastest"}, "CastConfig.scaling_type"),
+        ({"scaling_granularity": "blockwise"}, "CastConfig.scaling_granularity"),
+        ({"target_dtype": torch.bfloat16}, "CastConfig.target_dtype"),
+    ],
+)
+def test_cast_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CastConfig(**kwargs)
+
+
+def test_role_default_dtypes():
+    tw, axis = CastConfig(), CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)
+    assert [tw.dtype_for(r) for r in GemmRole] == [E4M3, E4M3, E5M2]
+    assert [axis.dtype_for(r) for r in GemmRole] == [E4M3, E4M3, E4M3]
+    assert CastConfig(target_dtype=E5M2).dtype_for(GemmRole.INPUT) == E5M2
+
+
+def test_second_use_defaults_to_first():
+    c = Float8LinearConfig(cast_config_input=CastConfig(target_dtype=E5M2))
+    assert c.cast_config_input_for_grad_weight == CastConfig(target_dtype=E5M2)
+    assert c.cast_config_weight_for_grad_input == c.cast_config_weight
+
+
+def test_rowwise_weight_with_float8_all_gather_is_refused():
+    axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+        Float8LinearConfig(cast_config_weight=axis, enable_fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+        dataclasses.replace(
+            Float8LinearConfig.from_recipe_name("rowwise"), enable_fsdp_float8_all_gather=True
+        )
+
+
+def test_gemm_with_one_hp_operand_is_refused():
+    hp = CastConfig(scaling_type=ScalingType.DISABLED)
+    with pytest.raises(ValueError, match="grad_weight gemm"):
+        Float8LinearConfig(cast_config_input_for_grad_weight=hp)
+
+
+@pytest.mark.parametrize("field", ["emulate", "pad_inner_dim", "round_scales_to_power_of_2"])
+def test_bool_fields_are_checked(field):
+    with pytest.raises(ValueError, match=f"Float8LinearConfig.{field}"):
+        Float8LinearConfig(**{field: "yes"})
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Float8LinearConfig().emulate = True
+
+
+def test_unknown_recipe_lists_the_known_ones():
+    with pytest.raises(ValueError, match="'tensorwise'"):
+        Float8LinearConfig.from_recipe_name("fastest")
+
+
+def test_recipes():
+    tw = Float8LinearConfig.from_recipe_name("tensorwise")
+    assert tw == Float8LinearConfig()
+    rw = Float8LinearConfig.from_recipe_name("rowwise")
+    assert rw.round_scales_to_power_of_2
+    for name in ("input", "weight", "grad_output"):
+        cast = getattr(rw, f"cast_config_{name}")
+        assert cast.scaling_granularity is ScalingGranularity.AXISWISE and cast.target_dtype == E4M3
+    gw = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
+    assert not gw.cast_config_input_for_grad_weight.enabled
+    assert not gw.cast_config_grad_output_for_grad_weight.enabled
+    assert gw.cast_config_weight_for_grad_input.scaling_granularity is ScalingGranularity.TENSORWISE

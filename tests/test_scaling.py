@@ -1,0 +1,91 @@
+import math
+
+import pytest
+import torch
+
+from float8kit import E4M3, E5M2
+from float8kit.scaling import (
+    EPS,
+    amax,
+    amax_to_scale,
+    fp8_max,
+    round_to_power_of_2,
+    to_fp8_saturated,
+)
+from tests.helpers import sqnr
+
+
+def test_fp8_max():
+    assert (fp8_max(E4M3), fp8_max(E5M2)) == (448.0, 57344.0)
+
+
+def test_amax_tensorwise_and_axiswise():
+    x = torch.tensor([[1.0, -5.0, 2.0], [-0.5, 0.25, 3.0]], dtype=torch.bfloat16)
+    assert amax(x).item() == 5.0 and amax(x).dtype == torch.float32
+    assert amax(x, -1).flatten().tolist() == [5.0, 3.0]
+    assert amax(x, 0).flatten().tolist() == [1.0, 5.0, 3.0]
+    assert amax(x, -1).shape == (2, 1) and amax(x, 0).shape == (1, 3)
+
+
+def test_amax_to_scale_hand_cases():
+    assert amax_to_scale(torch.tensor(2.0), E4M3).item() == 224.0
+    assert amax_to_scale(torch.tensor(7.0), E5M2).item() == pytest.approx(57344.0 / 7.0)
+    assert amax_to_scale(torch.tensor(0.0), E4M3).item() == pytest.approx(448.0 / EPS)
+    assert amax_to_scale(torch.tensor(3.0), E4M3, round_to_pow2=True).item() == 128.0
+
+
+def test_round_to_power_of_2():
+    s = torch.tensor([3.0, 224.0, 0.75, 4.0, 1e-30, 0.0, math.inf, math.nan])
+    out = round_to_power_of_2(s)
+    assert out[:6].tolist() == [2.0, 128.0, 0.5, 4.0, 2.0 ** math.floor(math.log2(1e-30)), 0.0]
+    assert math.isinf(out[6]) and math.isnan(out[7])
+
+
+def test_zeros_give_finite_scale_and_zeros():
+    x = torch.zeros(8, 16, dtype=torch.bfloat16)
+    scale = amax_to_scale(amax(x), E4M3)
+    assert torch.isfinite(scale)
+    assert torch.equal(to_fp8_saturated(x, scale, E4M3).float(), torch.zeros(8, 16))
+
+
+def test_saturation_clamps_finite_overflow():
+    x = torch.tensor([1.0, 2.0, -100.0, 100.0])
+    out = to_fp8_saturated(x, torch.tensor(10.0), E4M3).float()
+    assert out.tolist() == [10.0, 20.0, -448.0, 448.0]
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_non_finite_values_stay_visible(dtype):
+    x = torch.tensor([1.0, math.inf, -math.inf, math.nan])
+    out = to_fp8_saturated(x, torch.tensor(1.0), dtype).float()
+    assert out[0] == 1.0
+    assert not torch.isfinite(out[1:]).any(), f"{dtype} saturated a non-finite value: {out}"
+    # torch's own cast saturates inf to 448 in e4m3fn; ours must not.
+    if dtype == E5M2:
+        assert out[1:3].tolist() == [math.inf, -math.inf]
+    # a dynamic scale from an inf amax is 0, so the whole cast goes non-finite rather than
+    # quietly zeroing the other values' scale
+    assert amax_to_scale(amax(x[:2]), dtype).item() == 0.0
+    assert amax_to_scale(amax(x), dtype).isnan()
+
+
+@pytest.mark.parametrize("dtype, min_db", [(E4M3, 28.0), (E5M2, 22.0)])
+def test_round_trip_sqnr(dtype, min_db):
+    x = torch.randn(256, 256, dtype=torch.float64)
+    scale = amax_to_scale(amax(x), dtype)
+    back = to_fp8_saturated(x, scale, dtype).double() / scale.double()
+    assert sqnr(x, back) >= min_db
+
+
+def test_compiled_scales_and_casts_are_bitwise_eager():
+    x = torch.randn(64, 48, dtype=torch.bfloat16) * 3
+
+    def cast(x):
+        s_tw = amax_to_scale(amax(x), E4M3)
+        s_rw = amax_to_scale(amax(x, -1), E4M3, round_to_pow2=True)
+        return s_tw, s_rw, to_fp8_saturated(x, s_tw, E4M3), to_fp8_saturated(x, s_rw, E4M3)
+
+    eager, compiled = cast(x), torch.compile(cast, fullgraph=True)(x)
+    for e, c in zip(eager, compiled, strict=True):
+        assert torch.equal(e.view(torch.uint8) if e.element_size() == 1 else e,
+                           c.view(torch.uint8) if c.element_size() == 1 else c)
