@@ -21,7 +21,8 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
     module.zero_grad(set_to_none=True)
     out = module(x)
     out.backward(grad.to(out.dtype))
-    return out.detach(), x.grad.detach(), {n: p.grad.detach() for n, p in module.named_parameters()}
+    grads = {n.removeprefix("_orig_mod."): p.grad.detach() for n, p in module.named_parameters()}
+    return out.detach(), x.grad.detach(), grads
 
 
 def fp32_copy(module: nn.Module) -> nn.Module:
