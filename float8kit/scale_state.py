@@ -101,7 +101,7 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
             module.register_buffer(amax_name(role), torch.full((), UNSET, device=device))
         scale = torch.full((), _initial_scale(cast), device=device)
         module.register_buffer(scale_name(role), scale)
-    module._fp8_forward_count = torch.zeros((), dtype=torch.int64)
+    module._fp8_forward_count = torch.zeros((), dtype=torch.int64, device="cpu")
     module._fp8_uncalibrated = needs_calibration(config)
 
 
