@@ -291,6 +291,7 @@ class Float8Linear(nn.Linear):
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             input, weight = input.to(dtype), weight.to(dtype)
+        # (x_scale, x_amax, w_scale, w_amax, go_scale, go_amax): GemmRole's order
         states = [t for role in GemmRole for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states)
         output = out_2d.reshape(*input.shape[:-1], out_2d.shape[-1])

@@ -163,6 +163,39 @@ def test_history_semantics_against_hand_computed_scales(scale_from):
     )
 
 
+def test_power_of_2_scales_from_history():
+    cast = CastConfig(scaling_type=ScalingType.DELAYED)
+    config = Float8LinearConfig(
+        cast_config_input=cast,
+        cast_config_weight=cast,
+        cast_config_grad_output=cast,
+        round_scales_to_power_of_2=True,
+    )
+    layer = Float8Linear(32, 16, config=config)
+    x = torch.zeros(4, 32)
+    x[0, 0] = 3.0
+    train_step(layer, x)
+    precompute_scales(layer)
+    assert float(layer.fp8_scale_input) == 128.0  # 448 / 3 = 149.3 floored to 2**7
+
+
+def test_scale_for_is_the_one_scale_decision():
+    """Float8Linear._scale_for: what an FSDP2 float8 all-gather asks the layer for."""
+    from float8kit import GemmRole
+
+    layer = delayed_layer(32, 16)
+    amax = layer.weight.detach().abs().max()
+    assert torch.equal(layer._scale_for(GemmRole.WEIGHT, amax), E4M3_MAX / amax)  # unset
+    assert float(layer.fp8_amax_weight) == float(amax)  # recorded (train mode)
+    precompute_scales(layer)
+    assert torch.equal(layer._scale_for(GemmRole.WEIGHT, amax * 10), layer.fp8_scale_weight)
+    static = Float8LinearConfig(
+        cast_config_weight=CastConfig(scaling_type="static", static_scale=3.0),
+        cast_config_input=CastConfig(scaling_type="static", static_scale=2.0),
+    )
+    assert float(Float8Linear(32, 16, config=static)._scale_for(GemmRole.WEIGHT)) == 3.0
+
+
 def test_records_are_max_over_microbatches_and_skip_eval():
     layer = delayed_layer()
     for amax in (3.0, 5.0, 2.0):  # gradient accumulation: three forwards, one step
@@ -234,7 +267,9 @@ def test_layer_used_twice_before_backward():
     inner_grads = []
     inner.register_hook(inner_grads.append)
     layer(inner).sum().backward()
-    assert float(layer.fp8_amax_input) == max(float(x.abs().max()), float(inner.abs().max()))
+    assert float(layer.fp8_amax_input) == max(
+        float(x.abs().max()), float(inner.detach().abs().max())
+    )
     # the outer call's grad_output is all ones; the inner one's is 10x the outer grad_input
     inner_go = 10 * inner_grads[0]
     assert float(layer.fp8_amax_grad_output) == max(1.0, float(inner_go.abs().max()))
