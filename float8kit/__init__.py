@@ -6,6 +6,7 @@
 import torch
 
 from float8kit import ops as _ops  # noqa: F401  (registers the op table)
+from float8kit.calibrate import calibrate
 from float8kit.config import (
     E4M3,
     E5M2,
@@ -39,9 +40,10 @@ __all__ = [
     "GemmRole",
     "E4M3",
     "E5M2",
-    # per-step scale update
+    # per-step scale update (DELAYED), calibration (STATIC)
     "precompute_scales",
     "precompute_float8_dynamic_scale_for_fsdp",
+    "calibrate",
     # internals users may meet (FSDP2 all-gathered weights, debugging)
     "Float8TrainingTensor",
 ]

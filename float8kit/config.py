@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import torch
 
@@ -22,7 +23,14 @@ class ScalingType(enum.Enum):
     """Where an operand's scale comes from."""
 
     DYNAMIC = "dynamic"  # amax of the tensor being cast, now
+    DELAYED = "delayed"  # from an amax history that precompute_scales updates once per step
+    STATIC = "static"  # a fixed scale: CastConfig.static_scale or float8kit.calibrate
     DISABLED = "disabled"  # not cast: the gemm that uses this operand runs in hp
+
+    @property
+    def stateful(self) -> bool:
+        """True for the policies that keep per-layer scale state (DELAYED, STATIC)."""
+        return self in (ScalingType.DELAYED, ScalingType.STATIC)
 
 
 class ScalingGranularity(enum.Enum):
@@ -67,6 +75,11 @@ class CastConfig:
         scaling_granularity: one scale per tensor or per row/column.
         target_dtype: the float8 dtype; None picks the role's default (e4m3 for input and
             weight, e5m2 for grad_output when tensorwise, e4m3 everywhere when axiswise).
+        amax_history_len: DELAYED only: how many steps' amaxes the history keeps.
+        delayed_scale_from: DELAYED only: ``"max"`` scales from the largest amax in the
+            history (robust to a shrinking range), ``"most_recent"`` from the last step's.
+        static_scale: STATIC only: the fixed scale (``fp8 = saturate(hp * static_scale)``);
+            None = set per layer by ``float8kit.calibrate``. Required for grad_output.
     """
 
     # where the scale comes from
@@ -75,6 +88,12 @@ class CastConfig:
     scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
     # float8 dtype to cast to; None = the role's default
     target_dtype: torch.dtype | None = None
+    # DELAYED: number of steps in the amax history
+    amax_history_len: int = 16
+    # DELAYED: "max" (largest amax in the history) or "most_recent" (last step's amax)
+    delayed_scale_from: str = "max"
+    # STATIC: the fixed scale; None = per layer from float8kit.calibrate
+    static_scale: float | None = None
 
     def __post_init__(self):
         _coerce_enum(self, "scaling_type", ScalingType)
@@ -84,6 +103,39 @@ class CastConfig:
                 f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype: use "
                 "torch.float8_e4m3fn, torch.float8_e5m2 or None (the role's default)"
             )
+        if self.scaling_type.stateful and (
+            self.scaling_granularity is not ScalingGranularity.TENSORWISE
+        ):
+            raise ValueError(
+                f"CastConfig.scaling_granularity={self.scaling_granularity.value!r} is not "
+                f"supported with scaling_type={self.scaling_type.value!r}: delayed and static "
+                "scaling are tensorwise only; use ScalingGranularity.TENSORWISE (or DYNAMIC "
+                "scaling for axiswise)"
+            )
+        n = self.amax_history_len
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(
+                f"CastConfig.amax_history_len={n!r} must be an int >= 1 (steps of amax history)"
+            )
+        if self.delayed_scale_from not in ("max", "most_recent"):
+            raise ValueError(
+                f"CastConfig.delayed_scale_from={self.delayed_scale_from!r} is not valid: use "
+                "'max' or 'most_recent'"
+            )
+        s = self.static_scale
+        if s is not None:
+            if self.scaling_type is not ScalingType.STATIC:
+                raise ValueError(
+                    f"CastConfig.static_scale={s!r} is only used with ScalingType.STATIC, but "
+                    f"scaling_type={self.scaling_type.value!r}: set scaling_type="
+                    "ScalingType.STATIC or drop static_scale"
+                )
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < math.inf:
+                raise ValueError(
+                    f"CastConfig.static_scale={s!r} must be a positive finite number "
+                    "(fp8 = saturate(hp * static_scale)); e.g. fp8_max / expected_amax"
+                )
+            object.__setattr__(self, "static_scale", float(s))
 
     @property
     def enabled(self) -> bool:
@@ -156,6 +208,9 @@ class Float8LinearConfig:
     pad_inner_dim: bool = False
     # floor every scale to a power of two (exact rescaling; used by the rowwise recipes)
     round_scales_to_power_of_2: bool = False
+    # DELAYED: warn when a layer runs this many train-mode forwards without precompute_scales
+    # (raise it when accumulating gradients over more micro-batches; 0 = never warn)
+    stale_delayed_warn_after: int = 16
 
     def __post_init__(self):
         for name in ("cast_config_input", "cast_config_weight", "cast_config_grad_output"):
@@ -189,6 +244,34 @@ class Float8LinearConfig:
                 raise ValueError(
                     f"Float8LinearConfig.{name}={getattr(self, name)!r} must be a bool"
                 )
+        n = self.stale_delayed_warn_after
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(
+                f"Float8LinearConfig.stale_delayed_warn_after={n!r} must be an int >= 0 "
+                "(0 disables the warning)"
+            )
+        # DELAYED/STATIC state is per operand (one history, one scale): both uses of an
+        # operand that keep state must agree on how.
+        for role, (first, second) in self.operand_uses().items():
+            a, b = getattr(self, first), getattr(self, second)
+            if a.scaling_type.stateful and b.scaling_type.stateful and a != b:
+                raise ValueError(
+                    f"Float8LinearConfig.{second}={b!r} differs from {first}={a!r}: an "
+                    f"operand has one {a.scaling_type.value}/{b.scaling_type.value} scale "
+                    f"state, so both of its uses must be the same CastConfig; set {second} "
+                    "to None (same as the first) or to a DYNAMIC/DISABLED CastConfig"
+                )
+            for name, cast in ((first, a), (second, b)):
+                if (
+                    role is GemmRole.GRAD_OUTPUT
+                    and cast.scaling_type is ScalingType.STATIC
+                    and cast.static_scale is None
+                ):
+                    raise ValueError(
+                        f"Float8LinearConfig.{name} is STATIC with static_scale=None: "
+                        "calibrate() runs no backward, so a static grad_output needs "
+                        "CastConfig(scaling_type=ScalingType.STATIC, static_scale=S)"
+                    )
         # Both operands of a gemm are float8 or both hp: _scaled_mm takes no mixed pair.
         for gemm, (left, right) in self.gemm_operands().items():
             lcfg, rcfg = getattr(self, left), getattr(self, right)
@@ -215,6 +298,26 @@ class Float8LinearConfig:
                 )
 
     @staticmethod
+    def operand_uses() -> dict[GemmRole, tuple[str, str]]:
+        """operand role -> (its cast field in the first gemm, in the second gemm)."""
+        return {
+            GemmRole.INPUT: ("cast_config_input", "cast_config_input_for_grad_weight"),
+            GemmRole.WEIGHT: ("cast_config_weight", "cast_config_weight_for_grad_input"),
+            GemmRole.GRAD_OUTPUT: (
+                "cast_config_grad_output",
+                "cast_config_grad_output_for_grad_weight",
+            ),
+        }
+
+    def stateful_cast(self, role: GemmRole) -> CastConfig | None:
+        """The DELAYED or STATIC cast of operand ``role`` (its uses agree), or None."""
+        for name in self.operand_uses()[role]:
+            cast = getattr(self, name)
+            if cast.scaling_type.stateful:
+                return cast
+        return None
+
+    @staticmethod
     def gemm_operands() -> dict[str, tuple[str, str]]:
         """gemm name -> (left operand's cast field, right operand's cast field)."""
         return {
@@ -228,7 +331,7 @@ class Float8LinearConfig:
 
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8LinearConfig:
-        """A named preset: ``tensorwise``, ``rowwise`` or ``rowwise_with_gw_hp``."""
+        """A named preset: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp`` or ``delayed``."""
         if isinstance(name, str):
             try:
                 name = Float8Recipe(name)
@@ -244,6 +347,7 @@ class Float8Recipe(enum.Enum):
     TENSORWISE = "tensorwise"  # dynamic tensorwise everywhere: fastest, the torchao default
     ROWWISE = "rowwise"  # dynamic rowwise, e4m3 everywhere, power-of-2 scales: more accurate
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"  # rowwise, but the grad_weight gemm in hp
+    DELAYED = "delayed"  # tensorwise delayed scaling everywhere (call precompute_scales)
 
 
 def _tensorwise() -> Float8LinearConfig:
@@ -278,8 +382,18 @@ def _rowwise_with_gw_hp() -> Float8LinearConfig:
     )
 
 
+def _delayed() -> Float8LinearConfig:
+    delayed = CastConfig(scaling_type=ScalingType.DELAYED)
+    return Float8LinearConfig(
+        cast_config_input=delayed,
+        cast_config_weight=delayed,
+        cast_config_grad_output=delayed,
+    )
+
+
 _RECIPES = {
     Float8Recipe.TENSORWISE: _tensorwise,
     Float8Recipe.ROWWISE: _rowwise,
     Float8Recipe.ROWWISE_WITH_GW_HP: _rowwise_with_gw_hp,
+    Float8Recipe.DELAYED: _delayed,
 }

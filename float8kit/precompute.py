@@ -1,25 +1,138 @@
-"""``precompute_scales``: the per-step scale update, after ``optimizer.step()``."""
+"""``precompute_scales``: the per-step scale update, after ``optimizer.step()``.
+
+Built around *contributions*. A contribution is ``(local_amaxes, apply)``: a 1-D fp32 tensor
+of amaxes this rank saw, and a function that takes the same amaxes reduced (max) over all
+ranks and writes the scales from them. ``precompute_scales`` asks every provider in
+``_PROVIDERS`` for its contributions, concatenates their amaxes, does ONE
+``all_reduce(MAX)`` when torch.distributed runs with more than one rank, and hands each
+``apply`` its slice. Adding a kind of scale state is one more provider in that list.
+"""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
 from torch import nn
 
+from float8kit import scale_state, scaling
+from float8kit.config import GemmRole, ScalingType
 from float8kit.linear import Float8Linear
 
+Contribution = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
-def precompute_scales(module: nn.Module) -> None:
+
+def _delayed_contributions(module: nn.Module) -> list[Contribution]:
+    """One contribution for every DELAYED amax record of every Float8Linear in ``module``.
+
+    ``apply`` folds the reduced records into the amax histories and recomputes the scales
+    with a few batched ops per group of histories that share (length, dtype, max/most
+    recent, power-of-2 rounding), writes them back with ``torch._foreach_copy_``, clears the
+    records and the layers' stale-forward counts. Non-finite records are not folded in
+    (see ``scaling.update_amax_history``) and make it warn, naming the layers.
+    """
+    records, counts = [], []
+    for fqn, mod in module.named_modules():
+        if not isinstance(mod, Float8Linear):
+            continue
+        has_delayed = False
+        for role in GemmRole:
+            cast = mod.config.stateful_cast(role)
+            if cast is None or cast.scaling_type is not ScalingType.DELAYED:
+                continue
+            has_delayed = True
+            key = (
+                cast.amax_history_len,
+                cast.dtype_for(role),
+                cast.delayed_scale_from == "max",
+                mod.config.round_scales_to_power_of_2,
+            )
+            buffers = mod._buffers
+            records.append(
+                (
+                    key,
+                    f"{fqn or '<root>'}.{scale_state.OPERAND_NAMES[role]}",
+                    buffers[scale_state.amax_name(role)],
+                    buffers[scale_state.history_name(role)],
+                    buffers[scale_state.scale_name(role)],
+                )
+            )
+        if has_delayed:
+            counts.append(mod._fp8_forward_count)
+    if not records:
+        return []
+    # Order the records group by group, so each group is one slice of the stacked amaxes.
+    groups: dict[tuple, list] = {}
+    for r in records:
+        groups.setdefault(r[0], []).append(r)
+    records = [r for rows in groups.values() for r in rows]
+    pending = [r[2] for r in records]
+    histories = [r[3] for r in records]
+    scales = [r[4] for r in records]
+    local = torch.stack(pending).to(torch.float32)
+
+    @torch.no_grad()
+    def apply(reduced: torch.Tensor) -> None:
+        new_histories, new_scales = [], []
+        start = 0
+        for (_, fp8_dtype, from_max, pow2), rows in groups.items():
+            stop = start + len(rows)
+            hist = torch.stack(histories[start:stop])
+            hist = scaling.update_amax_history(hist, reduced[start:stop])
+            scale = scaling.history_to_scale(hist, fp8_dtype, from_max, pow2)
+            new_histories += hist.unbind(0)
+            new_scales += scale.unbind(0)
+            start = stop
+        torch._foreach_copy_(histories, new_histories)
+        torch._foreach_copy_(scales, new_scales)
+        unset = torch.full((), scaling.UNSET, device=reduced.device)
+        torch._foreach_copy_(pending, [unset] * len(pending))
+        torch._foreach_zero_(counts)
+        # One small device-to-host read per call (the step is over, so it costs little).
+        bad = ~torch.isfinite(reduced)
+        if bool(bad.any()):
+            names = [records[i][1] for i in bad.nonzero().flatten().tolist()]
+            warnings.warn(
+                f"float8kit: non-finite amax recorded for {', '.join(names)}: not folded into "
+                "the amax history, the scale keeps its previous value (that step's float8 "
+                "outputs were already non-finite)",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    return [(local, apply)]
+
+
+# Every kind of scale state that precompute_scales updates: fn(module) -> contributions.
+_PROVIDERS: list[Callable[[nn.Module], list[Contribution]]] = [
+    _delayed_contributions,
+]
+
+
+def precompute_scales(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Compute every scale the next step needs, with at most one collective.
 
-    Call it right after ``optimizer.step()``. With only dynamic scaling on a single device
-    there is nothing to precompute and this returns at once; it stays correct to call.
+    Call it right after ``optimizer.step()``. It folds the amaxes that DELAYED layers
+    recorded this step into their histories and recomputes their scales. With torch.distributed
+    initialized and more than one rank, all amaxes of all layers go through one
+    ``all_reduce(MAX)``, so every rank gets the same scales. With nothing to update (only
+    dynamic or static scaling) it returns at once, without a collective.
 
     Args:
         module: the (possibly FSDP2-wrapped and compiled) model.
+        group: process group for the all_reduce; default: the default group.
     """
-    for mod in module.modules():
-        if isinstance(mod, Float8Linear):
-            # Dynamic scales are computed at cast time; nothing is pending.
-            continue
+    contributions = [c for provider in _PROVIDERS for c in provider(module)]
+    if not contributions:
+        return
+    local = torch.cat([amaxes.reshape(-1).to(torch.float32) for amaxes, _ in contributions])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    sizes = [amaxes.numel() for amaxes, _ in contributions]
+    for (_, apply), reduced in zip(contributions, local.split(sizes), strict=True):
+        apply(reduced)
 
 
 # torchao's name, so scripts written for torchao switch by changing the import.

@@ -1,4 +1,5 @@
-"""Scaling math: amax, amax -> scale, power-of-2 rounding, the saturated cast.
+"""Scaling math: amax, amax -> scale, power-of-2 rounding, the saturated cast, and the
+batched amax-history update of DELAYED scaling.
 
 Convention (everywhere in float8kit): ``fp8 = saturate(hp * scale)`` and ``hp ~ fp8 / scale``
 with ``scale = fp8_max / max(amax, EPS)``. Every function here is plain tensor math with no
@@ -17,6 +18,9 @@ from float8kit.config import E4M3, E5M2
 
 # amax floor: an all-zero tensor gets a large but finite scale (and casts to zeros).
 EPS = 1e-12
+# Sentinel of DELAYED/STATIC state (amaxes and scales are never negative): an amax slot with
+# no record, or a scale that is not set yet.
+UNSET = -1.0
 
 _FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}
 _EXPONENT_MASK = 0x7F800000  # fp32 sign 0, exponent bits set, mantissa 0
@@ -67,3 +71,32 @@ def to_fp8_saturated(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dty
     if fp8_dtype == E4M3:
         return (clamped + (scaled - scaled)).to(fp8_dtype)
     return torch.where(torch.isfinite(scaled), clamped, scaled).to(fp8_dtype)
+
+
+def update_amax_history(history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:
+    """Push one step's amax into a batch of amax histories.
+
+    Args:
+        history: (R, L) fp32, one history per row, newest first; ``UNSET`` marks empty slots.
+        new_amax: (R,) fp32, the amax each row recorded this step (``UNSET`` = no record).
+
+    Returns:
+        The new (R, L) histories. A row with a finite record gets it in front and drops its
+        oldest entry. A row with no record, or a non-finite one (inf/NaN: an overflow that
+        the step already showed as non-finite output), keeps its history unchanged, so one
+        overflow does not poison the scale for the next L steps.
+    """
+    pushed = torch.cat([new_amax[:, None], history[:, :-1]], dim=1)
+    # NaN >= 0 is False, so NaN rows are kept too.
+    take = (new_amax >= 0) & torch.isfinite(new_amax)
+    return torch.where(take[:, None], pushed, history)
+
+
+def history_to_scale(
+    history: torch.Tensor, fp8_dtype: torch.dtype, from_max: bool, round_to_pow2: bool = False
+) -> torch.Tensor:
+    """Scales (R,) from (R, L) amax histories: from each row's largest amax (``from_max``)
+    or its newest one. A row with no record at all gets ``UNSET``."""
+    amax = history.amax(dim=1) if from_max else history[:, 0]
+    scale = amax_to_scale(amax, fp8_dtype, round_to_pow2)
+    return torch.where(amax >= 0, scale, torch.full_like(scale, UNSET))

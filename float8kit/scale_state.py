@@ -1,0 +1,189 @@
+"""Per-layer scale state of DELAYED and STATIC operands: buffer names, creation, reset,
+checkpoint loading, and the stale-scale check.
+
+For each operand ``op`` in ``input``, ``weight``, ``grad_output`` whose scaling is DELAYED or
+STATIC, a ``Float8Linear`` holds these fp32 buffers (on the weight's device, persistent: they
+are in the state_dict under these names):
+
+=========================  =====  ========  ==============================================
+buffer                     shape  policy    meaning
+=========================  =====  ========  ==============================================
+``fp8_amax_history_{op}``  (L,)   DELAYED   the amaxes of the last L steps, newest first,
+                                            folded in by ``precompute_scales``; -1 = empty
+``fp8_amax_{op}``          ()     DELAYED   the largest amax recorded (while casting) since
+                                            the last ``precompute_scales``; -1 = none
+``fp8_scale_{op}``         ()     both      the scale the next cast uses; -1 = not set:
+                                            DELAYED then scales from the tensor's own amax
+                                            (first step), STATIC needs ``calibrate``
+=========================  =====  ========  ==============================================
+
+L is ``CastConfig.amax_history_len``. A checkpoint that has none of a layer's float8 buffers
+(e.g. one saved from the plain ``nn.Linear`` model) loads with ``strict=True``: the layer's
+float8 state is reset to its initial values, as for a freshly converted layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from float8kit.config import CastConfig, Float8LinearConfig, GemmRole, ScalingType
+from float8kit.scaling import UNSET
+
+OPERAND_NAMES = {
+    GemmRole.INPUT: "input",
+    GemmRole.WEIGHT: "weight",
+    GemmRole.GRAD_OUTPUT: "grad_output",
+}
+
+
+def history_name(role: GemmRole) -> str:
+    return f"fp8_amax_history_{OPERAND_NAMES[role]}"
+
+
+def amax_name(role: GemmRole) -> str:
+    return f"fp8_amax_{OPERAND_NAMES[role]}"
+
+
+def scale_name(role: GemmRole) -> str:
+    return f"fp8_scale_{OPERAND_NAMES[role]}"
+
+
+def buffer_names(config: Float8LinearConfig) -> list[str]:
+    """The float8 state buffers a layer with ``config`` has, in registration order."""
+    names = []
+    for role in GemmRole:
+        cast = config.stateful_cast(role)
+        if cast is None:
+            continue
+        if cast.scaling_type is ScalingType.DELAYED:
+            names += [history_name(role), amax_name(role)]
+        names.append(scale_name(role))
+    return names
+
+
+def has_delayed(config: Float8LinearConfig) -> bool:
+    """Whether any operand of a layer with ``config`` is DELAYED."""
+    return any(
+        (cast := config.stateful_cast(role)) is not None
+        and cast.scaling_type is ScalingType.DELAYED
+        for role in GemmRole
+    )
+
+
+def _initial_scale(cast: CastConfig) -> float:
+    if cast.scaling_type is ScalingType.STATIC and cast.static_scale is not None:
+        return cast.static_scale
+    return UNSET
+
+
+def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
+    """(Re)create ``module``'s float8 state buffers for ``config`` on its weight's device,
+    with their initial values. Buffers of a previous config that ``config`` lacks go away.
+
+    Also sets the host-side bookkeeping: ``_fp8_forward_count`` (a CPU int64 tensor attribute,
+    not a buffer: it never moves to an accelerator nor enters the state_dict) and
+    ``_fp8_uncalibrated`` (operands whose STATIC scale is not set yet).
+    """
+    keep = set(buffer_names(config))
+    for name in [n for n in module._buffers if n.startswith("fp8_") and n not in keep]:
+        del module._buffers[name]
+    device = module.weight.device
+    for role in GemmRole:
+        cast = config.stateful_cast(role)
+        if cast is None:
+            continue
+        if cast.scaling_type is ScalingType.DELAYED:
+            history = torch.full((cast.amax_history_len,), UNSET, device=device)
+            module.register_buffer(history_name(role), history)
+            module.register_buffer(amax_name(role), torch.full((), UNSET, device=device))
+        scale = torch.full((), _initial_scale(cast), device=device)
+        module.register_buffer(scale_name(role), scale)
+    module._fp8_forward_count = torch.zeros((), dtype=torch.int64, device="cpu")
+    module._fp8_uncalibrated = needs_calibration(config)
+
+
+def needs_calibration(config: Float8LinearConfig) -> tuple[str, ...]:
+    """Operands that are STATIC with no ``static_scale``: ``calibrate`` must set them."""
+    return tuple(
+        OPERAND_NAMES[role]
+        for role in GemmRole
+        if (cast := config.stateful_cast(role)) is not None
+        and cast.scaling_type is ScalingType.STATIC
+        and cast.static_scale is None
+    )
+
+
+@torch.no_grad()
+def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str]) -> None:
+    """Fill the float8 buffers ``names`` of ``module`` with their initial values."""
+    for role in GemmRole:
+        cast = config.stateful_cast(role)
+        if cast is None:
+            continue
+        for name in (history_name(role), amax_name(role)):
+            if name in names:
+                module._buffers[name].fill_(UNSET)
+        if scale_name(role) in names:
+            module._buffers[scale_name(role)].fill_(_initial_scale(cast))
+    reset = {n.removeprefix("fp8_scale_") for n in names}
+    module._fp8_uncalibrated = tuple(
+        op for op in needs_calibration(config) if op in module._fp8_uncalibrated or op in reset
+    )
+
+
+def after_load(
+    module: nn.Module,
+    config: Float8LinearConfig,
+    state_dict: dict,
+    prefix: str,
+    missing_keys: list[str],
+) -> None:
+    """Called after ``nn.Module._load_from_state_dict`` on a Float8Linear.
+
+    A checkpoint with none of the layer's float8 buffers (a plain ``nn.Linear`` checkpoint,
+    or one converted with another recipe) resets them to their initial values and does not
+    report them missing. One with some but not all of them reports the rest missing (a
+    partial float8 state would be inconsistent). A loaded STATIC scale counts as calibrated.
+    """
+    names = buffer_names(config)
+    absent = [n for n in names if prefix + n not in state_dict]
+    if absent and len(absent) == len(names):
+        reset_state(module, config, names)
+        gone = {prefix + n for n in names}
+        missing_keys[:] = [k for k in missing_keys if k not in gone]
+    loaded = {n.removeprefix("fp8_scale_") for n in names if prefix + n in state_dict}
+    module._fp8_uncalibrated = tuple(op for op in module._fp8_uncalibrated if op not in loaded)
+
+
+# ---------------------------------------------------------------------------- stale scales
+
+
+def stale_message(count: int) -> str:
+    return (
+        f"float8kit: a Float8Linear with DELAYED scaling ran {count} train-mode forwards "
+        "without float8kit.precompute_scales(model): its scales are stale (recorded amaxes "
+        "reach the amax history only through precompute_scales). Call "
+        "precompute_scales(model) after every optimizer.step(), or raise "
+        "Float8LinearConfig.stale_delayed_warn_after if you accumulate gradients over more "
+        "micro-batches."
+    )
+
+
+# A custom op, so the counting runs on the host at every call even inside a compiled graph
+# (dynamo would otherwise trace a Python counter once and guard on its value, recompiling
+# every step). It mutates only a CPU tensor: no device sync. Not a buffer, so compiled
+# graphs take it as an input and precompute_scales resets it in place.
+@torch.library.custom_op("float8kit::count_delayed_forward", mutates_args=("count",))
+def count_delayed_forward(count: torch.Tensor, warn_after: int) -> None:
+    """Add one to a layer's forward count; warn when it first exceeds ``warn_after``."""
+    count += 1
+    if int(count) == warn_after + 1:
+        warnings.warn(stale_message(warn_after + 1), UserWarning, stacklevel=2)
+
+
+@count_delayed_forward.register_fake
+def _(count: torch.Tensor, warn_after: int) -> None:
+    return None
