@@ -75,7 +75,9 @@ def scaled_mm(
         The (M, N) product in ``out_dtype``.
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"scaled_mm needs (M, K) @ (K, N); got {tuple(a.shape)} @ {tuple(b.shape)}")
+        raise ValueError(
+            f"scaled_mm needs (M, K) @ (K, N); got {tuple(a.shape)} @ {tuple(b.shape)}"
+        )
     out_dtype = out_dtype or a._orig_dtype
     a_data, b_data = a._data, b._data
     inv_a, inv_b = _operand_scales(a, b)
