@@ -140,7 +140,9 @@ class Float8Linear(nn.Linear):
             dtype = torch.get_autocast_dtype(device_type)
             input, weight = input.to(dtype), weight.to(dtype)
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, self.config)
-        output = out_2d.reshape(*input.shape[:-1], out_2d.shape[-1])
+        # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
+        # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).
+        output = torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output
