@@ -49,6 +49,7 @@ def convert_to_float8_training(
         # In place: the caller's reference stays valid and hooks/parameters are untouched.
         module.__class__ = Float8Linear
         module.config = config
+        module._init_weight()
         return module
 
     def swap(parent: nn.Module, prefix: str) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from float8kit import scaling
 from float8kit.config import CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
+from float8kit.fsdp import store_plain_weight, wrap_weight
 from float8kit.tensor import Float8TrainingTensor, hp_to_float8
 
 
@@ -116,21 +117,39 @@ class Float8Linear(nn.Linear):
 
     The bias is added in hp. Under ``torch.autocast`` the input and weight are first cast to
     the autocast dtype, and the output has that dtype, as with ``nn.Linear``.
+
+    With ``config.enable_fsdp_float8_all_gather`` the weight parameter holds a
+    ``Float8AllGatherWeight`` (float8kit/fsdp.py) around the hp weight, so that FSDP2
+    all-gathers it in float8; ``state_dict`` still holds the plain hp weight.
     """
 
     def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.config = config if config is not None else Float8LinearConfig()
+        self._init_weight()
+
+    def _init_weight(self) -> None:
+        """Give the weight parameter the form ``self.config`` needs; idempotent. Every way of
+        making a Float8Linear (constructor, ``from_float``, the in-place class swap in
+        ``convert_to_float8_training``) goes through here."""
+        if self.config.enable_fsdp_float8_all_gather:
+            self.weight = wrap_weight(self.weight, self.config)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        store_plain_weight(destination, prefix)
 
     @classmethod
     def from_float(
         cls, mod: nn.Linear, config: Float8LinearConfig | None = None
     ) -> Float8Linear:
-        """A ``Float8Linear`` sharing ``mod``'s parameter objects (same device and dtype)."""
+        """A ``Float8Linear`` sharing ``mod``'s parameters (same device and dtype): the same
+        objects, except a float8-all-gather weight, a new parameter on the same storage."""
         with torch.device("meta"):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config)
         new.weight = mod.weight
         new.bias = mod.bias
+        new._init_weight()
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
