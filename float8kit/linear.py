@@ -24,6 +24,7 @@ from float8kit.config import (
     ScalingGranularity,
     ScalingType,
 )
+from float8kit.fsdp import store_plain_weight, wrap_weight
 from float8kit.tensor import Float8TrainingTensor, hp_to_float8
 
 
@@ -208,6 +209,10 @@ class Float8Linear(nn.Linear):
     DELAYED/STATIC operands add the buffers documented in ``float8kit.scale_state``
     (``fp8_amax_history_<op>``, ``fp8_amax_<op>``, ``fp8_scale_<op>``). In train mode a
     DELAYED layer records amaxes while casting; in eval mode it only uses its scales.
+
+    With ``config.enable_fsdp_float8_all_gather`` the weight parameter holds a
+    ``Float8AllGatherWeight`` (float8kit/fsdp.py) around the hp weight, so that FSDP2
+    all-gathers it in float8; ``state_dict`` still holds the plain hp weight.
     """
 
     def __init__(self, *args, config: Float8LinearConfig | None = None, **kwargs):
@@ -219,6 +224,9 @@ class Float8Linear(nn.Linear):
         Float8Linear comes to be (``__init__``, ``from_float``, and the in-place class swap
         of a root ``nn.Linear`` in ``convert_to_float8_training``)."""
         self.config = config
+        if config.enable_fsdp_float8_all_gather:
+            # FSDP2 all-gathers this subclass in float8 (float8kit/fsdp.py); idempotent
+            self.weight = wrap_weight(self.weight, config)
         scale_state.init_state(self, config)
 
     def reset_parameters(self) -> None:
@@ -263,11 +271,16 @@ class Float8Linear(nn.Linear):
         state_scale, amax_record = self._operand_state(role, self.training)
         return operand_scale(cast, role, c, amax, state_scale, amax_record)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        store_plain_weight(destination, prefix)
+
     @classmethod
     def from_float(
         cls, mod: nn.Linear, config: Float8LinearConfig | None = None
     ) -> Float8Linear:
-        """A ``Float8Linear`` sharing ``mod``'s parameter objects (same device and dtype)."""
+        """A ``Float8Linear`` sharing ``mod``'s parameters (same device and dtype): the same
+        objects, except a float8-all-gather weight, a new parameter on the same storage."""
         with torch.device("meta"):
             new = cls(mod.in_features, mod.out_features, bias=False, config=config)
         new.weight = mod.weight
@@ -294,7 +307,9 @@ class Float8Linear(nn.Linear):
         # (x_scale, x_amax, w_scale, w_amax, go_scale, go_amax): GemmRole's order
         states = [t for role in GemmRole for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states)
-        output = out_2d.reshape(*input.shape[:-1], out_2d.shape[-1])
+        # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
+        # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).
+        output = torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output

@@ -19,6 +19,7 @@ from torch import nn
 
 from float8kit import scale_state, scaling
 from float8kit.config import GemmRole, ScalingType
+from float8kit.fsdp import fsdp_weight_contributions
 from float8kit.linear import Float8Linear
 
 Contribution = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
@@ -107,29 +108,46 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
 
 # Every kind of scale state that precompute_scales updates: fn(module) -> contributions.
 _PROVIDERS: list[Callable[[nn.Module], list[Contribution]]] = [
-    _delayed_contributions,
+    _delayed_contributions,  # DELAYED amax records (input, weight, grad_output)
+    fsdp_weight_contributions,  # FSDP2 float8 all-gather weight shards (float8kit/fsdp.py)
 ]
+
+
+def _default_group(module: nn.Module) -> dist.ProcessGroup | None:
+    """The FSDP mesh's process group (from the first DTensor parameter on a 1-D mesh), else
+    None (the default group)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in module.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
+            return p.device_mesh.get_group()
+    return None
 
 
 def precompute_scales(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
     """Compute every scale the next step needs, with at most one collective.
 
     Call it right after ``optimizer.step()``. It folds the amaxes that DELAYED layers
-    recorded this step into their histories and recomputes their scales. With torch.distributed
-    initialized and more than one rank, all amaxes of all layers go through one
+    recorded this step into their histories and recomputes their scales, and computes the
+    scale of every FSDP2 float8 all-gather weight from its shards' amaxes. With
+    torch.distributed initialized and more than one rank, all these amaxes go through one
     ``all_reduce(MAX)``, so every rank gets the same scales. With nothing to update (only
-    dynamic or static scaling) it returns at once, without a collective.
+    dynamic or static scaling, no float8 all-gather) it returns at once, without a collective.
 
     Args:
         module: the (possibly FSDP2-wrapped and compiled) model.
-        group: process group for the all_reduce; default: the default group.
+        group: process group of the all-reduce; default: the FSDP mesh's group if the
+            model has one (1-D mesh), else the default group. With a multi-dimensional mesh
+            (HSDP, TP) pass the group explicitly if the default group is not right.
     """
     contributions = [c for provider in _PROVIDERS for c in provider(module)]
     if not contributions:
         return
     local = torch.cat([amaxes.reshape(-1).to(torch.float32) for amaxes, _ in contributions])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+    if dist.is_available() and dist.is_initialized():
+        group = group if group is not None else _default_group(module)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     sizes = [amaxes.numel() for amaxes, _ in contributions]
     for (_, apply), reduced in zip(contributions, local.split(sizes), strict=True):
         apply(reduced)

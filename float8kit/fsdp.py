@@ -1,0 +1,417 @@
+"""FSDP2 float8 all-gather: a weight subclass that FSDP2 shards in hp and gathers in fp8.
+
+With ``Float8LinearConfig.enable_fsdp_float8_all_gather=True`` a ``Float8Linear``'s weight
+parameter holds a ``Float8AllGatherWeight`` around its hp tensor. ``fully_shard`` shards it
+like any weight (the DTensor's local tensor stays this subclass); before each all-gather
+FSDP2 calls ``fsdp_pre_all_gather`` on the local shard, which casts it to fp8 with a scale
+that is the same on every rank, so the all-gather moves 1 byte per element instead of 2
+(bf16) or 4 (fp32). ``fsdp_post_all_gather`` wraps the gathered bytes as the
+``Float8TrainingTensor`` weight the gemms use without casting again.
+
+Scales. Casting shards with one replicated scale equals gathering hp and casting the full
+weight, so the scale must come from the amax of the *full* weight: an all-reduce(MAX) of
+the shards' amaxes. ``precompute_scales`` (after ``optimizer.step()``) does that for every
+float8-all-gather weight with one collective, through ``fsdp_weight_contributions``. Without
+a fresh precomputed scale (first step, ``precompute_scales`` not called, or the weight changed
+since) ``fsdp_pre_all_gather`` still computes the right scale itself, at the cost of one small
+all-reduce per weight per all-gather.
+
+Every rank must make the same choice between the two (the fallback is a collective: one rank
+taking it alone hangs the job), so freshness is judged only by signals that change alike on
+every rank: the identity and version counter of the sharded weight parameter (bumped by the
+optimizer, ``load_state_dict``, any in-place op on it). Rank-local signals (the local
+shard's object, which FSDP2 re-pads on uneven ranks only) are not used.
+
+Internal, except ``fsdp_weight_contributions`` (the provider ``precompute_scales`` uses).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from float8kit import scaling
+from float8kit.config import Float8LinearConfig, GemmRole, ScalingType
+from float8kit.tensor import Float8TrainingTensor
+
+if TYPE_CHECKING:
+    from float8kit.precompute import Contribution
+
+aten = torch.ops.aten
+
+# Ops whose result is still "the weight" (same values or a view/copy/pad of them), so it
+# stays a Float8AllGatherWeight: what FSDP2 does to a parameter while sharding, padding,
+# offloading and re-padding it (new_zeros + slice + copy_, view, as_strided, split, _to_copy,
+# pin_memory, ...). Every other op returns plain tensors: optimizer states, gradient
+# clipping and any math on the weight see plain hp values.
+_KEEP_SUBCLASS = {
+    aten.alias.default,
+    aten.as_strided.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.view.default,
+    aten._pin_memory.default,
+    aten._to_copy.default,
+}
+
+
+class Float8AllGatherWeight(torch.Tensor):
+    """An hp weight that FSDP2 all-gathers in float8; internal.
+
+    Invariants:
+        - ``_tensor`` is the plain hp tensor this stands for: same shape, strides, dtype,
+          device. Every aten op runs on ``_tensor``; results of ``_KEEP_SUBCLASS`` ops are
+          re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
+        - ``_config`` is the owning layer's config (tensorwise float8 weight, validated).
+        - It holds no scale state: FSDP2 may replace the local shard object (it re-pads
+          uneven shards at lazy init and after ``load_state_dict``), so the precomputed scale
+          lives on the module (``PrecomputedScale``).
+    """
+
+    _tensor: torch.Tensor
+    _config: Float8LinearConfig
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, config: Float8LinearConfig):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            pin_memory=tensor.is_pinned(),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, config: Float8LinearConfig):
+        self._tensor = tensor
+        self._config = config
+
+    def __repr__(self):
+        return (
+            f"Float8AllGatherWeight(hp={self.dtype}, shape={tuple(self.shape)}, "
+            f"fp8={self._fp8_dtype})"
+        )
+
+    @property
+    def _fp8_dtype(self) -> torch.dtype:
+        return self._config.cast_config_weight.dtype_for(GemmRole.WEIGHT)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], self._config
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, config, outer_size, outer_stride):
+        return Float8AllGatherWeight(inner_tensors["_tensor"], config)
+
+    # No torch_function override: ops reach __torch_dispatch__ after autograd.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        config = next(t._config for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+        inner_args, inner_kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs))
+        out = func(*inner_args, **inner_kwargs)
+        mutated = next(_mutated_weights(func, args, kwargs), None)
+        if mutated is not None and isinstance(out, torch.Tensor):
+            return mutated  # add_, copy_, ... return the tensor they mutated
+        if func in _KEEP_SUBCLASS:
+            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
+        return out
+
+    # ------------------------------------------------------------------------ FSDP2 hooks
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor]]:
+        """Cast this local shard to fp8 with the replicated scale; return its bytes.
+
+        Called by FSDP2 (torch 2.13, 5-argument form) on the sharded local tensor.
+
+        Args:
+            mesh: the shard mesh (1-D) the all-gather runs over.
+            outer_size: the unsharded weight's size.
+            outer_stride: its contiguous strides (unused).
+            module: the module owning the weight (where a delayed/static scale would live).
+            mp_policy: FSDP2's MixedPrecisionPolicy (unused: the fp8 cast reads the hp
+                master shard directly, which is more precise than casting a bf16 copy).
+
+        Returns:
+            ``((data_uint8,), (scale,))``: the fp8 shard as raw bytes with FSDP2's *padded*
+            sharded size (uneven sharding pads the last ranks' shards, an empty shard is all
+            padding), and the scale the gathered weight needs.
+        """
+        scale = weight_scale_for_all_gather(self, mesh, module)
+        data = scaling.to_fp8_saturated(self._tensor, scale, self._fp8_dtype)
+        # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
+        # uint8 input lets FSDP2 gather fp8 weights and hp biases in one uint8 buffer.
+        data = data.view(torch.uint8)
+        padded_size = _padded_shard_size(self.shape, outer_size, mesh.size())
+        if data.shape != padded_size:
+            padded = data.new_zeros(padded_size)
+            padded[: data.size(0)].copy_(data)
+            data = padded
+        return (data,), (scale,)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: tuple[torch.Tensor],
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ):
+        """Wrap the gathered fp8 bytes as the unsharded ``Float8TrainingTensor`` weight.
+
+        Args:
+            all_gather_outputs: ``(data_uint8,)``, the padded shards of every rank in order.
+            metadata: ``(scale,)`` from ``fsdp_pre_all_gather``.
+            param_dtype: the hp dtype the weight stands for in the gemms (FSDP2's
+                ``mp_policy.param_dtype``, or the weight's own dtype).
+            out: on later all-gathers, the weight built the first time: its data already
+                views the (re-filled) all-gather buffer, so only its scale is updated, in
+                place (tensors derived from it share the scale tensor).
+
+        Returns:
+            ``(weight, (data,))`` the first time (FSDP2 frees ``data``'s storage when it
+            reshards and refills it before the next use); None when ``out`` is given.
+        """
+        (data,) = all_gather_outputs
+        (scale,) = metadata
+        if out is not None:
+            local = out._local_tensor if hasattr(out, "_local_tensor") else out
+            if not isinstance(local, Float8TrainingTensor):
+                raise RuntimeError(
+                    f"float8kit: FSDP2 passed out={type(local).__name__}, expected the "
+                    "Float8TrainingTensor weight built by the first all-gather"
+                )
+            local._scale.copy_(scale)
+            return None
+        data = data.view(self._fp8_dtype)
+        # clone: the scale may be the precomputed one, which must not alias the weight's.
+        weight = Float8TrainingTensor(
+            data, scale.clone(), param_dtype, GemmRole.WEIGHT, None, self._config
+        )
+        return weight, (data,)
+
+
+def _mutated_weights(func, args, kwargs) -> Iterator[Float8AllGatherWeight]:
+    """The Float8AllGatherWeight arguments ``func`` writes to (per its schema)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, Float8AllGatherWeight):
+                yield t
+
+
+def _padded_shard_size(local: torch.Size, outer: torch.Size, world_size: int) -> torch.Size:
+    """FSDP2's padded sharded size: ``torch.chunk`` sizes, where chunk 0 is the largest.
+
+    The sharded dim is the one where the local size differs from the full size (FSDP2
+    shards dim 0 unevenly, other dims only evenly, which need no padding)."""
+    padded = list(local)
+    for dim, (n_local, n_outer) in enumerate(zip(local, outer, strict=True)):
+        if n_local != n_outer:
+            padded[dim] = math.ceil(n_outer / world_size)
+            break
+    return torch.Size(padded)
+
+
+# ---------------------------------------------------------------------------- scales
+
+
+def local_amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
+    """max(|t|) of each tensor in one batched pass: 1-D fp32, one entry per tensor.
+
+    An empty shard (uneven sharding) has amax 0. NaN becomes +inf: an all-reduce(MAX) may
+    drop a NaN (it compares), but keeps inf, and an inf amax gives scale 0, which turns the
+    cast weight into NaN: a bad shard stays visible on every rank instead of saturating.
+    """
+    nonempty = [t for t in hps if t.numel() > 0]
+    norms = iter(
+        torch._foreach_norm(nonempty, ord=math.inf, dtype=torch.float32) if nonempty else ()
+    )
+    amaxes = torch.stack(
+        [next(norms) if t.numel() > 0 else t.new_zeros((), dtype=torch.float32) for t in hps]
+    )
+    return torch.where(torch.isnan(amaxes), math.inf, amaxes)
+
+
+@dataclass
+class PrecomputedScale:
+    """A weight's next all-gather scale from ``precompute_scales``, stored on its module.
+
+    Valid while the module's weight parameter is the same object at the same version as
+    when its amax was read: both change alike on every rank (see the module docstring)."""
+
+    scale: torch.Tensor
+    param: weakref.ref
+    version: int
+
+    def fresh(self, param: torch.Tensor) -> bool:
+        return self.param() is param and param._version == self.version
+
+
+_SCALE_ATTR = "_float8_all_gather_scale"
+
+
+def weight_scale_for_all_gather(
+    weight: Float8AllGatherWeight, mesh, module: nn.Module
+) -> torch.Tensor:
+    """The scale to cast this step's weight shard with, identical on every rank of ``mesh``.
+
+    DYNAMIC weights: the scale ``precompute_scales`` stored on ``module``, if the weight has
+    not changed since; otherwise the amax of the whole weight, now, with one all-reduce over
+    ``mesh``. This is the one place that picks a weight scale for the all-gather: the
+    DELAYED/STATIC weight policies plug in here by asking ``module`` for its scale.
+    """
+    cast = weight._config.cast_config_weight
+    if cast.scaling_type is not ScalingType.DYNAMIC:
+        raise NotImplementedError(
+            f"float8kit: float8 all-gather of a {cast.scaling_type.value} weight is not "
+            "supported yet: use ScalingType.DYNAMIC for cast_config_weight"
+        )
+    precomputed: PrecomputedScale | None = getattr(module, _SCALE_ATTR, None)
+    if precomputed is not None:
+        if precomputed.fresh(module.weight):
+            return precomputed.scale
+        warnings.warn(
+            "float8kit: a weight changed after precompute_scales(); its float8 all-gather "
+            "falls back to one all-reduce per weight. Call precompute_scales(model) after "
+            "every optimizer.step() (and after loading weights).",
+            stacklevel=2,
+        )
+        setattr(module, _SCALE_ATTR, None)
+    amax = local_amaxes([weight._tensor])
+    if mesh.size() > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return scaling.amax_to_scale(
+        amax[0], weight._fp8_dtype, weight._config.round_scales_to_power_of_2
+    )
+
+
+def _sharded_fp8_linears(module: nn.Module) -> list[nn.Module]:
+    """Every Float8Linear in ``module`` whose weight FSDP2 sharded with float8 all-gather."""
+    from torch.distributed.tensor import DTensor
+
+    from float8kit.linear import Float8Linear
+
+    return [
+        mod
+        for mod in module.modules()
+        if isinstance(mod, Float8Linear)
+        and isinstance(mod.weight, DTensor)
+        and isinstance(mod.weight._local_tensor, Float8AllGatherWeight)
+    ]
+
+
+@torch.no_grad()
+def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
+    """``precompute_scales``' provider for FSDP2 float8 all-gather weights.
+
+    One contribution for all of them: their local shards' amaxes in one batched pass, and an
+    ``apply`` that turns the all-reduced amaxes into next-step scales (batched per fp8
+    dtype) and stores each on its module, stamped with the weight version it was read at.
+
+    Args:
+        module: the (FSDP2-wrapped) model.
+
+    Returns:
+        ``[(amaxes, apply)]``, or ``[]`` when nothing is sharded with float8 all-gather.
+    """
+    mods = [
+        m
+        for m in _sharded_fp8_linears(module)
+        if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC
+    ]
+    if not mods:
+        return []
+    shards = [m.weight._local_tensor for m in mods]
+    amaxes = local_amaxes([w._tensor for w in shards])
+    stamps = [(weakref.ref(m.weight), m.weight._version) for m in mods]
+
+    def apply(reduced: torch.Tensor) -> None:
+        groups: dict[tuple[torch.dtype, bool], list[int]] = {}
+        for i, w in enumerate(shards):
+            key = (w._fp8_dtype, w._config.round_scales_to_power_of_2)
+            groups.setdefault(key, []).append(i)
+        for (fp8_dtype, pow2), idx in groups.items():
+            index = torch.tensor(idx, device=reduced.device)
+            scales = scaling.amax_to_scale(reduced.index_select(0, index), fp8_dtype, pow2)
+            for i, scale in zip(idx, scales.unbind(0), strict=True):
+                setattr(mods[i], _SCALE_ATTR, PrecomputedScale(scale, *stamps[i]))
+
+    return [(amaxes, apply)]
+
+
+# ---------------------------------------------------------------------------- Float8Linear
+
+
+def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Parameter:
+    """``weight`` as a parameter holding a ``Float8AllGatherWeight`` (same storage)."""
+    if isinstance(weight, Float8AllGatherWeight):
+        return weight
+    if type(weight.data) is not torch.Tensor:
+        raise TypeError(
+            "float8kit: enable_fsdp_float8_all_gather needs a plain tensor weight; got "
+            f"{type(weight.data).__name__} (convert to float8 before fully_shard / "
+            "parallelize_module)"
+        )
+    return nn.Parameter(
+        Float8AllGatherWeight(weight.detach(), config), requires_grad=weight.requires_grad
+    )
+
+
+def store_plain_weight(state_dict: dict, prefix: str) -> None:
+    """In a Float8Linear's freshly saved ``state_dict``: the weight as plain hp values, not
+    the subclass.
+
+    Unsharded: the hp tensor. Under FSDP2: a DTensor of the same mesh, placements and global
+    shape around the hp shard. Both share storage with the parameter, so in-place loads into
+    the state_dict (``torch.distributed.checkpoint.load``) update the weight; follow them with
+    ``model.load_state_dict`` (or ``set_state_dict``), which bumps the parameter's version and
+    so retires a precomputed scale, or with ``precompute_scales``. ``keep_vars=True`` keeps the
+    parameter itself.
+    """
+    from torch.distributed.tensor import DTensor
+
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if value is None or isinstance(value, nn.Parameter):
+        return
+    if isinstance(value, Float8AllGatherWeight):
+        state_dict[key] = value._tensor
+    elif isinstance(value, DTensor) and isinstance(value._local_tensor, Float8AllGatherWeight):
+        state_dict[key] = DTensor.from_local(
+            value._local_tensor._tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )

@@ -1,0 +1,654 @@
+"""FSDP2 float8 all-gather (float8kit/fsdp.py) and the precompute_scales skeleton.
+
+Multi-process tests run real FSDP2 on CPU with gloo, 2 or 3 ranks. To keep startup cost down,
+each rank group runs once per module (a module-scoped fixture) and records numbers; the
+tests below it assert them against references: single-device float8 training (losses), the
+bf16 all-gather (bytes), the full weight's amax (scales), eager (compile), the run before a
+checkpoint (resume).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import float8kit
+from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
+from float8kit.fsdp import Float8AllGatherWeight
+from float8kit.linear import Float8Linear
+from float8kit.scaling import amax_to_scale
+from float8kit.tensor import Float8TrainingTensor
+
+FP8_AG = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+STEPS = 4
+LR = 1e-3
+
+
+# ---------------------------------------------------------------------------- models, data
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, bias: bool):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden, bias=bias)
+        self.fc2 = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x):
+        return x + self.fc2(F.relu(self.fc1(x)))
+
+
+class Net(nn.Module):
+    """Blocks of two float8 linears each and an hp head (``head`` is filtered out)."""
+
+    def __init__(self, dim=64, hidden=128, n_blocks=2, out=16, bias=True):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim, hidden, bias) for _ in range(n_blocks))
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _net(config: Float8LinearConfig, seed: int = 0, **kwargs) -> Net:
+    torch.manual_seed(seed)
+    net = Net(**kwargs)
+    return convert_to_float8_training(
+        net, config=config, module_filter_fn=lambda mod, fqn: fqn != "head"
+    )
+
+
+def _uneven_net(config: Float8LinearConfig, seed: int = 0) -> nn.Sequential:
+    """Only float8 weights, no biases: 1040 rows (347/347/346 on 3 ranks), 16 rows (6/6/4),
+    2 rows (1/1/0: an empty shard)."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Linear(32, 1040, bias=False),
+        nn.ReLU(),
+        nn.Linear(1040, 16, bias=False),
+        nn.ReLU(),
+        nn.Linear(16, 2, bias=False),
+    )
+    return convert_to_float8_training(net, config=config, module_filter_fn=lambda m, f: True)
+
+
+def _data(steps: int, batch: int, dim: int, out: int):
+    g = torch.Generator().manual_seed(1234)
+    return torch.randn(steps, batch, dim, generator=g), torch.randn(steps, batch, out, generator=g)
+
+
+def _rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _shard(model: nn.Module, mesh, blocks, **fsdp_kwargs) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in blocks:
+        fully_shard(block, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+
+
+def _train(model, xs, ys, steps, *, precompute=True, autocast=False, sharded=True):
+    """Losses of ``steps`` AdamW steps; ``sharded``: the loss is averaged over ranks (equal
+    local batches), i.e. the loss of the global batch."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(xs[step])
+        loss = F.mse_loss(out.float(), ys[step])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if precompute:
+            precompute_scales(model)
+        loss = loss.detach()
+        if sharded and dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        losses.append(loss.item())
+    return losses, opt
+
+
+class _Count:
+    """Counts calls (and bytes of the output tensor) of a torch.distributed collective."""
+
+    def __init__(self, name: str):
+        self.name, self.calls, self.bytes = name, 0, 0
+
+    def __enter__(self):
+        self.orig = getattr(dist, self.name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            t = args[0] if args else next(iter(kwargs.values()))
+            self.bytes += t.numel() * t.element_size()
+            return self.orig(*args, **kwargs)
+
+        setattr(dist, self.name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(dist, self.name, self.orig)
+
+
+def _types(tensors) -> list[str]:
+    """``DTensor(Tensor)`` for a DTensor of plain local tensors, ``Tensor`` for a plain one."""
+    return sorted(
+        {
+            f"{type(t).__name__}({type(t._local_tensor).__name__})"
+            if hasattr(t, "_local_tensor")
+            else type(t).__name__
+            for t in tensors
+            if t.dim() > 0  # AdamW's step counters are 0-d
+        }
+    )
+
+
+def _fp8_weights(model):
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def _worker_train(rank: int, world: int, tmp: str) -> dict:
+    """2 ranks: losses vs single device, bytes, one collective, stale scales, inf/NaN."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world,))
+    batch = 8
+    xs, ys = _data(STEPS, batch * world, 64, 16)
+    local = slice(rank * batch, (rank + 1) * batch)
+    res: dict = {}
+
+    def fsdp_net(**fsdp_kwargs):
+        model = _net(FP8_AG)
+        _shard(model, mesh, model.layers, **fsdp_kwargs)
+        return model
+
+    # fp32 weights, no mixed precision, reshard after forward; precompute_scales each step.
+    # At the end: precompute_scales' collective count and scales.
+    model = fsdp_net(reshard_after_forward=True)
+    res["fp32"], opt = _train(model, xs[:, local], ys[:, local], STEPS)
+    with _Count("all_reduce") as ar:
+        precompute_scales(model)
+    res["precompute_all_reduces"] = ar.calls
+    sd = model.state_dict()
+    res["state_dict_types"] = _types(sd.values())
+    res["optim_state_types"] = _types(v for st in opt.state.values() for v in st.values())
+    scales, refs = [], []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Float8Linear):
+            full = sd[f"{name}.weight"].full_tensor()
+            refs.append(amax_to_scale(full.abs().max(), torch.float8_e4m3fn).item())
+            scales.append(mod._float8_all_gather_scale.scale.item())
+    res["precomputed_scales"], res["full_weight_scales"] = scales, refs
+    with _Count("all_reduce") as ar:
+        model(xs[0, local]).sum().backward()
+    res["fwd_bwd_all_reduces_after_precompute"] = ar.calls
+    res["grad_types"] = _types(p.grad for p in model.parameters())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    res["clipped_norm"] = (
+        torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()
+    )
+
+    # Same, never calling precompute_scales: the hook's own all-reduce (one per weight).
+    model = fsdp_net(reshard_after_forward=True)
+    with _Count("all_reduce") as ar:
+        model(xs[0, local])
+    res["forward_all_reduces_without_precompute"] = ar.calls
+    model = fsdp_net(reshard_after_forward=True)
+    res["fp32_no_precompute"], _ = _train(
+        model, xs[:, local], ys[:, local], STEPS, precompute=False
+    )
+    # Every rank on the whole global batch: only the sharding differs from one device.
+    model = fsdp_net(reshard_after_forward=True)
+    res["fp32_replicated_data"], _ = _train(model, xs, ys, STEPS)
+
+    # bf16 params, fp32 reduce, fp32 master weights, no reshard after forward.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = fsdp_net(reshard_after_forward=False, mp_policy=mp_policy)
+    res["bf16"], _ = _train(model, xs[:, local], ys[:, local], STEPS)
+
+    # Bytes all-gathered in one forward + backward: float8 vs bf16 all-gather.
+    for name, config in (("fp8", FP8_AG), ("bf16", Float8LinearConfig())):
+        model = _net(config)
+        _shard(model, mesh, model.layers, mp_policy=mp_policy, reshard_after_forward=True)
+        with _Count("all_gather_single") as ag:
+            model(xs[0, local]).sum().backward()
+        res[f"all_gather_bytes_{name}"] = ag.bytes
+        res[f"all_gather_calls_{name}"] = ag.calls
+
+    # A stale precomputed scale: optimizer.step() then forward without precompute_scales.
+    model = fsdp_net(reshard_after_forward=True)
+    _, opt = _train(model, xs[:1, local], ys[:1, local], 1)  # precomputes after its step
+    model(xs[1, local]).sum().backward()
+    opt.step()  # weights change; no precompute_scales
+    with warnings.catch_warnings(record=True) as caught, _Count("all_reduce") as ar:
+        warnings.simplefilter("always")
+        stale_out = model(xs[2, local])
+    res["stale_warned"] = any("precompute_scales" in str(w.message) for w in caught)
+    res["stale_forward_all_reduces"] = ar.calls
+    precompute_scales(model)
+    fresh_out = model(xs[2, local])
+    res["stale_vs_fresh_max_abs_diff"] = (stale_out - fresh_out).abs().max().item()
+
+    # inf / NaN in one rank's shard: every rank's output is non-finite, on both scale paths.
+    for bad in (math.inf, math.nan):
+        for path in ("hook", "precompute"):
+            model = fsdp_net(reshard_after_forward=True)
+            if rank == world - 1:
+                with torch.no_grad():
+                    model.layers[0].fc1.weight._local_tensor._tensor[0, 0] = bad
+            if path == "precompute":
+                precompute_scales(model)
+            out = model(xs[0, local])
+            res[f"finite_{bad}_{path}"] = bool(torch.isfinite(out).all())
+
+    if rank == 0:
+        # Single-device float8 references on the global batch.
+        ref = _net(Float8LinearConfig())
+        res["ref_fp32"], _ = _train(ref, xs, ys, STEPS, precompute=False, sharded=False)
+        ref = _net(Float8LinearConfig())
+        res["ref_bf16"], _ = _train(
+            ref, xs, ys, STEPS, precompute=False, autocast=True, sharded=False
+        )
+    return res
+
+
+def _worker_uneven(rank: int, world: int, tmp: str) -> dict:
+    """3 ranks, only float8 weights, uneven and empty shards; DCP round trip and resume."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    batch = 4
+    xs, ys = _data(2 * STEPS, batch * world, 32, 2)
+    local = slice(rank * batch, (rank + 1) * batch)
+    res: dict = {}
+
+    def fsdp_net(seed=0):
+        model = _uneven_net(FP8_AG, seed)
+        _shard(model, mesh, [m for m in model if isinstance(m, nn.Linear)])
+        return model
+
+    model = fsdp_net()
+    res["local_rows"] = [m.weight._local_tensor.shape[0] for m in _fp8_weights(model)]
+    res["uneven"], _ = _train(model, xs[:STEPS, local], ys[:STEPS, local], STEPS)
+    # Every rank on the whole global batch: only the sharding differs from one device.
+    model = fsdp_net()
+    res["uneven_replicated_data"], _ = _train(model, xs[:STEPS], ys[:STEPS], STEPS)
+    model = fsdp_net()
+    res["uneven_no_precompute"], _ = _train(
+        model, xs[:STEPS, local], ys[:STEPS, local], STEPS, precompute=False
+    )
+
+    # Checkpoint after STEPS steps, train STEPS more; a fresh model (other init) loads the
+    # checkpoint and trains the same STEPS: the losses must match bitwise.
+    model = fsdp_net()
+    _, opt = _train(model, xs[:STEPS, local], ys[:STEPS, local], STEPS)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    res["state_dict_types"] = _types(model_sd.values())
+    saved_full = {k: v.full_tensor() for k, v in model_sd.items()}
+    ckpt = os.path.join(tmp, "ckpt")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    res["after"], _ = _train_continue(model, opt, xs[STEPS:, local], ys[STEPS:, local])
+
+    resumed = fsdp_net(seed=1)
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    model_sd2, optim_sd2 = get_state_dict(resumed, opt2)
+    res["before_load_max_diff"] = max(
+        (v.full_tensor() - saved_full[k]).abs().max().item() for k, v in model_sd2.items()
+    )
+    state = {"model": model_sd2, "optim": optim_sd2}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(resumed, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    res["loaded_max_diff"] = max(
+        (v.full_tensor() - saved_full[k]).abs().max().item()
+        for k, v in resumed.state_dict().items()
+    )
+    res["weights_still_subclass"] = all(
+        isinstance(m.weight._local_tensor, Float8AllGatherWeight) for m in _fp8_weights(resumed)
+    )
+    precompute_scales(resumed)
+    res["resumed"], _ = _train_continue(resumed, opt2, xs[STEPS:, local], ys[STEPS:, local])
+
+    if rank == 0:
+        ref = _uneven_net(Float8LinearConfig())
+        res["ref"], _ = _train(ref, xs[:STEPS], ys[:STEPS], STEPS, precompute=False, sharded=False)
+    return res
+
+
+def _train_continue(model, opt, xs, ys):
+    losses = []
+    for x, y in zip(xs, ys, strict=True):
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        precompute_scales(model)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append((loss / dist.get_world_size()).item())
+    return losses, opt
+
+
+def _worker_compile(rank: int, world: int, tmp: str) -> dict:
+    """2 ranks: torch.compile of each FSDP2 block vs eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (world,))
+    batch = 8
+    xs, ys = _data(STEPS, batch * world, 64, 16)
+    local = slice(rank * batch, (rank + 1) * batch)
+    res: dict = {}
+    for mode in ("eager", "compiled"):
+        model = _net(FP8_AG)
+        if mode == "compiled":
+            for i, block in enumerate(model.layers):
+                model.layers[i] = torch.compile(block, fullgraph=True)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        res[mode], _ = _train(model, xs[:, local], ys[:, local], STEPS)
+    res["compiled_frames"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    res["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return res
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+def _entry(rank: int, name: str, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        result = globals()[name](rank, world, tmp)
+        torch.save(result, f"{tmp}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(name: str, world: int, tmp: Path) -> list[dict]:
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's torch at import
+    try:
+        mp.spawn(_entry, args=(name, world, str(tmp)), nprocs=world, join=True)
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def train2(tmp_path_factory):
+    return _spawn("_worker_train", 2, tmp_path_factory.mktemp("train2"))
+
+
+@pytest.fixture(scope="module")
+def uneven3(tmp_path_factory):
+    return _spawn("_worker_uneven", 3, tmp_path_factory.mktemp("uneven3"))
+
+
+# ---------------------------------------------------------------------------- 2 ranks
+
+
+@pytest.mark.slow
+def test_losses_match_single_device_fp32(train2):
+    r = train2[0]
+    diff = _rel_diff(r["fp32"], r["ref_fp32"])
+    print(f"fp32 FSDP2 float8 all-gather vs single device: max rel loss diff {diff:.2e}")
+    assert diff < 0.02
+    # Both ranks see the same global loss.
+    assert train2[1]["fp32"] == r["fp32"]
+    # With the same batch on every rank, the sharded float8 all-gather trains bitwise like one
+    # device: the gathered fp8 weight and its scale are exactly the single-device cast.
+    assert r["fp32_replicated_data"] == r["ref_fp32"]
+
+
+@pytest.mark.slow
+def test_hook_scale_path_equals_precomputed_path(train2):
+    # Without precompute_scales the hook all-reduces each weight's amax itself: same scales,
+    # so bitwise the same training.
+    r = train2[0]
+    assert r["fp32_no_precompute"] == r["fp32"]
+    assert r["forward_all_reduces_without_precompute"] == 4  # one per float8 weight
+
+
+@pytest.mark.slow
+def test_losses_match_single_device_bf16_mixed_precision(train2):
+    r = train2[0]
+    diff = _rel_diff(r["bf16"], r["ref_bf16"])
+    print(f"bf16 MixedPrecisionPolicy, reshard_after_forward=False: max rel diff {diff:.2e}")
+    assert diff < 0.02
+
+
+@pytest.mark.slow
+def test_all_gather_bytes_half_of_bf16(train2):
+    r = train2[0]
+    ratio = r["all_gather_bytes_fp8"] / r["all_gather_bytes_bf16"]
+    print(
+        f"all-gathered bytes, one fwd+bwd: fp8 {r['all_gather_bytes_fp8']} / bf16 "
+        f"{r['all_gather_bytes_bf16']} = {ratio:.3f} ({r['all_gather_calls_fp8']} all-gathers)"
+    )
+    assert r["all_gather_calls_fp8"] == r["all_gather_calls_bf16"]
+    assert ratio <= 0.55
+
+
+@pytest.mark.slow
+def test_precompute_one_collective_and_full_weight_scales(train2):
+    for r in train2:
+        assert r["precompute_all_reduces"] == 1
+        assert r["fwd_bwd_all_reduces_after_precompute"] == 0
+        # Bitwise: the scale of the full, unsharded weight's amax.
+        assert r["precomputed_scales"] == r["full_weight_scales"]
+        assert len(r["precomputed_scales"]) == 4
+
+
+@pytest.mark.slow
+def test_state_dict_optimizer_and_grads_see_plain_hp(train2):
+    for r in train2:
+        for key in ("state_dict_types", "optim_state_types", "grad_types"):
+            assert r[key] == ["DTensor(Tensor)"], key
+        # Gradient clipping works on the sharded grads: clipped to the max norm.
+        assert r["clipped_norm"] == pytest.approx(1e-3, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_stale_precomputed_scale_is_not_used(train2):
+    for r in train2:
+        assert r["stale_warned"]
+        assert r["stale_forward_all_reduces"] == 4
+        assert r["stale_vs_fresh_max_abs_diff"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+@pytest.mark.parametrize("path", ["hook", "precompute"])
+def test_nonfinite_weight_shard_stays_visible(train2, bad, path):
+    for r in train2:
+        assert r[f"finite_{float(bad)}_{path}"] is False
+
+
+# ---------------------------------------------------------------------------- 3 ranks
+
+
+@pytest.mark.slow
+def test_uneven_and_empty_shards_all_float8_groups(uneven3):
+    assert [r["local_rows"] for r in uneven3] == [[347, 6, 1], [347, 6, 1], [346, 4, 0]]
+    r = uneven3[0]
+    diff = _rel_diff(r["uneven"], r["ref"])
+    print(f"3 ranks, uneven + empty shards: max rel loss diff {diff:.2e}")
+    assert diff < 0.02
+    assert r["uneven_no_precompute"] == r["uneven"]
+    assert r["uneven_replicated_data"] == r["ref"]  # bitwise, as in the 2-rank test
+
+
+@pytest.mark.slow
+def test_dcp_round_trip_and_bitwise_resume(uneven3):
+    for r in uneven3:
+        assert r["state_dict_types"] == ["DTensor(Tensor)"]
+        assert r["before_load_max_diff"] > 0  # the fresh model really started elsewhere
+        assert r["loaded_max_diff"] == 0.0
+        assert r["weights_still_subclass"]
+        assert r["resumed"] == r["after"]
+
+
+# ---------------------------------------------------------------------------- compile
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager(tmp_path):
+    r = _spawn("_worker_compile", 2, tmp_path)[0]
+    diff = _rel_diff(r["compiled"], r["eager"])
+    print(f"compiled FSDP2 blocks vs eager: max rel loss diff {diff:.2e}")
+    assert r["compiled_frames"] >= 1 and r["graph_breaks"] == 0
+    assert diff < 0.02
+
+
+# ---------------------------------------------------------------------------- one process
+
+
+def test_both_conversion_paths_install_the_weight_subclass():
+    model = _net(FP8_AG)
+    assert all(isinstance(m.weight, Float8AllGatherWeight) for m in _fp8_weights(model))
+    root = convert_to_float8_training(nn.Linear(32, 16), config=FP8_AG)
+    assert isinstance(root.weight, Float8AllGatherWeight)
+    assert isinstance(Float8Linear(32, 16, config=FP8_AG).weight, Float8AllGatherWeight)
+    assert not isinstance(_net(Float8LinearConfig()).layers[0].fc1.weight, Float8AllGatherWeight)
+
+
+def test_weight_subclass_is_transparent_on_one_device():
+    # Without FSDP the subclass changes nothing: bitwise the same training as without it.
+    xs, ys = _data(3, 16, 64, 16)
+    plain, _ = _train(_net(Float8LinearConfig()), xs, ys, 3)
+    wrapped_model = _net(FP8_AG)
+    wrapped, opt = _train(wrapped_model, xs, ys, 3)
+    assert wrapped == plain
+    w = wrapped_model.layers[0].fc1.weight
+    assert isinstance(w, Float8AllGatherWeight)
+    # Optimizer states, gradients and the state_dict see plain tensors.
+    assert {type(v) for s in opt.state.values() for v in s.values()} == {torch.Tensor}
+    assert {type(v) for v in wrapped_model.state_dict().values()} == {torch.Tensor}
+    sd = wrapped_model.state_dict()
+    assert sd["layers.0.fc1.weight"].data_ptr() == w._tensor.data_ptr()
+
+
+def test_weight_subclass_ops():
+    hp = torch.randn(10, 4)
+    w = Float8AllGatherWeight(hp.clone(), FP8_AG)
+    kept = {
+        "new_zeros": w.new_zeros(12, 4),
+        "slice": w[2:5],
+        "view": w.view(-1),
+        "as_strided": torch.as_strided(w, (2, 4), (4, 1)),
+        "split": torch.chunk(w, 3)[1],
+        "to": w.to(torch.bfloat16),
+        "clone": w.clone(),
+        "detach": w.detach(),
+        "empty_like": torch.empty_like(w),
+    }
+    for name, t in kept.items():
+        assert isinstance(t, Float8AllGatherWeight), name
+    assert torch.equal(kept["slice"]._tensor, hp[2:5])
+    assert kept["to"].dtype == torch.bfloat16
+    for plain in (w * 2, torch.zeros_like(w), w.abs(), w.sum()):
+        assert type(plain) is torch.Tensor
+    assert torch.equal(w * 2, hp * 2)
+    # In-place ops run on the hp tensor and return the wrapper.
+    assert w.mul_(2) is w
+    torch._foreach_add_([w], [torch.ones_like(hp)])
+    assert torch.equal(w._tensor, hp * 2 + 1)
+    padded = w.new_zeros(12, 4)
+    padded[:10].copy_(w)
+    assert torch.equal(padded._tensor[:10], w._tensor)
+
+
+def test_precompute_without_fp8_all_gather_weights_issues_no_collective():
+    with _Count("all_reduce") as ar:
+        precompute_scales(_net(FP8_AG))  # not sharded: nothing to precompute
+    assert ar.calls == 0
+
+
+def test_rowwise_with_fp8_all_gather_is_a_config_error():
+    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+        Float8LinearConfig(
+            cast_config_input=rowwise.cast_config_input,
+            cast_config_weight=rowwise.cast_config_weight,
+            cast_config_grad_output=rowwise.cast_config_grad_output,
+            enable_fsdp_float8_all_gather=True,
+        )
+
+
+def test_post_all_gather_builds_the_float8_weight():
+    # The two hooks on one rank (world size 1 needs no collective when the scale is fresh).
+    hp = torch.randn(6, 16)
+    module = Float8Linear(16, 6, bias=False, config=FP8_AG)
+    w = module.weight
+
+    class OneRank:
+        def size(self):
+            return 1
+
+    with torch.no_grad():
+        w.copy_(hp)
+    (data,), meta = w.fsdp_pre_all_gather(OneRank(), hp.shape, (16, 1), module, None)
+    assert data.dtype == torch.uint8 and data.shape == hp.shape
+    weight, (inner,) = w.fsdp_post_all_gather((data,), meta, torch.bfloat16)
+    assert isinstance(weight, Float8TrainingTensor) and weight.dtype == torch.bfloat16
+    assert inner.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    ref = float8kit.linear.cast_to_float8(
+        hp, FP8_AG.cast_config_weight, float8kit.GemmRole.WEIGHT, -1, FP8_AG
+    )
+    assert torch.equal(weight._data.view(torch.uint8), ref._data.view(torch.uint8))
+    assert torch.equal(weight._scale, ref._scale)
+    # Later all-gathers update the scale in place.
+    scale = ref._scale
+    assert w.fsdp_post_all_gather((data,), (scale * 2,), torch.bfloat16, out=weight) is None
+    assert torch.equal(weight._scale, scale * 2)
+
+
+def test_precompute_splits_the_reduced_amaxes_back_per_contribution(monkeypatch):
+    # The contract shared with other providers (delayed scaling): each apply gets back the
+    # slice of the concatenated amaxes its contribution put in (unchanged on one process).
+    got = {}
+
+    def provider(name, values):
+        def contributions(module):
+            return [(torch.tensor(values), lambda reduced: got.setdefault(name, reduced.tolist()))]
+
+        return contributions
+
+    monkeypatch.setattr(
+        float8kit.precompute,
+        "_PROVIDERS",
+        [provider("a", [1.0, 2.0]), lambda module: [], provider("b", [3.0])],
+    )
+    precompute_scales(nn.Linear(2, 2))
+    assert got == {"a": [1.0, 2.0], "b": [3.0]}
