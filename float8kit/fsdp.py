@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from float8kit import scaling
+from float8kit import scale_state, scaling
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingType
 from float8kit.tensor import Float8TrainingTensor
 
@@ -285,17 +285,38 @@ def weight_scale_for_all_gather(
 ) -> torch.Tensor:
     """The scale to cast this step's weight shard with, identical on every rank of ``mesh``.
 
-    DYNAMIC weights: the scale ``precompute_scales`` stored on ``module``, if the weight has
-    not changed since; otherwise the amax of the whole weight, now, with one all-reduce over
-    ``mesh``. This is the one place that picks a weight scale for the all-gather: the
-    DELAYED/STATIC weight policies plug in here by asking ``module`` for its scale.
+    The one place that picks a weight scale for the all-gather, per the weight's policy:
+
+    - DYNAMIC: the scale ``precompute_scales`` stored on ``module``, if the weight has not
+      changed since; otherwise the amax of the whole weight, now, with one all-reduce.
+    - STATIC: the layer's ``fp8_scale_weight`` buffer (replicated; no collective).
+    - DELAYED: records the local shard's amax into ``fp8_amax_weight`` (train mode;
+      ``precompute_scales``' single all_reduce(MAX) makes it the full weight's amax) and
+      uses ``fp8_scale_weight`` once it is set. Until then (the first step) the whole
+      weight's amax, with one all-reduce, like an un-precomputed DYNAMIC weight.
     """
     cast = weight._config.cast_config_weight
-    if cast.scaling_type is not ScalingType.DYNAMIC:
-        raise NotImplementedError(
-            f"float8kit: float8 all-gather of a {cast.scaling_type.value} weight is not "
-            "supported yet: use ScalingType.DYNAMIC for cast_config_weight"
-        )
+    if cast.scaling_type is ScalingType.STATIC:
+        if "weight" in module._fp8_uncalibrated:
+            raise RuntimeError(
+                "float8kit: the STATIC weight scale of a float8 all-gather weight is not set: "
+                "run float8kit.calibrate(model, batches) first, or set CastConfig.static_scale"
+            )
+        return module._buffers[scale_state.scale_name(GemmRole.WEIGHT)]
+    if cast.scaling_type is ScalingType.DELAYED:
+        local = local_amaxes([weight._tensor])
+        if module.training:
+            record = module._buffers[scale_state.amax_name(GemmRole.WEIGHT)]
+            record.copy_(torch.maximum(record, local[0]))
+        stored = module._buffers[scale_state.scale_name(GemmRole.WEIGHT)]
+        flag = scale_state.DELAYED_WEIGHT_SCALE_SET
+        # A host read only until the scale is first set (a step or two); the buffer holds
+        # the same value on every rank, so every rank takes the same branch.
+        if not module.__dict__.get(flag) and bool(stored >= 0):
+            module.__dict__[flag] = True
+        if module.__dict__.get(flag):
+            return stored
+        return _full_weight_scale(weight, mesh, local)
     precomputed: PrecomputedScale | None = getattr(module, _SCALE_ATTR, None)
     if precomputed is not None:
         if precomputed.fresh(module.weight):
@@ -307,7 +328,12 @@ def weight_scale_for_all_gather(
             stacklevel=2,
         )
         setattr(module, _SCALE_ATTR, None)
-    amax = local_amaxes([weight._tensor])
+    return _full_weight_scale(weight, mesh, local_amaxes([weight._tensor]))
+
+
+def _full_weight_scale(weight: Float8AllGatherWeight, mesh, local: torch.Tensor) -> torch.Tensor:
+    """The scale of the whole weight from this shard's amax ``local``: one all-reduce."""
+    amax = local.clone()
     if mesh.size() > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
     return scaling.amax_to_scale(

@@ -9,6 +9,7 @@ checkpoint (resume).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -23,13 +24,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import float8kit
-from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
+from float8kit import (
+    CastConfig,
+    Float8LinearConfig,
+    ScalingType,
+    convert_to_float8_training,
+    precompute_scales,
+)
 from float8kit.fsdp import Float8AllGatherWeight
 from float8kit.linear import Float8Linear
 from float8kit.scaling import amax_to_scale
 from float8kit.tensor import Float8TrainingTensor
 
 FP8_AG = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+DELAYED = Float8LinearConfig.from_recipe_name("delayed")
+# Weights start within +-1/sqrt(64): 2048 fits amaxes up to 0.22.
+STATIC_W = Float8LinearConfig(
+    cast_config_weight=CastConfig(scaling_type=ScalingType.STATIC, static_scale=2048.0)
+)
 STEPS = 4
 LR = 1e-3
 
@@ -259,6 +271,25 @@ def _worker_train(rank: int, world: int, tmp: str) -> dict:
             out = model(xs[0, local])
             res[f"finite_{bad}_{path}"] = bool(torch.isfinite(out).all())
 
+    # DELAYED and STATIC weights with float8 all-gather. References: the same config without
+    # FSDP, run on every rank on the global batch (precompute_scales' all-reduce then sees
+    # equal amaxes on both ranks, so it is the single-device computation).
+    for name, config in (("delayed", DELAYED), ("static", STATIC_W)):
+        ag_config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        model = _net(ag_config)
+        _shard(model, mesh, model.layers, reshard_after_forward=True)
+        res[f"{name}_split"], _ = _train(model, xs[:, local], ys[:, local], STEPS)
+        with _Count("all_reduce") as ar:
+            precompute_scales(model)
+        res[f"{name}_precompute_all_reduces"] = ar.calls
+        with _Count("all_reduce") as ar:
+            model(xs[0, local]).sum().backward()
+        res[f"{name}_fwd_bwd_all_reduces"] = ar.calls
+        model = _net(ag_config)
+        _shard(model, mesh, model.layers, reshard_after_forward=True)
+        res[f"{name}_replicated_data"], _ = _train(model, xs, ys, STEPS)
+        res[f"{name}_ref"], _ = _train(_net(config), xs, ys, STEPS, sharded=False)
+
     if rank == 0:
         # Single-device float8 references on the global batch.
         ref = _net(Float8LinearConfig())
@@ -429,6 +460,21 @@ def test_losses_match_single_device_fp32(train2):
     # With the same batch on every rank, the sharded float8 all-gather trains bitwise like one
     # device: the gathered fp8 weight and its scale are exactly the single-device cast.
     assert r["fp32_replicated_data"] == r["ref_fp32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["delayed", "static"])
+def test_delayed_and_static_weights_with_float8_all_gather(train2, policy):
+    for r in train2:
+        # Same batch on every rank: bitwise the single-device run of the same config.
+        assert r[f"{policy}_replicated_data"] == r[f"{policy}_ref"]
+        diff = _rel_diff(r[f"{policy}_split"], r[f"{policy}_ref"])
+        print(f"{policy} weight, FSDP2 float8 all-gather vs one device: max rel diff {diff:.2e}")
+        assert diff < 0.02
+        # delayed: all amax records (weight shards, inputs, grad_outputs) in one all-reduce;
+        # static: nothing to reduce. Neither all-reduces in forward/backward once set.
+        assert r[f"{policy}_precompute_all_reduces"] == (1 if policy == "delayed" else 0)
+        assert r[f"{policy}_fwd_bwd_all_reduces"] == 0
 
 
 @pytest.mark.slow
