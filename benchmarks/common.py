@@ -1,0 +1,297 @@
+"""Helpers shared by the benchmark scripts in this folder (never imported by float8kit).
+
+Every script in ``benchmarks/`` runs on its own (``python benchmarks/bench_linear.py``); Python
+puts this folder on ``sys.path``, so they ``import common``. What lives here is what every
+script must do the same way: describe the machine (device, torch, torchao, date, command),
+time a callable (CUDA events on GPU, ``time.perf_counter`` on CPU, median after warm-up),
+measure SQNR against a reference, print a markdown table, and write JSON + markdown.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO / "benchmarks" / "results"
+
+# Run from a checkout without `pip install`: float8kit sits next to benchmarks/. Appended,
+# so a PYTHONPATH naming another checkout (a feature branch's worktree) wins.
+if str(REPO) not in sys.path:
+    sys.path.append(str(REPO))
+
+
+# ----------------------------------------------------------------------------
+# the peer (torchao.float8) and float8kit's optional features
+
+
+def import_torchao_float8():
+    """``(torchao.float8, version)`` or ``(None, error text)``; quiet about torchao's
+    optional CUDA extensions, which fail to load on CPU-only machines and say so loudly."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="torchao")
+    warnings.filterwarnings("ignore", message=".*KernelPreference.*")
+    try:
+        import torchao
+        import torchao.float8 as ao_float8
+    except Exception as e:  # noqa: BLE001  (any import failure means "peer not available")
+        return None, f"{type(e).__name__}: {e}"
+    return ao_float8, torchao.__version__
+
+
+def torchao_version() -> str | None:
+    """The installed torchao's version, without importing it (that takes seconds)."""
+    try:
+        return importlib.metadata.version("torchao")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def float8kit_recipes() -> list[str]:
+    """The named recipes this checkout of float8kit knows (``delayed`` once it has landed)."""
+    import float8kit
+
+    names = [r.value for r in float8kit.Float8Recipe]
+    for name in ("delayed",):  # features that land on other branches: probe, never assume
+        if name not in names:
+            try:
+                float8kit.Float8LinearConfig.from_recipe_name(name)
+                names.append(name)
+            except ValueError:
+                pass
+    return names
+
+
+def torchao_recipe_config(ao_float8, recipe: str):
+    """torchao's config for ``recipe``, or raise ``ValueError`` saying why there is none."""
+    try:
+        return ao_float8.Float8LinearConfig.from_recipe_name(recipe)
+    except (ValueError, KeyError, AssertionError) as e:
+        raise ValueError(f"torchao {torchao_version()} has no recipe {recipe!r} ({e})") from None
+
+
+# ----------------------------------------------------------------------------
+# machine description
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+THREADS_HELP = "CPU: torch threads (default: torch's choice; 1 is steadier on a shared box)"
+
+
+def set_threads(n: int | None) -> None:
+    """``--threads``: on a shared CPU one thread gives steadier medians than a contended pool."""
+    if n:
+        torch.set_num_threads(n)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def device_slug(device: torch.device) -> str:
+    """Short name for result file names: ``cpu``, ``h100``, ``h200``, ..."""
+    if device.type != "cuda":
+        return device.type
+    name = torch.cuda.get_device_name(device).lower()
+    m = re.search(r"\b([a-z]\d{2,4}[a-z]?)\b", name)
+    return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def command_line() -> str:
+    return " ".join(["python", *map(shlex.quote, [os.path.relpath(sys.argv[0], REPO)]),
+                     *map(shlex.quote, sys.argv[1:])])
+
+
+def run_info(device: torch.device) -> dict:
+    """The keys every result JSON starts with."""
+    return {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "torchao": torchao_version(),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command_line(),
+        "git_commit": git_commit(),
+        # CPU timings on a shared machine move with its load: say what it was
+        "load_avg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()]
+        if hasattr(os, "getloadavg") else None,
+    }
+
+
+def default_out(device: torch.device, kind: str) -> Path:
+    """``benchmarks/results/<date>-<device>-<kind>.json``."""
+    return RESULTS_DIR / f"{datetime.date.today().isoformat()}-{device_slug(device)}-{kind}.json"
+
+
+# ----------------------------------------------------------------------------
+# timing and numerics
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[[int], object],
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+) -> list[float]:
+    """Per-call times in ms of ``fn(i)`` for ``i`` in ``range(iters)``, after ``warmup`` calls.
+
+    ``fn`` takes the iteration number so callers can rotate pre-made inputs (caches must not
+    flatter a benchmark that reuses one input). CUDA: one event pair per call, read after one
+    synchronize at the end (no host sync inside the loop). CPU: ``time.perf_counter``.
+    """
+    for i in range(warmup):
+        fn(i)
+    sync(device)
+    if device.type == "cuda":
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(iters)
+        ]
+        for i, (start, end) in enumerate(events):
+            start.record()
+            fn(i)
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+    times = []
+    for i in range(iters):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``x`` against ``ref`` in dB (inf if equal)."""
+    ref, x = ref.detach().double(), x.detach().double()
+    noise = (ref - x).norm()
+    if noise == 0:
+        return math.inf
+    return (20 * torch.log10(ref.norm() / noise)).item()
+
+
+def finite_or_none(x: float | None, ndigits: int = 2) -> float | None:
+    """JSON has no inf/nan: an exact match (inf dB) or a missing number is written as null."""
+    if x is None or not math.isfinite(x):
+        return None
+    return round(x, ndigits)
+
+
+def count_aten_ops(module, m: int, k: int, n: int, backward: bool) -> int:
+    """aten ops one fwd(+bwd) call of ``module`` on an (m, k) bf16 input dispatches: each is
+    a kernel launch on a GPU in eager mode, and a trip through the dispatcher on any device."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    p = next(module.parameters())
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=p.device, requires_grad=True)
+    with Count():
+        y = module(x)
+        if backward:
+            y.backward(torch.randn(m, n, dtype=torch.bfloat16, device=p.device))
+    for q in module.parameters():
+        q.grad = None
+    return Count.n
+
+
+# ----------------------------------------------------------------------------
+# output
+
+
+def fmt(x, ndigits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        if not math.isfinite(x):
+            return str(x)
+        return f"{x:.{ndigits}f}" if abs(x) < 1e5 else f"{x:.3e}"
+    return str(x)
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str]], ndigits: int = 3) -> str:
+    """``columns`` = [(key, header), ...]; missing keys print as ``-``."""
+    lines = [
+        "| " + " | ".join(h for _, h in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(row.get(k), ndigits) for k, _ in columns) + " |")
+    return "\n".join(lines)
+
+
+def header_lines(info: dict) -> str:
+    return (
+        f"- device: {info['device']}\n- torch: {info['torch']}, torchao: {info['torchao']}\n"
+        f"- date: {info['date']}, git: {info.get('git_commit')}, "
+        f"load average (1/5/15 min) at start: {info.get('load_avg_1m_5m_15m')}\n"
+        f"- command: `{info['command']}`\n"
+    )
+
+
+def write_results(out: Path, payload: dict, table_md: str, title: str) -> tuple[Path, Path]:
+    """Write ``out`` (JSON) and ``out`` with ``.md`` (title, run info, table)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    md = out.with_suffix(".md")
+    md.write_text(f"# {title}\n\n{header_lines(payload)}\n{table_md}\n")
+    return out, md

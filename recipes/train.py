@@ -1,0 +1,421 @@
+"""Train a small Llama-style byte-level model in bf16, or with float8 linears via float8kit.
+
+One process (CPU or one GPU):
+
+    python recipes/train.py --preset tiny --float8 none --steps 60
+    python recipes/train.py --preset tiny --float8 tensorwise --steps 60
+    python recipes/train.py --preset small --float8 rowwise --out runs/small_rowwise
+
+Several processes, FSDP2 (gloo on CPU, nccl on GPUs; --batch-size is the global batch):
+
+    python -m torch.distributed.run --nproc_per_node=2 recipes/train.py --preset tiny \
+        --float8 tensorwise --steps 5
+    torchrun --nproc_per_node=8 recipes/train.py --preset llama3-8b-4l --float8 tensorwise \
+        --compile --device cuda
+
+Checkpoint every 30 steps, then continue a run (bitwise the same as never stopping):
+
+    python recipes/train.py --preset tiny --steps 60 --checkpoint-every 30 --out runs/a
+    python recipes/train.py --preset tiny --steps 60 --resume runs/a/checkpoints/step_000030 \
+        --out runs/b
+
+Outputs: OUT/config.json, OUT/metrics.jsonl (one JSON object per step: step, loss, lr,
+tokens_per_s, and val_loss every --eval-every steps), OUT/checkpoints/step_NNNNNN/ (dcp).
+
+The float8 part of this file is three statements tagged with a "float8" comment (import,
+convert, precompute_scales): without them what is left is the bf16 baseline.
+Everything else runs the same in both modes: bf16 autocast over fp32 master weights; the
+lm head (`output`), norms, attention and the loss stay in hp; only the Linear gemms inside
+the blocks change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from tqdm import tqdm
+
+# Run from a checkout without `pip install`: float8kit sits next to recipes/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import get_batch, load_corpus  # noqa: E402
+from model import PRESETS, ModelArgs, Transformer  # noqa: E402
+
+import float8kit  # noqa: E402  # float8
+
+FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+# Per-preset defaults for the flags left unset: tiny steps in ~0.1 s on one CPU core, small
+# makes compare.py a few-minute demo on 2 cores; 1b and llama3-8b-4l are for GPUs.
+PRESET_DEFAULTS = {
+    "tiny": dict(batch_size=8, seq_len=128, lr=3e-3, steps=60),
+    "small": dict(batch_size=16, seq_len=128, lr=2e-3, steps=150),
+    "1b": dict(batch_size=8, seq_len=2048, lr=3e-4, steps=100),
+    "llama3-8b-4l": dict(batch_size=8, seq_len=4096, lr=3e-4, steps=50),
+}
+VAL_SEED = 1234  # the validation windows are the same for every run, whatever --seed says
+
+
+class UsageError(Exception):
+    """Bad input: main() prints it as one line and exits 2, without a traceback."""
+
+
+# ----------------------------------------------------------------------------
+# command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage block
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = _Parser(prog="train.py", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="model size (recipes/model.py); also picks the defaults below")
+    p.add_argument("--float8", default="none", choices=FLOAT8_MODES,
+                   help="float8kit recipe for the block Linears; none = the bf16 baseline")
+    p.add_argument("--steps", type=int, help="optimizer steps (preset default)")
+    p.add_argument("--batch-size", type=int,
+                   help="global batch in sequences, split evenly over ranks (preset default)")
+    p.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence (preset default)")
+    p.add_argument("--lr", type=float, help="peak learning rate (preset default)")
+    p.add_argument("--warmup", type=int, help="linear warmup steps (default: 10%% of --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto = cuda when available, else cpu")
+    p.add_argument("--seed", type=int, default=0, help="seeds the init and the batch sampler")
+    p.add_argument("--out", help="output folder (default runs/PRESET_FLOAT8)")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="save a dcp checkpoint every N steps and at the end (0 = never)")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue from a checkpoint folder, or a run's --out (its latest one)")
+    p.add_argument("--data", metavar="PATH",
+                   help="a text file or folder to train on (default: the stdlib's .py files)")
+    p.add_argument("--eval-every", type=int, default=50,
+                   help="log val_loss every N steps and at the last step (0 = only the last)")
+    p.add_argument("--eval-batches", type=int, default=8,
+                   help="validation batches of --batch-size sequences per evaluation")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    for k, v in PRESET_DEFAULTS[args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.warmup is None:
+        args.warmup = max(1, args.steps // 10)
+    if args.out is None:
+        args.out = f"runs/{args.preset}_{args.float8}"
+    for flag in ("steps", "batch_size", "seq_len"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.lr <= 0:
+        p.error("--lr must be > 0")
+    return args
+
+
+# ----------------------------------------------------------------------------
+# distributed setup: torchrun sets RANK/WORLD_SIZE; plain `python` runs one process
+
+
+def setup_distributed(device_flag: str) -> tuple[int, int, torch.device]:
+    if device_flag == "auto":
+        device_flag = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_flag == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return 0, 1, torch.device(device_flag)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device_flag == "cuda":
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_flag == "cuda" else "gloo")
+    device = torch.device("cuda", local_rank) if device_flag == "cuda" else torch.device("cpu")
+    return dist.get_rank(), world_size, device
+
+
+def print0(*args, **kwargs) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        tqdm.write(" ".join(str(a) for a in args), **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# model: build, convert to float8, shard
+
+
+def build_model(args: argparse.Namespace, device: torch.device, world_size: int,
+                fp8_all_gather: bool) -> torch.nn.Module:
+    torch.manual_seed(args.seed)  # same init on every rank and in every --float8 mode
+    margs = ModelArgs.from_name(args.preset)
+    margs = replace(margs, max_seq_len=max(margs.max_seq_len, args.seq_len))
+    with device:
+        model = Transformer(margs)
+    # Convert before FSDP wraps the model, as torchtitan does: FSDP then shards the
+    # Float8Linear weights and (tensorwise) all-gathers them as fp8.
+    if args.float8 != "none":
+        float8kit.convert_to_float8_training(  # float8: block Linears -> Float8Linear, lm head hp
+            model, module_filter_fn=lambda mod, fqn: fqn != "output",
+            config=replace(float8kit.Float8LinearConfig.from_recipe_name(args.float8),
+                           enable_fsdp_float8_all_gather=fp8_all_gather))
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = init_device_mesh(device.type, (world_size,))
+        # bf16 compute weights, fp32 gradient reduction: the same dtypes autocast gives the
+        # single-process run, so 1 and N processes train the same model.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
+    # fp8 all-gather only makes sense for tensorwise scales (one scale per weight); if the
+    # installed float8kit cannot do it yet, say so and train with the bf16 all-gather.
+    fp8_all_gather = world_size > 1 and args.float8 == "tensorwise"
+    try:
+        model = build_model(args, device, world_size, fp8_all_gather)
+        if fp8_all_gather:  # the all-gather hooks first run in a forward: try one
+            with torch.no_grad(), autocast(device):
+                model(torch.zeros(1, 16, dtype=torch.long, device=device))
+            reshard(model)
+    except Exception as e:
+        if not fp8_all_gather:
+            raise
+        print0(f"note: FSDP float8 all-gather failed ({type(e).__name__}: {e}); "
+               "using the bf16 all-gather instead")
+        fp8_all_gather = False
+        model = build_model(args, device, world_size, fp8_all_gather)
+    return model, fp8_all_gather
+
+
+def autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    # FSDP2 leaves the root's parameters unsharded after a forward that has no backward
+    # (eval, the probe above); left so, the next step would train on stale weights.
+    if hasattr(model, "reshard"):
+        model.reshard()
+
+
+# ----------------------------------------------------------------------------
+# learning rate: linear warmup, then cosine down to 10% of the peak
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+# ----------------------------------------------------------------------------
+# checkpoints: torch.distributed.checkpoint (sharded under FSDP, also fine in one process)
+
+# A resumed run must match the flags that shaped the original trajectory.
+RESUME_KEYS = ("preset", "float8", "steps", "batch_size", "seq_len", "lr", "warmup",
+               "weight_decay", "grad_clip", "seed")
+
+
+def save_checkpoint(path: Path, model, optimizer, step: int, gen: torch.Generator,
+                    meta: dict) -> None:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd,
+             "train": {"step": step, "data_rng": gen.get_state(), "meta": json.dumps(meta)}}
+    with quiet_single_process():
+        dcp.save(state, checkpoint_id=str(path))
+
+
+@contextmanager
+def quiet_single_process():
+    # Without a process group dcp warns that it assumes one process: that is what we want.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def find_checkpoint(path: str) -> Path:
+    p = Path(path)
+    if (p / ".metadata").is_file():
+        return p
+    found = sorted((p / "checkpoints").glob("step_*/.metadata"))
+    if not found:
+        raise UsageError(f"--resume {path}: no checkpoint there (expected a folder with "
+                         ".metadata, or a run folder with checkpoints/step_*)")
+    return found[-1].parent
+
+
+def load_checkpoint(path: Path, model, optimizer, gen: torch.Generator, meta: dict) -> int:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd,
+             "train": {"step": 0, "data_rng": gen.get_state(), "meta": ""}}
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path))
+    saved = json.loads(state["train"]["meta"])
+    for k, v in saved.items():
+        if meta.get(k) != v:
+            raise UsageError(f"--resume {path}: checkpoint has {k}={v!r}, this run {meta.get(k)!r}")
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    gen.set_state(state["train"]["data_rng"])
+    return int(state["train"]["step"])
+
+
+# ----------------------------------------------------------------------------
+# evaluation: mean loss over fixed validation windows (identical across runs and ranks)
+
+
+@torch.no_grad()
+def evaluate(model, fwd, val: torch.Tensor, args, device, rank: int, world_size: int) -> float:
+    gen = torch.Generator().manual_seed(VAL_SEED)
+    total = torch.zeros((), device=device)
+    for _ in range(args.eval_batches):
+        x, y = get_batch(val, args.batch_size, args.seq_len, gen, rank, world_size)
+        with autocast(device):
+            total += fwd(x.to(device), y.to(device)).float()
+    reshard(model)
+    if world_size > 1:
+        dist.all_reduce(total)
+    return (total / (args.eval_batches * world_size)).item()
+
+
+# ----------------------------------------------------------------------------
+# training
+
+
+def train(args: argparse.Namespace) -> list[dict]:
+    """Runs one training job; returns the per-step metrics (also in OUT/metrics.jsonl)."""
+    # -- setup; any bad input surfaces here as UsageError/OSError/ValueError
+    rank, world_size, device = setup_distributed(args.device)
+    if args.batch_size % world_size:
+        raise UsageError(f"--batch-size {args.batch_size} must be divisible by the "
+                         f"{world_size} processes")
+    try:
+        corpus = load_corpus(args.data)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    shortest = min(len(corpus.train), len(corpus.val))
+    if args.seq_len >= shortest:
+        raise UsageError(f"--seq-len {args.seq_len} is longer than the data: the smaller split "
+                         f"of {corpus.source} has {shortest} bytes")
+    print0(corpus.describe())
+    try:
+        model, fp8_all_gather = setup_model(args, device, world_size)
+    except (ValueError, KeyError, NotImplementedError) as e:
+        if args.float8 == "none":
+            raise
+        raise UsageError(f"--float8 {args.float8}: {e}") from None  # e.g. a recipe not built yet
+    # Decay matrices only: norms' gains (and nothing else here) are left alone, as in nanoGPT.
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(args.seed)  # the whole data state of a run
+    # Not world_size: batches are drawn globally, so a run may resume on more or fewer ranks.
+    meta = {k: getattr(args, k) for k in RESUME_KEYS} | {"data_sha256": corpus.sha256}
+    start = 0
+    if args.resume:
+        ckpt = find_checkpoint(args.resume)
+        start = load_checkpoint(ckpt, model, optimizer, gen, meta)
+        print0(f"resumed from {ckpt} at step {start}")
+    # Compile after loading: checkpoints see the plain module's parameter names.
+    fwd = torch.compile(model) if args.compile else model
+
+    out = Path(args.out)
+    records: list[dict] = []
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        config = {"args": vars(args), "model": asdict(model.args),
+                  "world_size": world_size, "fsdp_float8_all_gather": fp8_all_gather,
+                  "device": str(device), "torch": torch.__version__,
+                  "float8kit": getattr(float8kit, "__version__", "?"),
+                  "data": {"source": corpus.source, "files": corpus.n_files,
+                           "bytes": corpus.n_bytes, "sha256": corpus.sha256},
+                  "n_params": sum(p.numel() for p in model.parameters())}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        # On resume keep the steps up to the checkpoint and drop any logged after it.
+        mpath = out / "metrics.jsonl"
+        if start and mpath.exists():
+            records = [r for r in map(json.loads, mpath.read_text().splitlines())
+                       if r["step"] <= start]
+        mpath.write_text("".join(json.dumps(r) + "\n" for r in records))
+    metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
+
+    # -- the loop
+    tokens_per_step = args.batch_size * args.seq_len
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, dynamic_ncols=True,
+               disable=rank != 0 or args.quiet, desc=f"{args.preset}/{args.float8}")
+    for step in bar:
+        t0 = time.perf_counter()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, gen, rank, world_size)
+        with autocast(device):
+            loss = fwd(x.to(device), y.to(device))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+        float8kit.precompute_scales(model)  # float8: next step's scales, one collective
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        if world_size > 1:  # for logging only: FSDP already averaged the gradients
+            dist.all_reduce(loss)
+            loss /= world_size
+        loss_val = loss.item()  # also syncs the device, so the timing below is real
+        dt = time.perf_counter() - t0
+        rec = {"step": step + 1, "loss": loss_val, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+        if not math.isfinite(loss_val):
+            raise FloatingPointError(f"loss is {loss_val} at step {step + 1}")
+        last = step + 1 == args.steps
+        if last or (args.eval_every and (step + 1) % args.eval_every == 0):
+            rec["val_loss"] = evaluate(model, fwd, corpus.val, args, device, rank, world_size)
+            print0(f"step {step + 1}: train loss {loss_val:.4f}, val loss {rec['val_loss']:.4f}")
+        if metrics:
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+        records.append(rec)
+        bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        if args.checkpoint_every and ((step + 1) % args.checkpoint_every == 0 or last):
+            save_checkpoint(out / "checkpoints" / f"step_{step + 1:06d}", model, optimizer,
+                            step + 1, gen, meta)
+    bar.close()
+    if metrics:
+        metrics.close()
+    return records
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    try:
+        return train(args)
+    except (UsageError, OSError) as e:
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
