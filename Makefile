@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python recipes/quickstart.py
+	$(BIN)/python recipes/compare.py --preset small --out runs/demo
 
 # pytest exits 5 when it collected no test: that is a failure for us.
 test: $(STAMP)

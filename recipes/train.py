@@ -187,23 +187,10 @@ def build_model(args: argparse.Namespace, device: torch.device, world_size: int,
 
 
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
-    # fp8 all-gather only makes sense for tensorwise scales (one scale per weight); if the
-    # installed float8kit cannot do it yet, say so and train with the bf16 all-gather.
-    fp8_all_gather = world_size > 1 and args.float8 == "tensorwise"
-    try:
-        model = build_model(args, device, world_size, fp8_all_gather)
-        if fp8_all_gather:  # the all-gather hooks first run in a forward: try one
-            with torch.no_grad(), autocast(device):
-                model(torch.zeros(1, 16, dtype=torch.long, device=device))
-            reshard(model)
-    except Exception as e:
-        if not fp8_all_gather:
-            raise
-        print0(f"note: FSDP float8 all-gather failed ({type(e).__name__}: {e}); "
-               "using the bf16 all-gather instead")
-        fp8_all_gather = False
-        model = build_model(args, device, world_size, fp8_all_gather)
-    return model, fp8_all_gather
+    # float8 all-gather needs one scale per weight: the tensorwise-weight recipes. Rowwise
+    # weights are all-gathered in bf16 (float8kit refuses a rowwise float8 all-gather).
+    fp8_all_gather = world_size > 1 and args.float8 in ("tensorwise", "delayed")
+    return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 
 def autocast(device: torch.device):
@@ -212,7 +199,7 @@ def autocast(device: torch.device):
 
 def reshard(model: torch.nn.Module) -> None:
     # FSDP2 leaves the root's parameters unsharded after a forward that has no backward
-    # (eval, the probe above); left so, the next step would train on stale weights.
+    # (eval); left so, the next step would train on stale weights.
     if hasattr(model, "reshard"):
         model.reshard()
 
