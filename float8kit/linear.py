@@ -89,7 +89,16 @@ def cast_to_float8(
     if cast.scaling_type is not ScalingType.STATIC:
         amax = scaling.amax(hp, reduce_dim if axiswise else None)
     scale = operand_scale(cast, role, config, amax, state_scale, amax_record)
-    return hp_to_float8(hp, scale, fp8_dtype, role, reduce_dim if axiswise else None, config)
+    # A dynamic scale already turns inf/NaN into NaN (scale 0 or NaN): no guard pass needed.
+    return hp_to_float8(
+        hp,
+        scale,
+        fp8_dtype,
+        role,
+        reduce_dim if axiswise else None,
+        config,
+        guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
+    )
 
 
 def _reusable(first: CastConfig, second: CastConfig) -> bool:

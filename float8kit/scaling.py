@@ -60,12 +60,23 @@ def amax_to_scale(
     return scale
 
 
-def to_fp8_saturated(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+def to_fp8_saturated(
+    hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, guard_non_finite: bool = True
+) -> torch.Tensor:
     """``saturate(hp * scale)`` as ``fp8_dtype``: finite values clamp to +-fp8_max, inf/NaN stay
-    non-finite (NaN in e4m3fn, which has no inf; inf/NaN kept in e5m2)."""
+    non-finite (NaN in e4m3fn, which has no inf; inf/NaN kept in e5m2).
+
+    ``guard_non_finite=False`` skips the elementwise pass that restores non-finite values
+    after the clamp. That is safe exactly when ``scale`` came from this tensor's own amax
+    (DYNAMIC): an inf makes the amax inf and the scale 0 (``inf * 0 = NaN``), a NaN makes the
+    scale NaN, and the clamp keeps NaN. A scale from elsewhere (delayed, static, precomputed)
+    needs the guard, or an inf would saturate to +-fp8_max.
+    """
     scaled = hp.to(torch.float32) * scale
     limit = fp8_max(fp8_dtype)
     clamped = torch.clamp(scaled, min=-limit, max=limit)
+    if not guard_non_finite:
+        return clamped.to(fp8_dtype)
     # Adding (scaled - scaled) is 0 for finite values and NaN for inf/NaN: one fused
     # elementwise op that puts non-finite values back after the clamp.
     if fp8_dtype == E4M3:

@@ -113,9 +113,12 @@ def hp_to_float8(
     role: GemmRole,
     axiswise_dim: int | None = None,
     config: Float8LinearConfig | None = None,
+    *,
+    guard_non_finite: bool = True,
 ) -> Float8TrainingTensor:
-    """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)) and wrap it."""
-    data = to_fp8_saturated(hp, scale, fp8_dtype)
+    """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)) and wrap it.
+    ``guard_non_finite``: see ``scaling.to_fp8_saturated``."""
+    data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard_non_finite)
     if axiswise_dim is not None and axiswise_dim < 0:
         axiswise_dim += hp.dim()
     return Float8TrainingTensor(data, scale, hp.dtype, role, axiswise_dim, config)

@@ -89,3 +89,22 @@ def test_compiled_scales_and_casts_are_bitwise_eager():
     for e, c in zip(eager, compiled, strict=True):
         assert torch.equal(e.view(torch.uint8) if e.element_size() == 1 else e,
                            c.view(torch.uint8) if c.element_size() == 1 else c)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("reduce_dim", [None, -1])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_dynamic_scale_needs_no_guard_to_keep_non_finite(dtype, reduce_dim, pow2):
+    # linear.cast_to_float8 skips the guard pass for DYNAMIC scales: this is why that is safe.
+    x = torch.randn(4, 8)
+    x[1, 2], x[2, 3], x[3, 0] = math.inf, -math.inf, math.nan
+    scale = amax_to_scale(amax(x, reduce_dim), dtype, round_to_pow2=pow2)
+    out = to_fp8_saturated(x, scale, dtype, guard_non_finite=False).float()
+    assert not torch.isfinite(out[~torch.isfinite(x)]).any()
+    # and the guard-free cast has the guarded one's values (the guard's `+ 0` only turns
+    # -0.0 into +0.0) and non-finite positions
+    guarded = to_fp8_saturated(x, scale, dtype).float()
+    unguarded = to_fp8_saturated(x, scale, dtype, guard_non_finite=False).float()
+    finite = torch.isfinite(guarded)
+    assert torch.equal(finite, torch.isfinite(unguarded))
+    assert torch.equal(guarded[finite], unguarded[finite])
