@@ -10,6 +10,7 @@ ranks and writes the scales from them. ``precompute_scales`` asks every provider
 
 from __future__ import annotations
 
+import collections
 import warnings
 from collections.abc import Callable
 
@@ -91,19 +92,53 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         unset = torch.full((), scaling.UNSET, device=reduced.device)
         torch._foreach_copy_(pending, [unset] * len(pending))
         torch._foreach_zero_(counts)
-        # One small device-to-host read per call (the step is over, so it costs little).
-        bad = ~torch.isfinite(reduced)
+        _NON_FINITE.submit(~torch.isfinite(reduced), [r[1] for r in records])
+
+    return [(local, apply)]
+
+
+class _NonFiniteReport:
+    """Warns about non-finite amax records without stalling the host.
+
+    On CPU the flags are looked at at once. On CUDA, reading them would block the host until
+    the whole step has run, every step; instead they are copied to pinned host memory
+    asynchronously and looked at by a later ``precompute_scales`` call once that copy has
+    completed (usually the next one: the warning arrives one step late).
+    """
+
+    def __init__(self):
+        self._pending: collections.deque = collections.deque()
+
+    def submit(self, bad: torch.Tensor, names: list[str]) -> None:
+        self.poll()
+        if bad.device.type != "cuda":
+            self._warn(bad, names)
+            return
+        host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
+        host.copy_(bad, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((host, event, names))
+
+    def poll(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            host, _, names = self._pending.popleft()
+            self._warn(host, names)
+
+    @staticmethod
+    def _warn(bad: torch.Tensor, names: list[str]) -> None:
         if bool(bad.any()):
-            names = [records[i][1] for i in bad.nonzero().flatten().tolist()]
+            layers = [names[i] for i in bad.nonzero().flatten().tolist()]
             warnings.warn(
-                f"float8kit: non-finite amax recorded for {', '.join(names)}: not folded into "
+                f"float8kit: non-finite amax recorded for {', '.join(layers)}: not folded into "
                 "the amax history, the scale keeps its previous value (that step's float8 "
                 "outputs were already non-finite)",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=2,
             )
 
-    return [(local, apply)]
+
+_NON_FINITE = _NonFiniteReport()
 
 
 # Every kind of scale state that precompute_scales updates: fn(module) -> contributions.

@@ -75,3 +75,25 @@ def test_cuda_compile_fullgraph_matches_eager():
     compiled = fwd_bwd(torch.compile(m, fullgraph=True), x, grad)
     assert sqnr(eager[0], compiled[0]) >= 40
     assert sqnr(eager[2]["0.weight"], compiled[2]["0.weight"]) >= 40
+
+
+def test_cuda_non_finite_amax_warning_is_deferred_not_synced():
+    import warnings
+
+    from float8kit import precompute_scales
+
+    m = convert_to_float8_training(
+        nn.Linear(64, 64).cuda(), config=Float8LinearConfig.from_recipe_name("delayed")
+    )
+    x = torch.randn(32, 64, device="cuda")
+    x[0, 0] = float("inf")
+    m(x).sum().backward()
+    with warnings.catch_warnings(record=True) as first:
+        warnings.simplefilter("always")
+        precompute_scales(m)  # the flags are copied to the host asynchronously
+    torch.cuda.synchronize()
+    m(torch.randn(32, 64, device="cuda")).sum().backward()
+    with pytest.warns(UserWarning, match=r"non-finite amax recorded for <root>\.input"):
+        precompute_scales(m)  # ... and reported by the next call
+    assert not any("non-finite" in str(w.message) for w in first)
+    assert torch.isfinite(m.fp8_amax_history_input).all()  # never folded in
