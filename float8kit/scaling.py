@@ -2,8 +2,8 @@
 batched amax-history update of DELAYED scaling.
 
 Convention (everywhere in float8kit): ``fp8 = saturate(hp * scale)`` and ``hp ~ fp8 / scale``
-with ``scale = fp8_max / max(amax, EPS)``. Every function here is plain tensor math with no
-host sync, so eager and ``torch.compile`` produce bitwise-equal scales.
+with ``scale = fp8_max / max(amax, amax_floor(fp8_dtype))``. Every function here is plain
+tensor math with no host sync, so eager and ``torch.compile`` produce bitwise-equal scales.
 
 Non-finite values stay visible: torch's own ``inf.to(float8_e4m3fn)`` saturates to 448, which
 would hide an overflow from a loss scaler. ``to_fp8_saturated`` clamps only finite values and
@@ -12,12 +12,12 @@ turns inf/NaN into NaN (e4m3fn has no inf) or keeps them (e5m2 has inf).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from float8kit.config import E4M3, E5M2
 
-# amax floor: an all-zero tensor gets a large but finite scale (and casts to zeros).
-EPS = 1e-12
 # Sentinel of DELAYED/STATIC state (amaxes and scales are never negative): an amax slot with
 # no record, or a scale that is not set yet.
 UNSET = -1.0
@@ -31,9 +31,36 @@ def fp8_max(dtype: torch.dtype) -> float:
     return _FP8_MAX[dtype]
 
 
+def _smallest_finite_floor(fp8_dtype: torch.dtype) -> float:
+    # The smallest fp32 amax whose scale fp8_max / amax is still a finite fp32 (about
+    # fp8_max / 3.4e38): a fixed floor like 1e-12 would cast a tensor of ~1e-20 to zeros.
+    # An fp32 value, so eager and compiled clamps see the same constant bit for bit.
+    limit = torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32)
+    floor = limit / torch.finfo(torch.float32).max
+    while not torch.isfinite(limit / floor):
+        floor = torch.nextafter(floor, torch.tensor(math.inf))
+    return floor.item()
+
+
+# amax floor per float8 dtype: an all-zero tensor gets the largest finite scale (and casts
+# to zeros); every amax above it, however tiny, keeps its exact scale.
+_AMAX_FLOOR = {dtype: _smallest_finite_floor(dtype) for dtype in _FP8_MAX}
+
+
+def amax_floor(fp8_dtype: torch.dtype) -> float:
+    """The amax floor of ``amax_to_scale``: the smallest amax whose scale is finite in fp32."""
+    return _AMAX_FLOOR[fp8_dtype]
+
+
 def amax(hp: torch.Tensor, reduce_dim: int | None = None) -> torch.Tensor:
     """max(|hp|) in fp32: over the whole tensor (``reduce_dim=None``, shape ``()``), or along
-    ``reduce_dim`` keeping it (one amax per row/column). NaN propagates."""
+    ``reduce_dim`` keeping it (one amax per row/column). NaN propagates. An empty tensor
+    (or slice) has amax 0, like a zero one (``torch.amax`` refuses to reduce nothing)."""
+    if hp.numel() == 0:
+        shape = () if reduce_dim is None else list(hp.shape)
+        if reduce_dim is not None:
+            shape[reduce_dim] = 1
+        return torch.zeros(shape, dtype=torch.float32, device=hp.device)
     if reduce_dim is None:
         return torch.amax(torch.abs(hp)).to(torch.float32)
     return torch.amax(torch.abs(hp), dim=reduce_dim, keepdim=True).to(torch.float32)
@@ -50,11 +77,13 @@ def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
 def amax_to_scale(
     amax: torch.Tensor, fp8_dtype: torch.dtype, round_to_pow2: bool = False
 ) -> torch.Tensor:
-    """``fp8_max / max(amax, EPS)`` in fp32. An inf amax gives scale 0 and a NaN amax a NaN
-    scale, so a cast with it yields NaN: overflow stays visible downstream."""
+    """``fp8_max / max(amax, amax_floor(fp8_dtype))`` in fp32: always finite for a finite
+    amax (an all-zero tensor gets the largest finite scale and casts to zeros). An inf amax
+    gives scale 0 and a NaN amax a NaN scale, so a cast with it yields NaN: overflow stays
+    visible downstream."""
     amax = amax.to(torch.float32)
     # clamp_min keeps NaN (torch.clamp propagates it), unlike torch.maximum with a scalar.
-    scale = fp8_max(fp8_dtype) / torch.clamp(amax, min=EPS)
+    scale = fp8_max(fp8_dtype) / torch.clamp(amax, min=amax_floor(fp8_dtype))
     if round_to_pow2:
         scale = round_to_power_of_2(scale)
     return scale

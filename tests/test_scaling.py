@@ -5,8 +5,8 @@ import torch
 
 from float8kit import E4M3, E5M2
 from float8kit.scaling import (
-    EPS,
     amax,
+    amax_floor,
     amax_to_scale,
     fp8_max,
     round_to_power_of_2,
@@ -30,7 +30,9 @@ def test_amax_tensorwise_and_axiswise():
 def test_amax_to_scale_hand_cases():
     assert amax_to_scale(torch.tensor(2.0), E4M3).item() == 224.0
     assert amax_to_scale(torch.tensor(7.0), E5M2).item() == pytest.approx(57344.0 / 7.0)
-    assert amax_to_scale(torch.tensor(0.0), E4M3).item() == pytest.approx(448.0 / EPS)
+    zero_scale = amax_to_scale(torch.tensor(0.0), E4M3).item()
+    assert zero_scale == (torch.tensor(448.0) / amax_floor(E4M3)).item()
+    assert math.isfinite(zero_scale)
     assert amax_to_scale(torch.tensor(3.0), E4M3, round_to_pow2=True).item() == 128.0
 
 
@@ -41,11 +43,42 @@ def test_round_to_power_of_2():
     assert math.isinf(out[6]) and math.isnan(out[7])
 
 
-def test_zeros_give_finite_scale_and_zeros():
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_zeros_give_finite_scale_and_zeros(dtype, pow2):
     x = torch.zeros(8, 16, dtype=torch.bfloat16)
-    scale = amax_to_scale(amax(x), E4M3)
-    assert torch.isfinite(scale)
-    assert torch.equal(to_fp8_saturated(x, scale, E4M3).float(), torch.zeros(8, 16))
+    for scale in (amax_to_scale(amax(x), dtype, pow2), amax_to_scale(amax(x, -1), dtype, pow2)):
+        assert torch.isfinite(scale).all() and (scale > 0).all()
+        assert torch.equal(to_fp8_saturated(x, scale, dtype).float(), torch.zeros(8, 16))
+
+
+def test_amax_floor_is_the_smallest_amax_with_a_finite_scale():
+    for dtype in (E4M3, E5M2):
+        floor = torch.tensor(amax_floor(dtype))
+        below = torch.nextafter(floor, torch.tensor(0.0))
+        assert torch.isfinite(fp8_max(dtype) / floor)
+        assert torch.isinf(fp8_max(dtype) / below)
+
+
+@pytest.mark.parametrize("hp_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, min_db", [(E4M3, 28.0), (E5M2, 22.0)])
+def test_round_trip_sqnr_from_1e_minus_20_to_1e20(hp_dtype, dtype, min_db):
+    # A fixed amax floor (1e-12 in 0.1.0) cast tensors of ~1e-20 to all zeros (SQNR 0 dB).
+    base = torch.randn(128, 64, dtype=torch.float64)
+    for exponent in range(-20, 21, 4):
+        x = (base * 10.0**exponent).to(hp_dtype)
+        for reduce_dim in (None, -1):
+            scale = amax_to_scale(amax(x, reduce_dim), dtype)
+            back = to_fp8_saturated(x, scale, dtype).double() / scale.double()
+            got = sqnr(x, back)
+            assert got >= min_db, f"1e{exponent}, reduce_dim={reduce_dim}: {got:.1f} dB"
+
+
+def test_amax_of_an_empty_tensor_is_zero():
+    x = torch.zeros(0, 16)
+    assert amax(x).shape == () and amax(x).item() == 0.0
+    assert torch.equal(amax(x, 0), torch.zeros(1, 16))  # reducing the empty dim
+    assert amax(x, -1).shape == (0, 1)
 
 
 def test_saturation_clamps_finite_overflow():
@@ -78,7 +111,10 @@ def test_round_trip_sqnr(dtype, min_db):
 
 
 def test_compiled_scales_and_casts_are_bitwise_eager():
-    x = torch.randn(64, 48, dtype=torch.bfloat16) * 3
+    # rows from 1e-20 to 1e20 and an all-zero row (scaled at the amax floor)
+    magnitudes = 10.0 ** torch.linspace(-20, 20, 64)[:, None]
+    x = (torch.randn(64, 48) * magnitudes).to(torch.bfloat16)
+    x[0] = 0
 
     def cast(x):
         s_tw = amax_to_scale(amax(x), E4M3)
@@ -87,8 +123,10 @@ def test_compiled_scales_and_casts_are_bitwise_eager():
 
     eager, compiled = cast(x), torch.compile(cast, fullgraph=True)(x)
     for e, c in zip(eager, compiled, strict=True):
-        assert torch.equal(e.view(torch.uint8) if e.element_size() == 1 else e,
-                           c.view(torch.uint8) if c.element_size() == 1 else c)
+        assert torch.equal(
+            e.view(torch.uint8) if e.element_size() == 1 else e,
+            c.view(torch.uint8) if c.element_size() == 1 else c,
+        )
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
