@@ -231,6 +231,7 @@ def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
         use_fast_accum=gemm.use_fast_accum,
         emulate=config.emulate,
         pad_inner_dim=config.pad_inner_dim,
+        gemm=field.removeprefix("gemm_config_") if field else None,
     )
 
 

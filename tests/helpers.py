@@ -1,5 +1,6 @@
-"""Shared test references: SQNR and fp32 reference layers."""
+"""Shared test references: SQNR, fp32 reference layers, a gemm-kernel call counter."""
 
+import contextlib
 import copy
 
 import torch
@@ -27,3 +28,20 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
 
 def fp32_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module).float()
+
+
+@contextlib.contextmanager
+def count_scaled_mm():
+    """Yields a list that gets one entry (the operand shapes) per ``torch._scaled_mm`` call
+    made while the context is active (eager)."""
+    calls, real = [], torch._scaled_mm
+
+    def counting(a, b, *args, **kwargs):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b, *args, **kwargs)
+
+    torch._scaled_mm = counting
+    try:
+        yield calls
+    finally:
+        torch._scaled_mm = real

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from float8kit import Float8LinearConfig, GemmRole
-from float8kit.gemm import scaled_mm
+from float8kit.gemm import KernelPlan, kernel_plan, scaled_mm
 from float8kit.linear import cast_to_float8
-from tests.helpers import sqnr
+from tests.helpers import count_scaled_mm, sqnr
 
 TW = Float8LinearConfig()
 RW = Float8LinearConfig.from_recipe_name("rowwise")
@@ -63,3 +63,82 @@ def test_bad_shapes_raise():
     a, b = operands(32, 64, 48)
     with pytest.raises(ValueError, match=r"\(M, K\) @ \(K, N\)"):
         scaled_mm(a, a)
+
+
+@pytest.mark.parametrize("cfg", [TW, RW], ids=["tw", "rw"])
+def test_zero_padding_the_token_dim_gives_the_unpadded_result(cfg):
+    # the grad_weight gemm, grad_output.T (N, M) @ input (M, K), reduces over M tokens; on
+    # CUDA an M that is not a multiple of 16 is zero-padded (see kernel_plan)
+    m, n, k = 37, 48, 64
+    go = cast_to_float8(
+        torch.randn(m, n), cfg.cast_config_grad_output, GemmRole.GRAD_OUTPUT, 0, cfg
+    )
+    x = cast_to_float8(torch.randn(m, k), cfg.cast_config_input, GemmRole.INPUT, 0, cfg)
+    unpadded = scaled_mm(go.t(), x, out_dtype=torch.float32)
+    padded = scaled_mm(go.t(), x, pad_inner_dim=True, out_dtype=torch.float32)
+    assert padded.shape == (n, k)
+    assert torch.equal(padded, unpadded)
+    assert sqnr(reference(go.t(), x), padded) > 100
+
+
+@pytest.mark.parametrize("gemm", [None, "output", "grad_input", "grad_weight"])
+def test_cpu_kernel_plan_takes_any_shape_and_dtype(gemm):
+    plan = kernel_plan(37, 40, torch.float32, cuda=False, rowwise=True, gemm=gemm)
+    assert plan == KernelPlan(pad_inner=0, kernel_out_dtype=torch.float32)
+    assert kernel_plan(37, 40, torch.bfloat16, cuda=False, rowwise=False, pad_inner_dim=True) == (
+        KernelPlan(pad_inner=11, kernel_out_dtype=torch.bfloat16)
+    )
+
+
+def test_cuda_kernel_plan_pads_the_token_dim_and_names_the_real_cause():
+    def plan(k, n, gemm, out_dtype=torch.bfloat16, rowwise=False, pad=False):
+        return kernel_plan(
+            k, n, out_dtype, cuda=True, rowwise=rowwise, pad_inner_dim=pad, gemm=gemm
+        )
+
+    # grad_weight reduces over the tokens: any count works, padded to the next 16
+    assert plan(37, 64, "grad_weight") == KernelPlan(11, torch.bfloat16)
+    assert plan(48, 64, "grad_weight") == KernelPlan(0, torch.bfloat16)
+    # a layer dim that is not aligned is named as such, with the fix
+    with pytest.raises(ValueError, match=r"in_features \(here 40\).*output gemm.*pad_inner_dim"):
+        plan(40, 64, "output")
+    assert plan(40, 64, "output", pad=True) == KernelPlan(8, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"out_features \(here 40\).*grad_input gemm.*pad_inner"):
+        plan(40, 64, "grad_input")
+    with pytest.raises(ValueError, match=r"out_features \(here 40\).*output gemm.*hp"):
+        plan(64, 40, "output", pad=True)
+    with pytest.raises(ValueError, match=r"in_features \(here 24\).*grad_weight gemm.*hp"):
+        plan(37, 24, "grad_weight")
+    # rowwise kernels write bf16 only: fp32 is produced as bf16 and upcast; tensorwise writes it
+    assert plan(64, 64, "grad_weight", torch.float32, rowwise=True).kernel_out_dtype == (
+        torch.bfloat16
+    )
+    assert plan(64, 64, "grad_weight", torch.float32).kernel_out_dtype == torch.float32
+
+
+def test_axiswise_scales_along_the_wrong_dim_raise():
+    # M == K: per-column scales of the left operand have the per-row scales' element count,
+    # and 0.1.0 applied them to the rows (relative error ~1 instead of ~0.05)
+    x, w = torch.randn(64, 64), torch.randn(48, 64)
+    x[:, 0] *= 100  # one large column: per-column and per-row scales differ a lot
+    a_wrong = cast_to_float8(x, RW.cast_config_input, GemmRole.INPUT, 0, RW)
+    a_right = cast_to_float8(x, RW.cast_config_input, GemmRole.INPUT, -1, RW)
+    b = cast_to_float8(w, RW.cast_config_weight, GemmRole.WEIGHT, -1, RW).t()
+    assert sqnr(x @ w.t(), scaled_mm(a_right, b, out_dtype=torch.float32)) > 25
+    with pytest.raises(ValueError, match="left operand .* along dim 0.*one scale per row"):
+        scaled_mm(a_wrong, b)
+    b_wrong = cast_to_float8(w.t().contiguous(), RW.cast_config_weight, GemmRole.WEIGHT, -1, RW)
+    with pytest.raises(ValueError, match="right operand .* along dim 1.*one scale per column"):
+        scaled_mm(a_right, b_wrong)
+
+
+@pytest.mark.parametrize("cfg", [TW, RW], ids=["tw", "rw"])
+@pytest.mark.parametrize("m, k, n", [(0, 32, 48), (48, 0, 32), (16, 32, 0)])
+def test_empty_operands_give_zeros_without_calling_the_kernel(cfg, m, k, n):
+    a = cast_to_float8(torch.randn(m, k), cfg.cast_config_input, GemmRole.INPUT, -1, cfg)
+    b = cast_to_float8(torch.randn(n, k), cfg.cast_config_weight, GemmRole.WEIGHT, -1, cfg).t()
+    with count_scaled_mm() as calls:
+        out = scaled_mm(a, b, out_dtype=torch.float32)
+        assert len(calls) == 0
+        scaled_mm(*operands(16, 32, 16))
+    assert torch.equal(out, torch.zeros(m, n)) and len(calls) == 1  # the counter counts
