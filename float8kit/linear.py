@@ -119,10 +119,14 @@ class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.T`` with every operand cast per ``config``; internal.
 
     Invariants: ``input_hp`` is 2-D (M, K) hp; ``weight`` is (N, K), hp or already a
-    tensorwise ``Float8TrainingTensor`` (FSDP2 float8 all-gather). Returns hp (M, N) in the
-    input's dtype. Saves float8 copies for backward where the backward gemm would cast the
-    same tensor the same way (half the bytes of saving hp), hp otherwise. Returns
-    grad_input (M, K) and grad_weight (N, K) in hp.
+    tensorwise ``Float8TrainingTensor`` (FSDP2 float8 all-gather), and may have another hp
+    dtype than the input (autocast: an fp32 weight is cast to float8 directly, never copied
+    to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves float8
+    copies for backward where the backward gemm would cast the same tensor the same way
+    (half the bytes of saving hp), hp otherwise. Returns grad_input (M, K) in the input's
+    dtype and grad_weight (N, K) in the weight's dtype. M == 0 (no tokens) gives an empty
+    output and a zero grad_weight, like ``nn.Linear``, without casting or recording an amax
+    (an empty batch says nothing about the range of the next ones).
 
     DELAYED/STATIC state: ``*_scale`` is the operand's ``fp8_scale_<op>`` buffer (None when
     the operand keeps no state), ``*_amax`` its ``fp8_amax_<op>`` buffer when amaxes are
@@ -148,18 +152,27 @@ class _Float8Matmul(torch.autograd.Function):
         go_amax: torch.Tensor | None = None,
     ):
         c = config
+        ctx.w_dtype = weight.dtype
+        ctx.empty = input_hp.shape[0] == 0
+        if ctx.empty:
+            ctx.shapes = (input_hp.shape, weight.shape, weight.device)
+            return input_hp.new_zeros((0, weight.shape[0]))
         weight_is_fp8 = isinstance(weight, Float8TrainingTensor)
         if c.cast_config_input.enabled:
             x = cast_to_float8(
                 input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax
             )
-            w = weight if weight_is_fp8 else cast_to_float8(
-                weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax
+            w = (
+                weight
+                if weight_is_fp8
+                else cast_to_float8(
+                    weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax
+                )
             )
             output = torch.mm(x, w.t())
         else:
             x, w = input_hp, weight
-            output = torch.mm(input_hp, _as_hp(weight).t())
+            output = torch.mm(input_hp, _as_hp(weight).to(input_hp.dtype).t())
 
         keep_x = _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight)
         keep_w = weight_is_fp8 or _reusable(
@@ -176,6 +189,18 @@ class _Float8Matmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        # The dtypes here are deliberate (grad_weight in the weight's dtype): autocast, active
+        # when backward() is called inside its region, must not recast the gemms' operands.
+        with torch.autocast(grad_output.device.type, enabled=False):
+            return _Float8Matmul._backward(ctx, grad_output)
+
+    @staticmethod
+    def _backward(ctx, grad_output: torch.Tensor):
+        if ctx.empty:
+            x_shape, w_shape, w_device = ctx.shapes
+            grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
+            grad_input = grad_output.new_zeros(x_shape)
+            return grad_input, grad_weight, None, None, None, None, None, None, None
         c = ctx.config
         x_saved, w_saved = ctx.saved_tensors
         grad_output = grad_output.contiguous()
@@ -184,8 +209,17 @@ class _Float8Matmul(torch.autograd.Function):
         go_cast = c.cast_config_grad_output
         if go_cast.enabled:
             go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
-            w = w_saved if isinstance(w_saved, Float8TrainingTensor) else cast_to_float8(
-                w_saved, c.cast_config_weight_for_grad_input, GemmRole.WEIGHT, 0, c, *ctx.w_state
+            w = (
+                w_saved
+                if isinstance(w_saved, Float8TrainingTensor)
+                else cast_to_float8(
+                    w_saved,
+                    c.cast_config_weight_for_grad_input,
+                    GemmRole.WEIGHT,
+                    0,
+                    c,
+                    *ctx.w_state,
+                )
             )
             grad_input = torch.mm(go, w)
         else:
@@ -197,23 +231,37 @@ class _Float8Matmul(torch.autograd.Function):
             go_gw_state = (
                 ctx.go_state if not go_cast.scaling_type.stateful else (ctx.go_state[0], None)
             )
-            go_t = go if _reusable(go_cast, go_gw_cast) else cast_to_float8(
-                grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
+            go_t = (
+                go
+                if _reusable(go_cast, go_gw_cast)
+                else cast_to_float8(
+                    grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
+                )
             )
-            x = x_saved if isinstance(x_saved, Float8TrainingTensor) else cast_to_float8(
-                x_saved, c.cast_config_input_for_grad_weight, GemmRole.INPUT, 0, c, *ctx.x_state
+            x = (
+                x_saved
+                if isinstance(x_saved, Float8TrainingTensor)
+                else cast_to_float8(
+                    x_saved, c.cast_config_input_for_grad_weight, GemmRole.INPUT, 0, c, *ctx.x_state
+                )
             )
-            grad_weight = torch.mm(go_t.t(), x)
+            # .to() on a float8 tensor only changes the hp dtype it stands for: the gemm
+            # writes the weight's dtype directly (fp32 master weights under autocast).
+            grad_weight = torch.mm(go_t.t().to(ctx.w_dtype), x)
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
+            grad_weight = grad_weight.to(ctx.w_dtype)
         return grad_input, grad_weight, None, None, None, None, None, None, None
 
 
 class Float8Linear(nn.Linear):
     """``nn.Linear`` with float8 gemms; same parameters, state_dict keys and init.
 
-    The bias is added in hp. Under ``torch.autocast`` the input and weight are first cast to
-    the autocast dtype, and the output has that dtype, as with ``nn.Linear``.
+    The bias is added in hp. The input must have the weight's dtype, as with ``nn.Linear``
+    (an integer or other-precision input raises); under ``torch.autocast`` a floating-point
+    input is cast to the autocast dtype and the output has that dtype, as with ``nn.Linear``,
+    while the weight goes to float8 straight from its own dtype (no autocast-dtype copy of
+    an fp32 weight per forward) and its gradient comes back in its own dtype.
 
     DELAYED/STATIC operands add the buffers documented in ``float8kit.scale_state``
     (``fp8_amax_history_<op>``, ``fp8_amax_<op>``, ``fp8_scale_<op>``). In train mode a
@@ -285,9 +333,7 @@ class Float8Linear(nn.Linear):
         store_plain_weight(destination, prefix)
 
     @classmethod
-    def from_float(
-        cls, mod: nn.Linear, config: Float8LinearConfig | None = None
-    ) -> Float8Linear:
+    def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
         """A ``Float8Linear`` sharing ``mod``'s parameters (same device and dtype): the same
         objects, except a float8-all-gather weight, a new parameter on the same storage."""
         with torch.device("meta"):
@@ -310,9 +356,17 @@ class Float8Linear(nn.Linear):
             scale_state.count_delayed_forward(self._fp8_forward_count, c.stale_delayed_warn_after)
         weight = self.weight
         device_type = input.device.type
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            input, weight = input.to(dtype), weight.to(dtype)
+        if torch.is_autocast_enabled(device_type) and input.is_floating_point():
+            # Only the input: _Float8Matmul casts an fp32 weight to float8 directly.
+            input = input.to(torch.get_autocast_dtype(device_type))
+        elif input.dtype != weight.dtype:
+            raise RuntimeError(
+                f"Float8Linear({self.in_features}, {self.out_features}): input dtype "
+                f"{input.dtype} does not match the weight dtype {weight.dtype} (nn.Linear "
+                "refuses this too): cast the input with .to(weight.dtype), or run under "
+                "torch.autocast for a mixed-precision model"
+                + ("" if input.is_floating_point() else "; integer inputs are never accepted")
+            )
         # (x_scale, x_amax, w_scale, w_amax, go_scale, go_amax): GemmRole's order
         states = [t for role in GemmRole for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states)
@@ -328,8 +382,12 @@ class Float8Linear(nn.Linear):
         casts = [
             ("i", c.cast_config_input, c.cast_config_input_for_grad_weight, GemmRole.INPUT),
             ("w", c.cast_config_weight, c.cast_config_weight_for_grad_input, GemmRole.WEIGHT),
-            ("go", c.cast_config_grad_output, c.cast_config_grad_output_for_grad_weight,
-             GemmRole.GRAD_OUTPUT),
+            (
+                "go",
+                c.cast_config_grad_output,
+                c.cast_config_grad_output_for_grad_weight,
+                GemmRole.GRAD_OUTPUT,
+            ),
         ]
         parts = []
         for name, first, second, role in casts:
