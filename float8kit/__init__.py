@@ -1,6 +1,6 @@
 """float8kit: float8 training for PyTorch.
 
-    from float8kit import convert_to_float8_training, Float8LinearConfig, precompute_scales
+from float8kit import convert_to_float8_training, Float8LinearConfig, precompute_scales
 """
 
 import torch
@@ -21,6 +21,7 @@ from float8kit.config import (
 from float8kit.convert import convert_to_float8_training, default_module_filter
 from float8kit.linear import Float8Linear
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
+from float8kit.scale_state import strip_float8_state
 from float8kit.tensor import Float8TrainingTensor
 
 __version__ = "0.1.0"
@@ -44,6 +45,8 @@ __all__ = [
     "precompute_scales",
     "precompute_float8_dynamic_scale_for_fsdp",
     "calibrate",
+    # checkpoints: a DELAYED/STATIC model's state_dict for the plain model
+    "strip_float8_state",
     # internals users may meet (FSDP2 all-gathered weights, debugging)
     "Float8TrainingTensor",
 ]

@@ -263,6 +263,12 @@ class Float8Linear(nn.Linear):
     while the weight goes to float8 straight from its own dtype (no autocast-dtype copy of
     an fp32 weight per forward) and its gradient comes back in its own dtype.
 
+    The float8 state buffers stay fp32 whatever ``.to(dtype)`` / ``.half()`` /
+    ``.bfloat16()`` do to the parameters (an fp16 scale overflows: e5m2's 57344 / amax is
+    inf for any amax < 0.875); device moves move them. State that comes off the meta device
+    (``to_empty`` after a meta-device init) is reset to its initial values, since its memory
+    was never written.
+
     DELAYED/STATIC operands add the buffers documented in ``float8kit.scale_state``
     (``fp8_amax_history_<op>``, ``fp8_amax_<op>``, ``fp8_scale_<op>``). In train mode a
     DELAYED layer records amaxes while casting; in eval mode it only uses its scales.
@@ -292,6 +298,14 @@ class Float8Linear(nn.Linear):
         # to_empty() in a meta-device init) also reset the float8 state.
         if "config" in self.__dict__:
             scale_state.reset_state(self, self.config, scale_state.buffer_names(self.config))
+
+    def _apply(self, fn, recurse=True):
+        if "config" not in self.__dict__:  # during nn.Linear.__init__
+            return super()._apply(fn, recurse)
+        before = {n: self._buffers[n] for n in scale_state.buffer_names(self.config)}
+        super()._apply(fn, recurse)
+        scale_state.after_apply(self, self.config, before)
+        return self
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors

@@ -19,12 +19,18 @@ buffer                     shape  policy    meaning
 
 L is ``CastConfig.amax_history_len``. A checkpoint that has none of a layer's float8 buffers
 (e.g. one saved from the plain ``nn.Linear`` model) loads with ``strict=True``: the layer's
-float8 state is reset to its initial values, as for a freshly converted layer.
+float8 state is reset to its initial values, as for a freshly converted layer. The other way,
+``strip_float8_state`` drops these buffers from a converted model's state_dict for the plain
+model. The buffers stay fp32 through ``model.to(dtype)`` and are reset when they come off
+the meta device (``after_apply``).
 """
 
 from __future__ import annotations
 
+import collections
 import warnings
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -154,7 +160,9 @@ def after_load(
     A checkpoint with none of the layer's float8 buffers (a plain ``nn.Linear`` checkpoint,
     or one converted with another recipe) resets them to their initial values and does not
     report them missing. One with some but not all of them reports the rest missing (a
-    partial float8 state would be inconsistent). A loaded STATIC scale counts as calibrated.
+    partial float8 state would be inconsistent). A loaded STATIC scale counts as calibrated
+    when it is set; a loaded ``UNSET`` one (a checkpoint saved before ``calibrate``) leaves
+    the operand uncalibrated, so the forward raises instead of casting with scale -1.
     """
     module.__dict__.pop(DELAYED_WEIGHT_SCALE_SET, None)
     names = buffer_names(config)
@@ -163,8 +171,73 @@ def after_load(
         reset_state(module, config, names)
         gone = {prefix + n for n in names}
         missing_keys[:] = [k for k in missing_keys if k not in gone]
-    loaded = {n.removeprefix("fp8_scale_") for n in names if prefix + n in state_dict}
-    module._fp8_uncalibrated = tuple(op for op in module._fp8_uncalibrated if op not in loaded)
+    uncalibrated = set(module._fp8_uncalibrated)
+    for role in GemmRole:
+        cast = config.stateful_cast(role)
+        name = scale_name(role)
+        if cast is None or cast.scaling_type is not ScalingType.STATIC:
+            continue
+        if prefix + name not in state_dict or module._buffers[name].is_meta:
+            continue
+        # One host read per STATIC operand, at load time only.
+        if bool(module._buffers[name] >= 0):
+            uncalibrated.discard(OPERAND_NAMES[role])
+        else:
+            uncalibrated.add(OPERAND_NAMES[role])
+    module._fp8_uncalibrated = tuple(op for op in OPERAND_NAMES.values() if op in uncalibrated)
+
+
+def strip_float8_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` without the float8 scale state of DELAYED/STATIC layers, for the plain
+    (unconverted) model.
+
+    A converted model's state_dict holds nn.Linear's keys and values plus, for DELAYED/STATIC
+    operands, the buffers in the table above. The plain model's ``load_state_dict(...,
+    strict=True)`` refuses those as unexpected keys; this drops them (and nothing else):
+    ``plain_model.load_state_dict(float8kit.strip_float8_state(sd))``. The other direction
+    needs nothing: a plain checkpoint loads into a converted model (see ``after_load``).
+
+    Args:
+        state_dict: a converted model's (or optimizer-free checkpoint's) state_dict.
+
+    Returns:
+        A new ordered dict sharing the remaining values (tensors are not copied), with the
+        input's ``_metadata`` (module versions) if it has one. The input is not modified.
+    """
+    names = {f(role) for role in GemmRole for f in (history_name, amax_name, scale_name)}
+    out = collections.OrderedDict(
+        (key, value) for key, value in state_dict.items() if key.rsplit(".", 1)[-1] not in names
+    )
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata
+    return out
+
+
+def after_apply(
+    module: nn.Module, config: Float8LinearConfig, before: dict[str, torch.Tensor]
+) -> None:
+    """Called after ``nn.Module._apply(fn)`` on a Float8Linear, with its float8 buffers as
+    they were before (``before``): keeps them fp32 and valid.
+
+    A dtype change (``.to(torch.bfloat16)``, ``.half()``) is undone from the original fp32
+    values, keeping the device ``fn`` chose: scale state must stay fp32 (an fp16 scale
+    overflows, a bf16 one rounds off the range). A buffer that was on the meta device and is
+    now real (``to_empty``) holds uninitialised memory: it is reset to its initial values.
+    """
+    from_meta = []
+    for name, old in before.items():
+        new = module._buffers[name]
+        if new.dtype != torch.float32:
+            if old.is_meta:
+                new = torch.empty(old.shape, dtype=torch.float32, device=new.device)
+            else:
+                new = old.to(device=new.device)
+            module._buffers[name] = new
+        if old.is_meta and not new.is_meta:
+            from_meta.append(name)
+    if from_meta:
+        reset_state(module, config, from_meta)
 
 
 # ---------------------------------------------------------------------------- stale scales
