@@ -18,6 +18,26 @@ def default_module_filter(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def _refuse_sharded(linear: nn.Module, fqn: str) -> None:
+    """Raise if ``linear`` was already sharded (``fully_shard``) or parallelized: its
+    parameters are DTensors, which the float8 conversion cannot wrap."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    params = list(linear.parameters(recurse=False))
+    if isinstance(linear, FSDPModule) or any(isinstance(p, DTensor) for p in params):
+        raise RuntimeError(
+            f"convert_to_float8_training: {fqn or '<root>'} is already sharded or parallelized "
+            "(fully_shard / parallelize_module made its parameters DTensors): convert before "
+            "fully_shard / parallelize_module, i.e. call convert_to_float8_training(model) "
+            "first, then fully_shard / parallelize_module"
+        )
+
+
 def convert_to_float8_training(
     module: nn.Module,
     *,
@@ -26,38 +46,65 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Swap every ``nn.Linear`` in ``module`` (the root too) for a ``Float8Linear``, in place.
 
+    Every ``nn.Linear`` means every one: the root, and Linears nested inside other Linears
+    (e.g. adapters registered as a Linear's submodules), which keep their place in the tree.
+    Call it before ``fully_shard`` / ``parallelize_module``: an already sharded layer raises.
+
     Args:
         module: any module; its Linear submodules are replaced in their parents, and a root
             ``nn.Linear`` has its class swapped in place, so the returned object is ``module``.
         config: how the new layers cast and multiply; default: dynamic tensorwise.
         module_filter_fn: ``fn(linear, fqn) -> bool``; False keeps that layer in hp. It
             replaces the default filter (dims divisible by 16), so a custom filter that wants
-            that rule too should call ``default_module_filter``.
+            that rule too should call ``default_module_filter``. It also sees layers that are
+            already ``Float8Linear``.
 
     Returns:
-        ``module``, converted. Already converted layers are left alone (no double wrap).
+        ``module``, converted.
+
+    Raises:
+        ValueError: a layer the filter selects is already a ``Float8Linear`` with another
+            config. Converting again with the same config is a no-op (never a double wrap);
+            a different config is refused rather than silently ignored or silently
+            re-initialising that layer's scale state. Nothing is changed when it raises.
+        RuntimeError: a layer to convert is already sharded or parallelized (DTensor
+            parameters).
     """
     config = config if config is not None else Float8LinearConfig()
     if not isinstance(config, Float8LinearConfig):
         raise TypeError(f"config must be a Float8LinearConfig, got {type(config).__name__}")
     keep = module_filter_fn if module_filter_fn is not None else default_module_filter
 
-    def eligible(mod: nn.Module, fqn: str) -> bool:
-        return isinstance(mod, nn.Linear) and not isinstance(mod, Float8Linear) and keep(mod, fqn)
+    # Plan the whole tree first, so that an error leaves the model untouched.
+    plan: list[tuple[nn.Module | None, str, nn.Linear]] = []  # (parent, name, linear)
 
-    if eligible(module, ""):
-        # In place: the caller's reference stays valid and hooks/parameters are untouched.
-        module.__class__ = Float8Linear
-        module._init_float8(config)
-        return module
+    def visit(parent: nn.Module | None, name: str, fqn: str, mod: nn.Module) -> None:
+        if isinstance(mod, nn.Linear) and keep(mod, fqn):
+            if not isinstance(mod, Float8Linear):
+                _refuse_sharded(mod, fqn)
+                plan.append((parent, name, mod))
+            elif mod.config != config:
+                raise ValueError(
+                    f"convert_to_float8_training: {fqn or '<root>'} is already a "
+                    f"Float8Linear with another config ({mod.extra_repr()}); converting "
+                    "again does not change a layer's config. Convert the plain model once "
+                    "with the config you want, or pass a module_filter_fn that leaves the "
+                    "converted layers out (e.g. lambda mod, fqn: not isinstance(mod, "
+                    "Float8Linear))"
+                )
+        for child_name, child in mod.named_children():
+            visit(mod, child_name, f"{fqn}.{child_name}" if fqn else child_name, child)
 
-    def swap(parent: nn.Module, prefix: str) -> None:
-        for name, child in parent.named_children():
-            fqn = f"{prefix}.{name}" if prefix else name
-            if eligible(child, fqn):
-                setattr(parent, name, Float8Linear.from_float(child, config=config))
-            elif not isinstance(child, Float8Linear):
-                swap(child, fqn)
-
-    swap(module, "")
+    visit(None, "", "", module)
+    # Innermost first: a Linear nested in a Linear is swapped before its parent, which then
+    # carries the converted child over.
+    for parent, name, linear in reversed(plan):
+        if parent is None:
+            # In place: the caller's reference stays valid and hooks/children are untouched.
+            linear.__class__ = Float8Linear
+            linear._init_float8(config)
+        else:
+            new = Float8Linear.from_float(linear, config=config)
+            new._modules.update(linear._modules)
+            setattr(parent, name, new)
     return module

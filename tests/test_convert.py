@@ -1,7 +1,12 @@
+import copy
+
 import pytest
 import torch
+import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from float8kit import (
     Float8Linear,
@@ -30,7 +35,10 @@ def test_swaps_eligible_linears_in_place():
     assert out is model and model.mlp is mlp  # containers kept, leaves swapped
     kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert kinds == {
-        "attn": "Float8Linear", "mlp.0": "Float8Linear", "mlp.2": "Float8Linear", "odd": "Linear"
+        "attn": "Float8Linear",
+        "mlp.0": "Float8Linear",
+        "mlp.2": "Float8Linear",
+        "odd": "Linear",
     }
 
 
@@ -51,10 +59,90 @@ def test_filter_sees_module_and_fqn_and_replaces_default():
 def test_converting_twice_never_double_wraps():
     model = convert_to_float8_training(Block())
     first = {n: m for n, m in model.named_modules()}
-    config = Float8LinearConfig.from_recipe_name("rowwise")
-    convert_to_float8_training(model, config=config)
+    convert_to_float8_training(model)  # the same config again: nothing to do
     assert {n: m for n, m in model.named_modules()} == first
     assert model.attn.config == Float8LinearConfig()
+
+
+def test_converting_again_with_another_config_raises_and_changes_nothing():
+    # 0.1.0 silently ignored the second config
+    model = convert_to_float8_training(Block())
+    first = {n: m for n, m in model.named_modules()}
+    x = torch.randn(8, 64)
+    want = model(x)
+    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
+    with pytest.raises(
+        ValueError,
+        match=r"attn is already a Float8Linear with another config.*"
+        "module_filter_fn",
+    ):
+        convert_to_float8_training(model, config=rowwise, module_filter_fn=lambda m, f: True)
+    assert {n: m for n, m in model.named_modules()} == first
+    assert type(model.odd) is nn.Linear  # not converted before the error either
+    assert torch.equal(model(x), want)
+    # per-layer configs: a filter that leaves the converted layers out
+    convert_to_float8_training(
+        model, config=rowwise, module_filter_fn=lambda m, f: not isinstance(m, Float8Linear)
+    )
+    assert model.odd.config == rowwise and model.attn.config == Float8LinearConfig()
+
+
+class LinearWithAdapter(nn.Linear):
+    """A Linear with Linear submodules (e.g. a LoRA-style adapter registered on it)."""
+
+    def __init__(self):
+        super().__init__(32, 32)
+        self.adapter = nn.Sequential(nn.Linear(32, 16, bias=False), nn.Linear(16, 32))
+
+    def forward(self, x):
+        return super().forward(x) + self.adapter(x)
+
+
+@pytest.mark.parametrize("where", ["root", "nested"])
+def test_every_linear_is_converted_including_a_linears_children(where):
+    # 0.1.0 converted a root Linear and left its child Linears hp (nested: dropped them)
+    torch.manual_seed(0)
+    hp = LinearWithAdapter() if where == "root" else nn.Sequential(LinearWithAdapter())
+    model = convert_to_float8_training(copy.deepcopy(hp))
+    kinds = {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    prefix = "" if where == "root" else "0."
+    assert kinds == {
+        prefix.rstrip("."): "Float8Linear",
+        f"{prefix}adapter.0": "Float8Linear",
+        f"{prefix}adapter.1": "Float8Linear",
+    }
+    adapter = model.adapter if where == "root" else model[0].adapter
+    hp_adapter = hp.adapter if where == "root" else hp[0].adapter
+    x = torch.randn(16, 32)
+    assert sqnr(hp_adapter(x), adapter(x)) >= 20
+    assert list(model.state_dict()) == list(hp.state_dict())
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fp8_all_gather", [False, True])
+def test_convert_after_fully_shard_says_to_convert_first(one_rank_group, fp8_all_gather):
+    # 0.1.0: "list index out of range" / "mixed torch.Tensor and DTensor" / AssertionError
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    fully_shard(model, mesh=one_rank_group)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
+    with pytest.raises(RuntimeError, match="0 is already sharded.*convert before fully_shard"):
+        convert_to_float8_training(model, config=config)
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+    # the right order works, and trains like the hp model on one rank
+    torch.manual_seed(0)
+    hp = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    f8 = convert_to_float8_training(copy.deepcopy(hp), config=config)
+    fully_shard(f8, mesh=one_rank_group)
+    x = torch.randn(16, 32)
+    assert sqnr(hp(x), f8(x)) >= 20
 
 
 def test_root_linear_is_converted_in_place():
