@@ -55,3 +55,28 @@ def test_compiled_cast_scales_are_bitwise_eager():
 
     eager, compiled = cast(x), torch.compile(cast, fullgraph=True)(x)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+@pytest.mark.parametrize("recipe", ["delayed"])
+def test_compiled_empty_batch_matches_eager_and_records_nothing(recipe):
+    # an MoE expert with no tokens, compiled: 0.1.0 raised in torch.amax while tracing
+    torch._dynamo.reset()
+    m = model(recipe)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    x = torch.randn(0, 64, dtype=torch.bfloat16)
+
+    def step(module):
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        out.float().sum().backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return out.detach(), xi.grad, grads
+
+    eager = step(m)
+    compiled = step(torch.compile(m, fullgraph=True))
+    assert compiled[0].shape == (0, 32) and compiled[1].shape == (0, 64)
+    for e, c in zip(eager[2], compiled[2], strict=True):
+        assert torch.equal(e, c) and torch.equal(c, torch.zeros_like(c))
+    for key, value in m.state_dict().items():
+        assert torch.equal(value, state[key]), key
