@@ -97,3 +97,50 @@ def test_cuda_non_finite_amax_warning_is_deferred_not_synced():
         precompute_scales(m)  # ... and reported by the next call
     assert not any("non-finite" in str(w.message) for w in first)
     assert torch.isfinite(m.fp8_amax_history_input).all()  # never folded in
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("tokens", [37, 1])
+def test_cuda_token_count_not_a_multiple_of_16_in_backward(recipe, tokens):
+    # the grad_weight gemm reduces over the tokens: zero-padded, not refused (kernel_plan)
+    hp = nn.Linear(64, 128).cuda().bfloat16()
+    f8 = convert_to_float8_training(
+        copy.deepcopy(hp), config=Float8LinearConfig.from_recipe_name(recipe)
+    )
+    x = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(tokens, 128, device="cuda")
+    ref, got = fwd_bwd(copy.deepcopy(hp).float(), x.float(), grad), fwd_bwd(f8, x, grad)
+    assert sqnr(ref[0], got[0]) >= 25 and sqnr(ref[1], got[1]) >= 20
+    assert sqnr(ref[2]["weight"], got[2]["weight"]) >= 20
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_cuda_rowwise_fp32_model_and_autocast(recipe):
+    # rowwise kernels write bf16 only: an fp32 output / grad_weight is produced as bf16 and
+    # upcast; under autocast the fp32 weight goes to float8 directly
+    hp = nn.Linear(256, 128).cuda()
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    f8 = convert_to_float8_training(copy.deepcopy(hp), config=config)
+    x, grad = torch.randn(64, 256, device="cuda"), torch.randn(64, 128, device="cuda")
+    ref = fwd_bwd(hp, x, grad)
+    got = fwd_bwd(f8, x, grad)
+    assert got[0].dtype == torch.float32 and got[2]["weight"].dtype == torch.float32
+    assert sqnr(ref[0], got[0]) >= 25 and sqnr(ref[2]["weight"], got[2]["weight"]) >= 20
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        auto = fwd_bwd(f8, x, grad)
+    assert auto[0].dtype == torch.bfloat16 and auto[2]["weight"].dtype == torch.float32
+    assert sqnr(ref[0], auto[0]) >= 25 and sqnr(ref[2]["weight"], auto[2]["weight"]) >= 20
+
+
+@pytest.mark.parametrize("recipe", RECIPES + ["delayed"])
+def test_cuda_empty_batch_calls_no_kernel(recipe):
+    from tests.helpers import count_scaled_mm
+
+    f8 = convert_to_float8_training(
+        nn.Linear(64, 128).cuda().bfloat16(), config=Float8LinearConfig.from_recipe_name(recipe)
+    )
+    x = torch.randn(0, 64, device="cuda", dtype=torch.bfloat16)
+    with count_scaled_mm() as calls:
+        out, gx, g = fwd_bwd(f8, x, torch.randn(0, 128, device="cuda"))
+    assert not calls and out.shape == (0, 128) and gx.shape == (0, 64)
+    assert torch.equal(g["weight"], torch.zeros_like(g["weight"]))
