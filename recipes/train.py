@@ -20,7 +20,10 @@ Checkpoint every 30 steps, then continue a run (bitwise the same as never stoppi
         --out runs/b
 
 Outputs: OUT/config.json, OUT/metrics.jsonl (one JSON object per step: step, loss, lr,
-tokens_per_s, and val_loss every --eval-every steps), OUT/checkpoints/step_NNNNNN/ (dcp).
+tokens_per_s, and val_loss every --eval-every steps), OUT/checkpoints/step_NNNNNN/ (dcp,
+plus manifest.json: the sha256 of every file; --resume verifies it and refuses a corrupt or
+incomplete checkpoint, naming the bad file). Evaluation runs in eval mode and never changes
+the training losses. On CPU each process uses --threads intra-op threads (default 1).
 
 The float8 part of this file is three statements tagged with a "float8" comment (import,
 convert, precompute_scales): without them what is left is the bf16 baseline.
@@ -32,6 +35,7 @@ the blocks change.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -82,36 +86,51 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _preset_default(key: str) -> str:
+    """``--help`` text of a flag whose default depends on the preset."""
+    return "default: " + ", ".join(f"{name} {d[key]}" for name, d in PRESET_DEFAULTS.items())
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="train.py", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="tiny", choices=list(PRESETS),
                    help="model size (recipes/model.py); also picks the defaults below")
     p.add_argument("--float8", default="none", choices=FLOAT8_MODES,
                    help="float8kit recipe for the block Linears; none = the bf16 baseline")
-    p.add_argument("--steps", type=int, help="optimizer steps (preset default)")
+    p.add_argument("--steps", type=int, help=f"optimizer steps ({_preset_default('steps')})")
     p.add_argument("--batch-size", type=int,
-                   help="global batch in sequences, split evenly over ranks (preset default)")
-    p.add_argument("--seq-len", type=int, help="tokens (bytes) per sequence (preset default)")
-    p.add_argument("--lr", type=float, help="peak learning rate (preset default)")
+                   help="global batch in sequences, split evenly over ranks "
+                        f"({_preset_default('batch_size')})")
+    p.add_argument("--seq-len", type=int,
+                   help=f"tokens (bytes) per sequence ({_preset_default('seq_len')})")
+    p.add_argument("--lr", type=float, help=f"peak learning rate ({_preset_default('lr')})")
     p.add_argument("--warmup", type=int, help="linear warmup steps (default: 10%% of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto = cuda when available, else cpu")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU intra-op threads per process (0 = torch's default, one per core). "
+                        "1 by default: these models are too small to gain from more, and "
+                        "threads that wait on busy cores slow a step down many times")
     p.add_argument("--seed", type=int, default=0, help="seeds the init and the batch sampler")
     p.add_argument("--out", help="output folder (default runs/PRESET_FLOAT8)")
     p.add_argument("--checkpoint-every", type=int, default=0,
                    help="save a dcp checkpoint every N steps and at the end (0 = never)")
     p.add_argument("--resume", metavar="DIR",
-                   help="continue from a checkpoint folder, or a run's --out (its latest one)")
+                   help="continue from a checkpoint folder, or a run's --out (its latest "
+                        "complete one); its manifest must verify")
     p.add_argument("--data", metavar="PATH",
                    help="a text file or folder to train on (default: the stdlib's .py files)")
     p.add_argument("--eval-every", type=int, default=50,
                    help="log val_loss every N steps and at the last step (0 = only the last)")
     p.add_argument("--eval-batches", type=int, default=8,
                    help="validation batches of --batch-size sequences per evaluation")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="when stderr is not a terminal: print a progress line every N steps "
+                        "(a terminal gets a progress bar)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     args = p.parse_args(argv)
     for k, v in PRESET_DEFAULTS[args.preset].items():
         if getattr(args, k) is None:
@@ -120,9 +139,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.warmup = max(1, args.steps // 10)
     if args.out is None:
         args.out = f"runs/{args.preset}_{args.float8}"
-    for flag in ("steps", "batch_size", "seq_len"):
+    for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("warmup", "eval_every", "checkpoint_every", "threads"):
+        if getattr(args, flag) < 0:
+            p.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.lr <= 0:
         p.error("--lr must be > 0")
     return args
@@ -132,12 +154,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # distributed setup: torchrun sets RANK/WORLD_SIZE; plain `python` runs one process
 
 
-def setup_distributed(device_flag: str) -> tuple[int, int, torch.device]:
+def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]:
+    device_flag = args.device
     if device_flag == "auto":
         device_flag = "cuda" if torch.cuda.is_available() else "cpu"
     if device_flag == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # Checked before the process group exists: every rank fails alike, nothing hangs.
+    if args.batch_size % world_size:
+        raise UsageError(f"--batch-size {args.batch_size} must be divisible by the "
+                         f"{world_size} processes")
     if world_size == 1:
         return 0, 1, torch.device(device_flag)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -223,13 +250,22 @@ RESUME_KEYS = ("preset", "float8", "steps", "batch_size", "seq_len", "lr", "warm
                "weight_decay", "grad_clip", "seed")
 
 
+MANIFEST = "manifest.json"  # sha256 and size of every file of a checkpoint, written last
+
+
 def save_checkpoint(path: Path, model, optimizer, step: int, gen: torch.Generator,
-                    meta: dict) -> None:
+                    meta: dict, rank: int, world_size: int) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd,
              "train": {"step": step, "data_rng": gen.get_state(), "meta": json.dumps(meta)}}
     with quiet_single_process():
         dcp.save(state, checkpoint_id=str(path))
+    # dcp.save returns once every rank's files and .metadata are written; the manifest
+    # comes last, so a checkpoint without one is incomplete and is never resumed from.
+    if rank == 0:
+        write_manifest(path)
+    if world_size > 1:
+        dist.barrier()
 
 
 @contextmanager
@@ -240,31 +276,84 @@ def quiet_single_process():
         yield
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path: Path) -> None:
+    files = sorted(f for f in path.rglob("*") if f.is_file() and f.name != MANIFEST)
+    entries = {f.relative_to(path).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+               for f in files}
+    tmp = path / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps({"files": entries}, indent=1) + "\n")
+    tmp.replace(path / MANIFEST)  # atomic: a manifest is whole or absent
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if every file of the checkpoint matches its manifest, else what is wrong."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return (f"{path} has no {MANIFEST}: its save did not finish (or an older train.py "
+                "wrote it); refusing to resume from a checkpoint that cannot be verified")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as e:
+        return f"{manifest} is unreadable ({e})"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return f"{f} has {size} bytes, the manifest says {want['bytes']}: corrupt checkpoint"
+        if _sha256(f) != want["sha256"]:
+            return f"{f} does not match its sha256 in {MANIFEST}: corrupt checkpoint"
+    return None
+
+
 def find_checkpoint(path: str) -> Path:
     p = Path(path)
     if (p / ".metadata").is_file():
         return p
     found = sorted((p / "checkpoints").glob("step_*/.metadata"))
+    complete = [f.parent for f in found if (f.parent / MANIFEST).is_file()]
     if not found:
         raise UsageError(f"--resume {path}: no checkpoint there (expected a folder with "
                          ".metadata, or a run folder with checkpoints/step_*)")
-    return found[-1].parent
+    if not complete:
+        raise UsageError(f"--resume {path}: no complete checkpoint there (none has a "
+                         f"{MANIFEST}: their saves did not finish)")
+    return complete[-1]
 
 
-def load_checkpoint(path: Path, model, optimizer, gen: torch.Generator, meta: dict) -> int:
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd,
-             "train": {"step": 0, "data_rng": gen.get_state(), "meta": ""}}
+def load_checkpoint(path: Path, model, optimizer, gen: torch.Generator, meta: dict,
+                    rank: int, world_size: int) -> int:
+    # Verify the files first (rank 0 reads them; every rank gets the verdict, so all fail
+    # alike), then the flags, then load: a mismatch is reported before any model key.
+    problem = [verify_checkpoint(path) if rank == 0 else None]
+    if world_size > 1:
+        dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise UsageError(f"--resume: {problem[0]}")
+    train_state = {"train": {"step": 0, "data_rng": gen.get_state(), "meta": ""}}
     with quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path))
-    saved = json.loads(state["train"]["meta"])
+        dcp.load(train_state, checkpoint_id=str(path))
+    saved = json.loads(train_state["train"]["meta"])
     for k, v in saved.items():
         if meta.get(k) != v:
             raise UsageError(f"--resume {path}: checkpoint has {k}={v!r}, this run {meta.get(k)!r}")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optim"])
-    gen.set_state(state["train"]["data_rng"])
-    return int(state["train"]["step"])
+    gen.set_state(train_state["train"]["data_rng"])
+    return int(train_state["train"]["step"])
 
 
 # ----------------------------------------------------------------------------
@@ -273,12 +362,19 @@ def load_checkpoint(path: Path, model, optimizer, gen: torch.Generator, meta: di
 
 @torch.no_grad()
 def evaluate(model, fwd, val: torch.Tensor, args, device, rank: int, world_size: int) -> float:
+    # eval mode: layers with state that training updates (float8 delayed scaling records
+    # amaxes in train mode) must not learn from validation batches. Evaluating never
+    # changes the training trajectory.
+    model.eval()
     gen = torch.Generator().manual_seed(VAL_SEED)
     total = torch.zeros((), device=device)
-    for _ in range(args.eval_batches):
-        x, y = get_batch(val, args.batch_size, args.seq_len, gen, rank, world_size)
-        with autocast(device):
-            total += fwd(x.to(device), y.to(device)).float()
+    try:
+        for _ in range(args.eval_batches):
+            x, y = get_batch(val, args.batch_size, args.seq_len, gen, rank, world_size)
+            with autocast(device):
+                total += fwd(x.to(device), y.to(device)).float()
+    finally:
+        model.train()
     reshard(model)
     if world_size > 1:
         dist.all_reduce(total)
@@ -292,10 +388,9 @@ def evaluate(model, fwd, val: torch.Tensor, args, device, rank: int, world_size:
 def train(args: argparse.Namespace) -> list[dict]:
     """Runs one training job; returns the per-step metrics (also in OUT/metrics.jsonl)."""
     # -- setup; any bad input surfaces here as UsageError/OSError/ValueError
-    rank, world_size, device = setup_distributed(args.device)
-    if args.batch_size % world_size:
-        raise UsageError(f"--batch-size {args.batch_size} must be divisible by the "
-                         f"{world_size} processes")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world_size, device = setup_distributed(args)
     try:
         corpus = load_corpus(args.data)
     except ValueError as e:
@@ -323,7 +418,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     start = 0
     if args.resume:
         ckpt = find_checkpoint(args.resume)
-        start = load_checkpoint(ckpt, model, optimizer, gen, meta)
+        start = load_checkpoint(ckpt, model, optimizer, gen, meta, rank, world_size)
         print0(f"resumed from {ckpt} at step {start}")
     # Compile after loading: checkpoints see the plain module's parameter names.
     fwd = torch.compile(model) if args.compile else model
@@ -350,8 +445,12 @@ def train(args: argparse.Namespace) -> list[dict]:
 
     # -- the loop
     tokens_per_step = args.batch_size * args.seq_len
+    # A progress bar on a terminal; plain lines every --log-every steps elsewhere (a bar's
+    # carriage returns would fill a log file).
+    bar_on = rank == 0 and not args.quiet and sys.stderr.isatty()
+    lines_on = rank == 0 and not args.quiet and not bar_on
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, dynamic_ncols=True,
-               disable=rank != 0 or args.quiet, desc=f"{args.preset}/{args.float8}")
+               disable=not bar_on, desc=f"{args.preset}/{args.float8}")
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(step, args)
@@ -383,9 +482,12 @@ def train(args: argparse.Namespace) -> list[dict]:
             metrics.flush()
         records.append(rec)
         bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        if lines_on and ((step + 1) % args.log_every == 0 or last):
+            print0(f"{args.preset}/{args.float8} step {step + 1}/{args.steps}: "
+                   f"loss {loss_val:.4f}, {rec['tokens_per_s']:.0f} tokens/s")
         if args.checkpoint_every and ((step + 1) % args.checkpoint_every == 0 or last):
             save_checkpoint(out / "checkpoints" / f"step_{step + 1:06d}", model, optimizer,
-                            step + 1, gen, meta)
+                            step + 1, gen, meta, rank, world_size)
     bar.close()
     if metrics:
         metrics.close()
@@ -396,7 +498,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     try:
         return train(args)
-    except (UsageError, OSError) as e:
+    except UsageError as e:
+        # Usage errors are the same on every rank: say it once.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
     finally:

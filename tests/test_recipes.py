@@ -156,6 +156,95 @@ def test_resume_refuses_other_flags(tmp_path, capsys):
     assert "checkpoint has lr=0.003, this run 0.001" in capsys.readouterr().err
 
 
+def test_resume_refuses_another_recipe_before_loading(tmp_path, capsys):
+    # A delayed model has float8 state keys a tensorwise checkpoint lacks: the recipe
+    # mismatch must be what the user reads, not a missing-key error from the loader.
+    run_train(tmp_path / "a", "--steps", "2", "--checkpoint-every", "2", "--float8",
+              "tensorwise")
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path / "b", "--steps", "2", "--float8", "delayed",
+                  "--resume", str(tmp_path / "a"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "checkpoint has float8='tensorwise', this run 'delayed'" in err, err
+    assert "Missing key" not in err
+
+
+def _corrupt(shard: Path, how: str) -> None:
+    if how == "flip":  # 4 KiB of flipped bytes in the middle of the shard
+        data = bytearray(shard.read_bytes())
+        mid = len(data) // 2
+        data[mid:mid + 4096] = bytes(b ^ 0xFF for b in data[mid:mid + 4096])
+        shard.write_bytes(bytes(data))
+    elif how == "truncate":
+        shard.write_bytes(b"")
+    else:  # the manifest is missing: the save never finished
+        (shard.parent / train.MANIFEST).unlink()
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "no_manifest"])
+def test_resume_refuses_corrupt_checkpoint(tmp_path, capsys, how):
+    run_train(tmp_path / "a", "--steps", "2", "--checkpoint-every", "2")
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000002"
+    manifest = json.loads((ckpt / train.MANIFEST).read_text())["files"]
+    shards = sorted(ckpt.glob("*.distcp"))
+    assert set(manifest) == {f.name for f in ckpt.iterdir() if f.name != train.MANIFEST}
+    assert train.verify_checkpoint(ckpt) is None  # intact: verifies
+    _corrupt(shards[0], how)
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path / "b", "--steps", "4", "--resume", str(ckpt))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    named = train.MANIFEST if how == "no_manifest" else shards[0].name
+    assert named in err, err
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()  # nothing trained
+
+
+def test_resume_from_run_folder_skips_incomplete_checkpoint(tmp_path):
+    run_train(tmp_path / "a", "--steps", "4", "--checkpoint-every", "2")
+    (tmp_path / "a" / "checkpoints" / "step_000004" / train.MANIFEST).unlink()
+    assert train.find_checkpoint(str(tmp_path / "a")).name == "step_000002"
+
+
+# delayed layers record amaxes in train mode; evaluation runs in eval mode, so it cannot
+# move the scales, and the training losses with and without evaluation are identical.
+def test_evaluation_does_not_change_training(tmp_path):
+    flags = ["--float8", "delayed", "--steps", "6"]
+    with_eval = run_train(tmp_path / "a", *flags, "--eval-every", "1")
+    without = run_train(tmp_path / "b", *flags, "--eval-every", "0")
+    assert [r["loss"] for r in with_eval] == [r["loss"] for r in without]
+    assert sum("val_loss" in r for r in with_eval) == 6
+
+
+def test_progress_is_plain_lines_off_a_terminal(tmp_path):
+    r = run_script(str(RECIPES / "train.py"), "--preset", "tiny", "--steps", "10",
+                   "--log-every", "4", "--eval-every", "0", "--out", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "\r" not in r.stdout + r.stderr
+    steps = [line.split("step ")[1].split(":")[0] for line in r.stdout.splitlines()
+             if line.startswith("tiny/none step ")]
+    assert steps == ["4/10", "8/10", "10/10"]
+
+
+def test_help_shows_each_presets_defaults():
+    r = run_script(str(RECIPES / "train.py"), "--help")
+    text = " ".join(r.stdout.split())
+    for key, flag in (("steps", "--steps"), ("batch_size", "--batch-size"),
+                      ("seq_len", "--seq-len"), ("lr", "--lr")):
+        want = ", ".join(f"{name} {d[key]}" for name, d in train.PRESET_DEFAULTS.items())
+        assert want in text, (flag, want)
+
+
+@pytest.mark.slow
+def test_torchrun_usage_error_is_said_once(tmp_path):
+    r = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   str(RECIPES / "train.py"), "--batch-size", "7", "--out", str(tmp_path / "o"))
+    assert r.returncode != 0
+    ours = [x for x in r.stderr.splitlines() if x.startswith("train.py: error:")]
+    assert ours == ["train.py: error: --batch-size 7 must be divisible by the 2 processes"]
+    assert 'train.py", line' not in r.stderr  # no traceback from the script itself
+
+
 # ----------------------------------------------------------------------------
 # compare.py: report.md and loss.png, numbers recomputable from metrics.jsonl
 
@@ -199,7 +288,8 @@ def test_compare_report_matches_metrics(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["preset", "mode", "missing_data", "empty_data", "seq_len",
-                                  "resume", "compare_mode"])
+                                  "resume", "compare_mode", "warmup", "eval_every",
+                                  "checkpoint_every"])
 def test_bad_input_fails_cleanly(tmp_path, case):
     small = tmp_path / "small.txt"
     small.write_bytes(b"print('hello')\n" * 40)  # 600 bytes: val split has 60
@@ -215,6 +305,10 @@ def test_bad_input_fails_cleanly(tmp_path, case):
                     f"{small} has 60 bytes"),
         "resume": ("train.py", ["--resume", str(tmp_path)], "no checkpoint there"),
         "compare_mode": ("compare.py", ["--modes", "none,fp4"], "--modes: unknown mode(s) fp4"),
+        "warmup": ("train.py", ["--warmup", "-1"], "--warmup must be >= 0"),
+        "eval_every": ("train.py", ["--eval-every", "-5"], "--eval-every must be >= 0"),
+        "checkpoint_every": ("train.py", ["--checkpoint-every", "-2"],
+                             "--checkpoint-every must be >= 0"),
     }[case]
     r = run_script(str(RECIPES / script), *flags, "--out", str(tmp_path / "out"))
     assert r.returncode == 2, (r.returncode, r.stderr)
