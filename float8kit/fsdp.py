@@ -208,7 +208,14 @@ class Float8AllGatherWeight(torch.Tensor):
                     f"float8kit: FSDP2 passed out={type(local).__name__}, expected the "
                     "Float8TrainingTensor weight built by the first all-gather"
                 )
-            local._scale.copy_(scale)
+            # Refill the scale the way FSDP2 refills the data bytes: in place, without a
+            # version bump. Autograd may have saved this scale in the forward (compiled
+            # graphs with activation checkpointing save graph inputs, not derived tensors),
+            # and the backward re-gather must not invalidate it. Sound for the same reason
+            # as FSDP2's data refill: between a forward and its backward the weight does not
+            # change, so every re-gather writes back the value that was saved.
+            with torch.autograd._unsafe_preserve_version_counter(local._scale):
+                local._scale.copy_(scale)
             return None
         data = data.view(self._fp8_dtype)
         # clone: the scale may be the precomputed one, which must not alias the weight's.
