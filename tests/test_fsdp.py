@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import float8kit
 from float8kit import (
@@ -43,6 +44,7 @@ DELAYED_AG = dataclasses.replace(DELAYED, enable_fsdp_float8_all_gather=True)
 STATIC_W = Float8LinearConfig(
     cast_config_weight=CastConfig(scaling_type=ScalingType.STATIC, static_scale=2048.0)
 )
+STATIC_AG = dataclasses.replace(STATIC_W, enable_fsdp_float8_all_gather=True)
 STEPS = 4
 LR = 1e-3
 
@@ -162,6 +164,22 @@ class _Count:
         setattr(dist, self.name, self.orig)
 
 
+class _HostReads(TorchDispatchMode):
+    """Records ops that read a value back to the host (a device sync on CUDA) or copy a
+    host value to the device."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default)
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _types(tensors) -> list[str]:
     """``DTensor(Tensor)`` for a DTensor of plain local tensors, ``Tensor`` for a plain one."""
     return sorted(
@@ -223,6 +241,10 @@ def _worker_train(rank: int, world: int, tmp: str) -> dict:
     res["clipped_norm"] = (
         torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).full_tensor().item()
     )
+    with _HostReads() as hr:  # steady state: nothing read back, no index tensor uploaded
+        precompute_scales(model)
+        model(xs[1, local]).sum().backward()
+    res["steady_host_reads"] = hr.reads
 
     # Same, never calling precompute_scales: the hook's own all-reduce (one per weight).
     model = fsdp_net(reshard_after_forward=True)
@@ -288,9 +310,12 @@ def _worker_train(rank: int, world: int, tmp: str) -> dict:
         with _Count("all_reduce") as ar:
             precompute_scales(model)
         res[f"{name}_precompute_all_reduces"] = ar.calls
-        with _Count("all_reduce") as ar:
-            model(xs[0, local]).sum().backward()
+        with _HostReads() as hr:
+            with _Count("all_reduce") as ar:
+                model(xs[0, local]).sum().backward()
+            precompute_scales(model)
         res[f"{name}_fwd_bwd_all_reduces"] = ar.calls
+        res[f"{name}_steady_host_reads"] = hr.reads
         model = _net(ag_config)
         _shard(model, mesh, model.layers, reshard_after_forward=True)
         res[f"{name}_replicated_data"], _ = _train(model, xs, ys, STEPS)
@@ -506,6 +531,7 @@ def test_delayed_and_static_weights_with_float8_all_gather(train2, policy):
         # static: nothing to reduce. Neither all-reduces in forward/backward once set.
         assert r[f"{policy}_precompute_all_reduces"] == (1 if policy == "delayed" else 0)
         assert r[f"{policy}_fwd_bwd_all_reduces"] == 0
+        assert r[f"{policy}_steady_host_reads"] == []
 
 
 @pytest.mark.slow
@@ -542,6 +568,7 @@ def test_precompute_one_collective_and_full_weight_scales(train2):
     for r in train2:
         assert r["precompute_all_reduces"] == 1
         assert r["fwd_bwd_all_reduces_after_precompute"] == 0
+        assert r["steady_host_reads"] == []
         # Bitwise: the scale of the full, unsharded weight's amax.
         assert _bitwise(r["precomputed_scales"], r["full_weight_scales"])
         assert len(r["precomputed_scales"]) == 4
@@ -701,19 +728,43 @@ def test_rowwise_with_fp8_all_gather_is_a_config_error():
         )
 
 
+class _OneRank:
+    def size(self):
+        return 1
+
+
+@pytest.mark.parametrize("policy", ["dynamic", "delayed", "static"])
+def test_all_gather_scale_comes_from_operand_scale(monkeypatch, policy):
+    # One scale decision: the FSDP2 hook asks operand_scale, as the gemms' casts do, and gets
+    # the scale the layer's own forward cast of the full weight would use.
+    config = {"dynamic": FP8_AG, "delayed": DELAYED_AG, "static": STATIC_AG}[policy]
+    module = Float8Linear(16, 6, bias=False, config=config)
+    w = module.weight
+    state = module._operand_state(float8kit.GemmRole.WEIGHT, False)
+    ref = float8kit.linear.cast_to_float8(
+        w._tensor, config.cast_config_weight, float8kit.GemmRole.WEIGHT, -1, config, *state
+    )
+    real, calls = float8kit.linear.operand_scale, []
+
+    def spy(cast, *args, **kwargs):
+        calls.append(cast.scaling_type)
+        return real(cast, *args, **kwargs)
+
+    monkeypatch.setattr(float8kit.linear, "operand_scale", spy)
+    _, (scale,) = w.fsdp_pre_all_gather(_OneRank(), w.shape, (16, 1), module, None)
+    assert calls == [config.cast_config_weight.scaling_type]
+    assert torch.equal(scale, ref._scale)
+    assert not hasattr(module, "_scale_for")  # the old, unused second path is gone
+
+
 def test_post_all_gather_builds_the_float8_weight():
     # The two hooks on one rank (world size 1 needs no collective when the scale is fresh).
     hp = torch.randn(6, 16)
     module = Float8Linear(16, 6, bias=False, config=FP8_AG)
     w = module.weight
-
-    class OneRank:
-        def size(self):
-            return 1
-
     with torch.no_grad():
         w.copy_(hp)
-    (data,), meta = w.fsdp_pre_all_gather(OneRank(), hp.shape, (16, 1), module, None)
+    (data,), meta = w.fsdp_pre_all_gather(_OneRank(), hp.shape, (16, 1), module, None)
     assert data.dtype == torch.uint8 and data.shape == hp.shape
     weight, (inner,) = w.fsdp_post_all_gather((data,), meta, torch.bfloat16)
     assert isinstance(weight, Float8TrainingTensor) and weight.dtype == torch.bfloat16
