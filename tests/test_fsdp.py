@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import math
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -475,8 +476,19 @@ def _entry(rank: int, name: str, world: int, tmp: str) -> None:
     try:
         result = globals()[name](rank, world, tmp)
         torch.save(result, f"{tmp}/rank{rank}.pt")
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """End a finished rank without interpreter teardown: on a loaded machine, destroying
+    gloo's background threads at exit sometimes aborted the process ("terminate called
+    without an active exception") after its result was written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _spawn(name: str, world: int, tmp: Path) -> list[dict]:
