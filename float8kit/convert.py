@@ -45,6 +45,9 @@ def convert_to_float8_training(
     def eligible(mod: nn.Module, fqn: str) -> bool:
         return isinstance(mod, nn.Linear) and not isinstance(mod, Float8Linear) and keep(mod, fqn)
 
+    if config.enable_fsdp_float8_all_gather:
+        _refuse_ties_with_unconverted(module, eligible)
+
     if eligible(module, ""):
         # In place: the caller's reference stays valid and hooks/parameters are untouched.
         module.__class__ = Float8Linear
@@ -61,3 +64,21 @@ def convert_to_float8_training(
 
     swap(module, "")
     return module
+
+
+def _refuse_ties_with_unconverted(module: nn.Module, eligible: ModuleFilter) -> None:
+    """With float8 all-gather a converted weight becomes a new parameter (a subclass on the
+    same storage); a module that is not converted and shares it (an embedding tied to the
+    output head) would keep the old one: two parameters on one storage, updated twice."""
+    converted = {id(m.weight): fqn for fqn, m in module.named_modules() if eligible(m, fqn)}
+    for fqn, mod in module.named_modules(remove_duplicate=False):
+        if eligible(mod, fqn):
+            continue
+        for name, param in mod.named_parameters(recurse=False):
+            if id(param) in converted:
+                raise ValueError(
+                    f"float8kit: {fqn or '<root>'}.{name} is tied to the weight of "
+                    f"{converted[id(param)] or '<root>'}, which enable_fsdp_float8_all_gather "
+                    "would wrap in a new parameter and so untie. Keep that layer in hp "
+                    "(module_filter_fn) or set enable_fsdp_float8_all_gather=False"
+                )

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import scaling
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingType
@@ -408,19 +409,36 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
 # ---------------------------------------------------------------------------- Float8Linear
 
 
+# original parameter -> its wrapped parameter: layers that share (tie) a weight share the
+# wrapped parameter too, so the tie survives conversion (one parameter for the optimizer and
+# for FSDP2, not two on one storage).
+_WRAPPED = WeakIdKeyDictionary()
+
+
 def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Parameter:
-    """``weight`` as a parameter holding a ``Float8AllGatherWeight`` (same storage)."""
+    """``weight`` as a parameter holding a ``Float8AllGatherWeight`` (same storage); the same
+    wrapped parameter for every layer that shares ``weight``."""
     if isinstance(weight, Float8AllGatherWeight):
         return weight
+    wrapped = _WRAPPED.get(weight)
+    if wrapped is not None:
+        if wrapped._config != config:
+            raise ValueError(
+                "float8kit: layers that share (tie) a weight need the same Float8LinearConfig "
+                "with enable_fsdp_float8_all_gather=True (the weight is gathered once)"
+            )
+        return wrapped
     if type(weight.data) is not torch.Tensor:
         raise TypeError(
             "float8kit: enable_fsdp_float8_all_gather needs a plain tensor weight; got "
             f"{type(weight.data).__name__} (convert to float8 before fully_shard / "
             "parallelize_module)"
         )
-    return nn.Parameter(
+    wrapped = nn.Parameter(
         Float8AllGatherWeight(weight.detach(), config), requires_grad=weight.requires_grad
     )
+    _WRAPPED[weight] = wrapped
+    return wrapped
 
 
 def store_plain_weight(state_dict: dict, prefix: str) -> None:

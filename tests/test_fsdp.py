@@ -693,6 +693,40 @@ def test_weight_subclass_is_transparent_on_one_device():
     assert sd["layers.0.fc1.weight"].data_ptr() == w._tensor.data_ptr()
 
 
+class _Tied(nn.Module):
+    """An embedding, two linears sharing one weight, and a head tied to the embedding."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 64)
+        self.a = nn.Linear(64, 64, bias=False)
+        self.b = nn.Linear(64, 64, bias=False)
+        self.b.weight = self.a.weight
+        self.head = nn.Linear(64, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.b(F.relu(self.a(self.emb(tokens)))))
+
+
+def test_tied_weights_stay_tied_or_are_refused():
+    tokens = torch.randint(0, 32, (3, 16), generator=torch.Generator().manual_seed(0))
+    targets = torch.randn(3, 16, 32, generator=torch.Generator().manual_seed(1))
+    losses = {}
+    for name, config in (("plain", Float8LinearConfig()), ("fp8_ag", FP8_AG)):
+        torch.manual_seed(0)
+        model = convert_to_float8_training(
+            _Tied(), config=config, module_filter_fn=lambda m, fqn: fqn != "head"
+        )
+        assert model.a.weight is model.b.weight  # one parameter, wrapped once
+        assert len(list(model.parameters())) == 2  # emb(=head), a(=b): as before conversion
+        losses[name], _ = _train(model, tokens, targets, 3)
+    assert _bitwise(losses["fp8_ag"], losses["plain"])  # AdamW updated each weight once
+    # A converted weight tied to a module that stays hp would be untied: refused, by name.
+    with pytest.raises(ValueError, match=r"emb\.weight is tied to the weight of head"):
+        convert_to_float8_training(_Tied(), config=FP8_AG, module_filter_fn=lambda m, f: True)
+
+
 def test_weight_subclass_ops():
     hp = torch.randn(10, 4)
     w = Float8AllGatherWeight(hp.clone(), FP8_AG)
