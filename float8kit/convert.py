@@ -96,6 +96,8 @@ def convert_to_float8_training(
             visit(mod, child_name, f"{fqn}.{child_name}" if fqn else child_name, child)
 
     visit(None, "", "", module)
+    if config.enable_fsdp_float8_all_gather:
+        _refuse_ties_with_unconverted(module, {id(linear) for _, _, linear in plan})
     # Innermost first: a Linear nested in a Linear is swapped before its parent, which then
     # carries the converted child over.
     for parent, name, linear in reversed(plan):
@@ -108,3 +110,21 @@ def convert_to_float8_training(
             new._modules.update(linear._modules)
             setattr(parent, name, new)
     return module
+
+
+def _refuse_ties_with_unconverted(module: nn.Module, converting: set[int]) -> None:
+    """With float8 all-gather a converted weight becomes a new parameter (a subclass on the
+    same storage); a module that is not converted and shares it (an embedding tied to the
+    output head) would keep the old one: two parameters on one storage, updated twice."""
+    converted = {id(m.weight): fqn for fqn, m in module.named_modules() if id(m) in converting}
+    for fqn, mod in module.named_modules(remove_duplicate=False):
+        if id(mod) in converting:
+            continue
+        for name, param in mod.named_parameters(recurse=False):
+            if id(param) in converted:
+                raise ValueError(
+                    f"float8kit: {fqn or '<root>'}.{name} is tied to the weight of "
+                    f"{converted[id(param)] or '<root>'}, which enable_fsdp_float8_all_gather "
+                    "would wrap in a new parameter and so untie. Keep that layer in hp "
+                    "(module_filter_fn) or set enable_fsdp_float8_all_gather=False"
+                )

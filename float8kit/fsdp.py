@@ -38,8 +38,9 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-from float8kit import scale_state, scaling
+from float8kit import scaling
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingType
 from float8kit.tensor import Float8TrainingTensor
 
@@ -208,7 +209,14 @@ class Float8AllGatherWeight(torch.Tensor):
                     f"float8kit: FSDP2 passed out={type(local).__name__}, expected the "
                     "Float8TrainingTensor weight built by the first all-gather"
                 )
-            local._scale.copy_(scale)
+            # Refill the scale the way FSDP2 refills the data bytes: in place, without a
+            # version bump. Autograd may have saved this scale in the forward (compiled
+            # graphs with activation checkpointing save graph inputs, not derived tensors),
+            # and the backward re-gather must not invalidate it. Sound for the same reason
+            # as FSDP2's data refill: between a forward and its backward the weight does not
+            # change, so every re-gather writes back the value that was saved.
+            with torch.autograd._unsafe_preserve_version_counter(local._scale):
+                local._scale.copy_(scale)
             return None
         data = data.view(self._fp8_dtype)
         # clone: the scale may be the precomputed one, which must not alias the weight's.
@@ -285,60 +293,57 @@ def weight_scale_for_all_gather(
 ) -> torch.Tensor:
     """The scale to cast this step's weight shard with, identical on every rank of ``mesh``.
 
-    The one place that picks a weight scale for the all-gather, per the weight's policy:
+    The scale itself comes from ``operand_scale`` (float8kit/linear.py), the decision every
+    cast of the layer goes through; this function only supplies its inputs for a shard:
 
-    - DYNAMIC: the scale ``precompute_scales`` stored on ``module``, if the weight has not
-      changed since; otherwise the amax of the whole weight, now, with one all-reduce.
+    - DYNAMIC: the scale ``precompute_scales`` stored on ``module`` (made by
+      ``operand_scale`` from the all-reduced amaxes), if the weight has not changed since;
+      otherwise from the amax of the whole weight, now, with one all-reduce.
     - STATIC: the layer's ``fp8_scale_weight`` buffer (replicated; no collective).
     - DELAYED: records the local shard's amax into ``fp8_amax_weight`` (train mode;
       ``precompute_scales``' single all_reduce(MAX) makes it the full weight's amax) and
-      uses ``fp8_scale_weight`` once it is set. Until then (the first step) the whole
-      weight's amax, with one all-reduce, like an un-precomputed DYNAMIC weight.
+      uses ``fp8_scale_weight``. Until ``precompute_scales`` has marked that scale set (the
+      first step) the whole weight's amax is needed, with one all-reduce, like an
+      un-precomputed DYNAMIC weight. The mark is a host flag that flips alike on every rank,
+      so every rank makes the same choice, with no host read of the buffer.
     """
-    cast = weight._config.cast_config_weight
-    if cast.scaling_type is ScalingType.STATIC:
-        if "weight" in module._fp8_uncalibrated:
-            raise RuntimeError(
-                "float8kit: the STATIC weight scale of a float8 all-gather weight is not set: "
-                "run float8kit.calibrate(model, batches) first, or set CastConfig.static_scale"
-            )
-        return module._buffers[scale_state.scale_name(GemmRole.WEIGHT)]
-    if cast.scaling_type is ScalingType.DELAYED:
-        local = local_amaxes([weight._tensor])
-        if module.training:
-            record = module._buffers[scale_state.amax_name(GemmRole.WEIGHT)]
-            record.copy_(torch.maximum(record, local[0]))
-        stored = module._buffers[scale_state.scale_name(GemmRole.WEIGHT)]
-        flag = scale_state.DELAYED_WEIGHT_SCALE_SET
-        # A host read only until the scale is first set (a step or two); the buffer holds
-        # the same value on every rank, so every rank takes the same branch.
-        if not module.__dict__.get(flag) and bool(stored >= 0):
-            module.__dict__[flag] = True
-        if module.__dict__.get(flag):
-            return stored
-        return _full_weight_scale(weight, mesh, local)
-    precomputed: PrecomputedScale | None = getattr(module, _SCALE_ATTR, None)
-    if precomputed is not None:
-        if precomputed.fresh(module.weight):
-            return precomputed.scale
-        warnings.warn(
-            "float8kit: a weight changed after precompute_scales(); its float8 all-gather "
-            "falls back to one all-reduce per weight. Call precompute_scales(model) after "
-            "every optimizer.step() (and after loading weights).",
-            stacklevel=2,
+    from float8kit.linear import needs_amax, operand_scale
+
+    config = weight._config
+    cast = config.cast_config_weight
+    kind = cast.scaling_type
+    if kind is ScalingType.STATIC and "weight" in module._fp8_uncalibrated:
+        raise RuntimeError(
+            "float8kit: the STATIC weight scale of a float8 all-gather weight is not set: "
+            "run float8kit.calibrate(model, batches) first, or set CastConfig.static_scale"
         )
-        setattr(module, _SCALE_ATTR, None)
-    return _full_weight_scale(weight, mesh, local_amaxes([weight._tensor]))
+    if kind is ScalingType.DYNAMIC:
+        precomputed: PrecomputedScale | None = getattr(module, _SCALE_ATTR, None)
+        if precomputed is not None:
+            if precomputed.fresh(module.weight):
+                return precomputed.scale
+            warnings.warn(
+                "float8kit: a weight changed after precompute_scales(); its float8 all-gather "
+                "falls back to one all-reduce per weight. Call precompute_scales(model) after "
+                "every optimizer.step() (and after loading weights).",
+                stacklevel=2,
+            )
+            setattr(module, _SCALE_ATTR, None)
+    state_scale, amax_record, scale_set = module._operand_state(GemmRole.WEIGHT, module.training)
+    amax = None
+    if needs_amax(cast, amax_record is not None, scale_set):
+        amax = local_amaxes([weight._tensor])[0]
+        if kind is ScalingType.DYNAMIC or not scale_set:
+            amax = _all_reduce_max(amax, mesh)  # the scale needs the whole weight's amax
+    return operand_scale(cast, GemmRole.WEIGHT, config, amax, state_scale, amax_record, scale_set)
 
 
-def _full_weight_scale(weight: Float8AllGatherWeight, mesh, local: torch.Tensor) -> torch.Tensor:
-    """The scale of the whole weight from this shard's amax ``local``: one all-reduce."""
-    amax = local.clone()
+def _all_reduce_max(amax: torch.Tensor, mesh) -> torch.Tensor:
+    """The max of ``amax`` over the ranks of ``mesh``: one all-reduce (none on one rank)."""
+    amax = amax.clone()
     if mesh.size() > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-    return scaling.amax_to_scale(
-        amax[0], weight._fp8_dtype, weight._config.round_scales_to_power_of_2
-    )
+    return amax
 
 
 def _sharded_fp8_linears(module: nn.Module) -> list[nn.Module]:
@@ -370,6 +375,8 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     Returns:
         ``[(amaxes, apply)]``, or ``[]`` when nothing is sharded with float8 all-gather.
     """
+    from float8kit.linear import operand_scale
+
     mods = [
         m
         for m in _sharded_fp8_linears(module)
@@ -377,20 +384,24 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     ]
     if not mods:
         return []
-    shards = [m.weight._local_tensor for m in mods]
-    amaxes = local_amaxes([w._tensor for w in shards])
+    # Group by scale computation (cast, power-of-2 rounding) and order the weights group by
+    # group, so each group is one slice of the amaxes: no index tensor to copy to the device.
+    groups: dict[tuple, list[nn.Module]] = {}
+    for m in mods:
+        key = (m.config.cast_config_weight, m.config.round_scales_to_power_of_2)
+        groups.setdefault(key, []).append(m)
+    mods = [m for rows in groups.values() for m in rows]
+    amaxes = local_amaxes([m.weight._local_tensor._tensor for m in mods])
     stamps = [(weakref.ref(m.weight), m.weight._version) for m in mods]
 
     def apply(reduced: torch.Tensor) -> None:
-        groups: dict[tuple[torch.dtype, bool], list[int]] = {}
-        for i, w in enumerate(shards):
-            key = (w._fp8_dtype, w._config.round_scales_to_power_of_2)
-            groups.setdefault(key, []).append(i)
-        for (fp8_dtype, pow2), idx in groups.items():
-            index = torch.tensor(idx, device=reduced.device)
-            scales = scaling.amax_to_scale(reduced.index_select(0, index), fp8_dtype, pow2)
-            for i, scale in zip(idx, scales.unbind(0), strict=True):
+        start = 0
+        for (cast, _), rows in groups.items():
+            stop = start + len(rows)
+            scales = operand_scale(cast, GemmRole.WEIGHT, rows[0].config, reduced[start:stop])
+            for i, scale in zip(range(start, stop), scales.unbind(0), strict=True):
                 setattr(mods[i], _SCALE_ATTR, PrecomputedScale(scale, *stamps[i]))
+            start = stop
 
     return [(amaxes, apply)]
 
@@ -398,19 +409,36 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
 # ---------------------------------------------------------------------------- Float8Linear
 
 
+# original parameter -> its wrapped parameter: layers that share (tie) a weight share the
+# wrapped parameter too, so the tie survives conversion (one parameter for the optimizer and
+# for FSDP2, not two on one storage).
+_WRAPPED = WeakIdKeyDictionary()
+
+
 def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Parameter:
-    """``weight`` as a parameter holding a ``Float8AllGatherWeight`` (same storage)."""
+    """``weight`` as a parameter holding a ``Float8AllGatherWeight`` (same storage); the same
+    wrapped parameter for every layer that shares ``weight``."""
     if isinstance(weight, Float8AllGatherWeight):
         return weight
+    wrapped = _WRAPPED.get(weight)
+    if wrapped is not None:
+        if wrapped._config != config:
+            raise ValueError(
+                "float8kit: layers that share (tie) a weight need the same Float8LinearConfig "
+                "with enable_fsdp_float8_all_gather=True (the weight is gathered once)"
+            )
+        return wrapped
     if type(weight.data) is not torch.Tensor:
         raise TypeError(
             "float8kit: enable_fsdp_float8_all_gather needs a plain tensor weight; got "
             f"{type(weight.data).__name__} (convert to float8 before fully_shard / "
             "parallelize_module)"
         )
-    return nn.Parameter(
+    wrapped = nn.Parameter(
         Float8AllGatherWeight(weight.detach(), config), requires_grad=weight.requires_grad
     )
+    _WRAPPED[weight] = wrapped
+    return wrapped
 
 
 def store_plain_weight(state_dict: dict, prefix: str) -> None:

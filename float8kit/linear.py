@@ -6,12 +6,15 @@ Gemms and the inner (reduced) dim of each operand, which is the dim axiswise sca
     grad_input  = grad_output (M,N)  @ weight (N,K)      reduce N: grad_output dim -1, weight dim 0
     grad_weight = grad_output.T (N,M) @ input (M,K)      reduce M: grad_output dim 0, input dim 0
 
-Where each operand's scale comes from is decided in one place, ``operand_scale``; the layer's
-DELAYED/STATIC state (see ``scale_state``) reaches it through ``Float8Linear._scale_for`` or,
-inside the autograd Function, as explicit tensor arguments.
+Where each operand's scale comes from is decided in one place, ``operand_scale``, for the
+gemms' casts and for the FSDP2 float8 all-gather (float8kit/fsdp.py) alike; the layer's
+DELAYED/STATIC state (see ``scale_state``) reaches it through ``Float8Linear._operand_state``
+(inside the autograd Function, as explicit arguments).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -35,40 +38,56 @@ def operand_scale(
     amax: torch.Tensor | None,
     state_scale: torch.Tensor | None = None,
     amax_record: torch.Tensor | None = None,
+    scale_set: bool = False,
 ) -> torch.Tensor:
-    """The scale an operand is cast with: the one per-operand scale decision.
+    """The scale an operand is cast with: the one per-operand scale decision, for the casts in
+    ``Float8Linear``'s gemms, the FSDP2 float8 all-gather and ``precompute_scales``.
 
     Args:
         cast: the operand's cast for this gemm.
         role: which operand (picks the float8 dtype).
         config: the layer's config (power-of-2 rounding).
-        amax: the operand's current amax (shape () or per slice); unused by STATIC.
+        amax: the operand's current amax (shape () or per slice; a batch of amaxes gives a
+            batch of DYNAMIC scales). Needed by DYNAMIC, and by DELAYED when it records or
+            while its scale is not set (``needs_amax``); None otherwise.
         state_scale: DELAYED/STATIC: the layer's ``fp8_scale_<op>`` buffer.
         amax_record: DELAYED, train mode: the layer's ``fp8_amax_<op>`` buffer; ``amax`` is
             folded into it in place (running max until ``precompute_scales``).
+        scale_set: DELAYED: the host knows ``state_scale`` is set (``precompute_scales``
+            flips this once per layer and operand; see ``scale_state.DELAYED_SCALES_SET``).
 
     Returns:
-        DYNAMIC: ``fp8_max / amax``. STATIC: ``state_scale``. DELAYED: ``state_scale``, or
-        while that is unset (before the first ``precompute_scales``) the dynamic scale, so
-        the first step scales from its own amax. A tensor op, not a host branch: the same
-        compiled graph serves the first step and all later ones.
+        DYNAMIC: ``fp8_max / amax``. STATIC: ``state_scale``. DELAYED: ``state_scale``. Until
+        the host knows it is set (the first step), ``where(state_scale < 0, dynamic,
+        state_scale)``: a tensor op that still scales right if the buffer is unset, at the
+        cost of an amax pass; the flag takes that pass off the steady state.
     """
     kind = cast.scaling_type
     if kind is ScalingType.STATIC:
         if state_scale is None:
             raise ValueError(f"STATIC {role.value} scaling needs the layer's fp8_scale buffer")
         return state_scale
-    fp8_dtype = cast.dtype_for(role)
-    dynamic = scaling.amax_to_scale(amax, fp8_dtype, config.round_scales_to_power_of_2)
     if kind is ScalingType.DYNAMIC:
-        return dynamic
+        return scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
     if state_scale is None:
         raise ValueError(f"DELAYED {role.value} scaling needs the layer's fp8_scale buffer")
     if amax_record is not None:
         # In place on a buffer that was passed in: under torch.compile AOTAutograd turns this
-        # into a graph-input mutation, in the forward and in the backward graph alike.
-        amax_record.copy_(torch.maximum(amax_record, amax))
+        # into a graph-input mutation, in the forward and in the backward graph alike. One op
+        # (clamp_ keeps NaN, like maximum): the recording costs no more than a DYNAMIC scale.
+        amax_record.clamp_(min=amax)
+    if scale_set:
+        return state_scale
+    dynamic = scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
     return torch.where(state_scale < 0, dynamic, state_scale)
+
+
+def needs_amax(cast: CastConfig, recording: bool, scale_set: bool) -> bool:
+    """Whether ``operand_scale`` needs the operand's current amax (an extra read pass)."""
+    kind = cast.scaling_type
+    if kind is ScalingType.DELAYED:
+        return recording or not scale_set
+    return kind is ScalingType.DYNAMIC
 
 
 def cast_to_float8(
@@ -79,16 +98,25 @@ def cast_to_float8(
     config: Float8LinearConfig,
     state_scale: torch.Tensor | None = None,
     amax_record: torch.Tensor | None = None,
+    scale_set: bool = False,
 ) -> Float8TrainingTensor:
     """Cast ``hp`` to float8 with the scale ``operand_scale`` picks: dynamic from its own
     amax (one scale, or one per slice along ``reduce_dim`` when axiswise), delayed or static
-    from the layer's state (``state_scale``, ``amax_record``: see ``operand_scale``)."""
+    from the layer's state (``state_scale``, ``amax_record``, ``scale_set``: see
+    ``operand_scale``). The amax is computed only when that scale needs it: STATIC never,
+    DELAYED in train mode (to record it) or before its scale is set."""
     fp8_dtype = cast.dtype_for(role)
     axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
     amax = None
-    if cast.scaling_type is not ScalingType.STATIC:
-        amax = scaling.amax(hp, reduce_dim if axiswise else None)
-    scale = operand_scale(cast, role, config, amax, state_scale, amax_record)
+    if needs_amax(cast, amax_record is not None, scale_set):
+        if scale_set and hp.numel() > 0:
+            # Only recorded (DELAYED, scale set): one reduction op, in hp. max(|hp|) is exact
+            # in any float dtype, and the fp32 record's clamp_ promotes it: the same value
+            # as scaling.amax, two ops fewer per cast.
+            amax = torch.linalg.vector_norm(hp, ord=math.inf)
+        else:
+            amax = scaling.amax(hp, reduce_dim if axiswise else None)
+    scale = operand_scale(cast, role, config, amax, state_scale, amax_record, scale_set)
     # A dynamic scale already turns inf/NaN into NaN (scale 0 or NaN): no guard pass needed.
     return hp_to_float8(
         hp,
@@ -130,12 +158,14 @@ class _Float8Matmul(torch.autograd.Function):
 
     DELAYED/STATIC state: ``*_scale`` is the operand's ``fp8_scale_<op>`` buffer (None when
     the operand keeps no state), ``*_amax`` its ``fp8_amax_<op>`` buffer when amaxes are
-    recorded (train mode), else None. The grad_output amax is recorded in ``backward`` by
-    an in-place ``copy_`` into that buffer, which reaches backward as a ``ctx`` attribute,
-    not through ``save_for_backward``: the buffer is mutated by every call, and a saved
-    tensor's version check would fail when a layer runs twice before its backwards (weight
-    tying, activation checkpointing). AOTAutograd traces the mutation of this forward input
-    into the compiled backward graph (no graph break; checked in tests/test_compile_scaling).
+    recorded (train mode), else None, ``*_set`` whether the host knows the DELAYED scale is
+    set (a Python bool: compiled graphs specialize on it). The grad_output amax is recorded
+    in ``backward`` by an in-place ``clamp_`` of that buffer, which reaches backward as a
+    ``ctx`` attribute, not through ``save_for_backward``: the buffer is mutated by every
+    call, and a saved tensor's version check would fail when a layer runs twice before its
+    backwards (weight tying, activation checkpointing). AOTAutograd traces the mutation of
+    this forward input into the compiled backward graph (no graph break; checked in
+    tests/test_compile_scaling).
     """
 
     @staticmethod
@@ -146,10 +176,13 @@ class _Float8Matmul(torch.autograd.Function):
         config: Float8LinearConfig,
         x_scale: torch.Tensor | None = None,
         x_amax: torch.Tensor | None = None,
+        x_set: bool = False,
         w_scale: torch.Tensor | None = None,
         w_amax: torch.Tensor | None = None,
+        w_set: bool = False,
         go_scale: torch.Tensor | None = None,
         go_amax: torch.Tensor | None = None,
+        go_set: bool = False,
     ):
         c = config
         ctx.w_dtype = weight.dtype
@@ -160,13 +193,13 @@ class _Float8Matmul(torch.autograd.Function):
         weight_is_fp8 = isinstance(weight, Float8TrainingTensor)
         if c.cast_config_input.enabled:
             x = cast_to_float8(
-                input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax
+                input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
             )
             w = (
                 weight
                 if weight_is_fp8
                 else cast_to_float8(
-                    weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax
+                    weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
                 )
             )
             output = torch.mm(x, w.t())
@@ -182,9 +215,17 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.config = c
         # The second uses of input and weight record their amax only when the first use
         # did not (see _reusable / the stateful_cast validation).
-        ctx.x_state = (x_scale, None if c.cast_config_input.scaling_type.stateful else x_amax)
-        ctx.w_state = (w_scale, None if c.cast_config_weight.scaling_type.stateful else w_amax)
-        ctx.go_state = (go_scale, go_amax)
+        ctx.x_state = (
+            x_scale,
+            None if c.cast_config_input.scaling_type.stateful else x_amax,
+            x_set,
+        )
+        ctx.w_state = (
+            w_scale,
+            None if c.cast_config_weight.scaling_type.stateful else w_amax,
+            w_set,
+        )
+        ctx.go_state = (go_scale, go_amax, go_set)
         return output
 
     @staticmethod
@@ -200,7 +241,7 @@ class _Float8Matmul(torch.autograd.Function):
             x_shape, w_shape, w_device = ctx.shapes
             grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
             grad_input = grad_output.new_zeros(x_shape)
-            return grad_input, grad_weight, None, None, None, None, None, None, None
+            return grad_input, grad_weight, None, *(None,) * 9
         c = ctx.config
         x_saved, w_saved = ctx.saved_tensors
         grad_output = grad_output.contiguous()
@@ -228,9 +269,8 @@ class _Float8Matmul(torch.autograd.Function):
         # grad_weight = grad_output.T @ input, reducing M
         go_gw_cast = c.cast_config_grad_output_for_grad_weight
         if go_gw_cast.enabled:
-            go_gw_state = (
-                ctx.go_state if not go_cast.scaling_type.stateful else (ctx.go_state[0], None)
-            )
+            go_scale, go_amax, go_set = ctx.go_state
+            go_gw_state = (go_scale, None if go_cast.scaling_type.stateful else go_amax, go_set)
             go_t = (
                 go
                 if _reusable(go_cast, go_gw_cast)
@@ -251,7 +291,7 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
             grad_weight = grad_weight.to(ctx.w_dtype)
-        return grad_input, grad_weight, None, None, None, None, None, None, None
+        return grad_input, grad_weight, None, *(None,) * 9
 
 
 class Float8Linear(nn.Linear):
@@ -317,30 +357,21 @@ class Float8Linear(nn.Linear):
 
     def _operand_state(
         self, role: GemmRole, record: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(``fp8_scale_<op>``, ``fp8_amax_<op>`` if DELAYED and ``record``), Nones if the
-        operand keeps no state."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """(``fp8_scale_<op>``, ``fp8_amax_<op>`` if DELAYED and ``record``, whether the host
+        knows that DELAYED scale is set): ``operand_scale``'s state arguments. (None, None,
+        False) if the operand keeps no state."""
         cast = self.config.stateful_cast(role)
         if cast is None:
-            return None, None
+            return None, None, False
         scale = self._buffers[scale_state.scale_name(role)]
-        if record and cast.scaling_type is ScalingType.DELAYED:
-            return scale, self._buffers[scale_state.amax_name(role)]
-        return scale, None
-
-    def _scale_for(self, role: GemmRole, amax: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensorwise scale this layer casts operand ``role`` with in its first gemm.
-
-        For code that casts an operand outside ``forward`` (the FSDP2 float8 all-gather of
-        the weight). ``amax`` is the operand's current amax: needed for DYNAMIC, and for
-        DELAYED (recorded in train mode, and the scale before the first
-        ``precompute_scales``): for a shard, pass the amax of the whole tensor. STATIC
-        ignores it.
-        """
-        c = self.config
-        cast = c.stateful_cast(role) or getattr(c, c.operand_uses()[role][0])
-        state_scale, amax_record = self._operand_state(role, self.training)
-        return operand_scale(cast, role, c, amax, state_scale, amax_record)
+        if cast.scaling_type is not ScalingType.DELAYED:
+            return scale, None, False
+        scale_set = scale_state.OPERAND_NAMES[role] in getattr(
+            self, scale_state.DELAYED_SCALES_SET, ()
+        )
+        amax_record = self._buffers[scale_state.amax_name(role)] if record else None
+        return scale, amax_record, scale_set
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -381,7 +412,7 @@ class Float8Linear(nn.Linear):
                 "torch.autocast for a mixed-precision model"
                 + ("" if input.is_floating_point() else "; integer inputs are never accepted")
             )
-        # (x_scale, x_amax, w_scale, w_amax, go_scale, go_amax): GemmRole's order
+        # (scale, amax record, scale set) per operand, in GemmRole's order
         states = [t for role in GemmRole for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states)
         # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,

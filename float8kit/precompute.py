@@ -34,6 +34,10 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     recent, power-of-2 rounding), writes them back with ``torch._foreach_copy_``, clears the
     records and the layers' stale-forward counts. Non-finite records are not folded in
     (see ``scaling.update_amax_history``) and make it warn, naming the layers.
+
+    Scales not yet marked set on the host (``scale_state.DELAYED_SCALES_SET``) are checked
+    (``>= 0``) and marked by ``_SCALES_SET``; once every scale is marked, nothing is read back
+    to the host at all.
     """
     records, counts = [], []
     for fqn, mod in module.named_modules():
@@ -52,13 +56,17 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
                 mod.config.round_scales_to_power_of_2,
             )
             buffers = mod._buffers
+            operand = scale_state.OPERAND_NAMES[role]
             records.append(
                 (
                     key,
-                    f"{fqn or '<root>'}.{scale_state.OPERAND_NAMES[role]}",
+                    f"{fqn or '<root>'}.{operand}",
                     buffers[scale_state.amax_name(role)],
                     buffers[scale_state.history_name(role)],
                     buffers[scale_state.scale_name(role)],
+                    None
+                    if operand in getattr(mod, scale_state.DELAYED_SCALES_SET, ())
+                    else (mod, operand),
                 )
             )
         if has_delayed:
@@ -73,6 +81,8 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     pending = [r[2] for r in records]
     histories = [r[3] for r in records]
     scales = [r[4] for r in records]
+    unmarked = [(i, r[5]) for i, r in enumerate(records) if r[5] is not None]
+    names = "\n".join(r[1] for r in records)
     local = torch.stack(pending).to(torch.float32)
 
     @torch.no_grad()
@@ -92,53 +102,90 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         unset = torch.full((), scaling.UNSET, device=reduced.device)
         torch._foreach_copy_(pending, [unset] * len(pending))
         torch._foreach_zero_(counts)
-        _NON_FINITE.submit(~torch.isfinite(reduced), [r[1] for r in records])
+        report_non_finite(_REPORT_CALLS, ~torch.isfinite(reduced), names)
+        if unmarked:
+            is_set = torch.stack([new_scales[i] for i, _ in unmarked]) >= 0
+            _SCALES_SET.submit(is_set, [target for _, target in unmarked])
 
     return [(local, apply)]
 
 
-class _NonFiniteReport:
-    """Warns about non-finite amax records without stalling the host.
+class _HostReport:
+    """Brings small device flags to the host without stalling it.
 
-    On CPU the flags are looked at at once. On CUDA, reading them would block the host until
-    the whole step has run, every step; instead they are copied to pinned host memory
-    asynchronously and looked at by a later ``precompute_scales`` call once that copy has
-    completed (usually the next one: the warning arrives one step late).
+    On CPU the flags are handled at once (no device to wait for). On CUDA they are copied to
+    pinned host memory asynchronously and handled later: by ``poll`` once the copy has
+    completed (``wait=False``: usually the next ``precompute_scales`` call), or by ``drain``
+    at the next call at the latest (``wait=True``: waits for a copy issued a whole step
+    earlier, which has long completed, so every rank handles it at the same call).
     """
 
-    def __init__(self):
+    def __init__(self, handle: Callable[[list[bool], list], None], wait: bool):
+        self._handle, self._wait = handle, wait
         self._pending: collections.deque = collections.deque()
 
-    def submit(self, bad: torch.Tensor, names: list[str]) -> None:
+    def submit(self, flags: torch.Tensor, targets: list) -> None:
         self.poll()
-        if bad.device.type != "cuda":
-            self._warn(bad, names)
+        if flags.device.type != "cuda":
+            self._handle(flags.tolist(), targets)
             return
-        host = torch.empty(bad.shape, dtype=torch.bool, pin_memory=True)
-        host.copy_(bad, non_blocking=True)
+        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((host, event, names))
+        self._pending.append((host, event, targets))
 
     def poll(self) -> None:
-        while self._pending and self._pending[0][1].query():
-            host, _, names = self._pending.popleft()
-            self._warn(host, names)
-
-    @staticmethod
-    def _warn(bad: torch.Tensor, names: list[str]) -> None:
-        if bool(bad.any()):
-            layers = [names[i] for i in bad.nonzero().flatten().tolist()]
-            warnings.warn(
-                f"float8kit: non-finite amax recorded for {', '.join(layers)}: not folded into "
-                "the amax history, the scale keeps its previous value (that step's float8 "
-                "outputs were already non-finite)",
-                UserWarning,
-                stacklevel=2,
-            )
+        while self._pending and (self._wait or self._pending[0][1].query()):
+            host, event, targets = self._pending.popleft()
+            event.synchronize()
+            self._handle(host.tolist(), targets)
 
 
-_NON_FINITE = _NonFiniteReport()
+def _warn_non_finite(bad: list[bool], names: list[str]) -> None:
+    layers = [name for name, b in zip(names, bad, strict=True) if b]
+    if layers:
+        warnings.warn(
+            f"float8kit: non-finite amax recorded for {', '.join(layers)}: not folded into "
+            "the amax history, the scale keeps its previous value (that step's float8 "
+            "outputs were already non-finite)",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+def _mark_scales_set(is_set: list[bool], targets: list[tuple[nn.Module, str]]) -> None:
+    for ok, (mod, operand) in zip(is_set, targets, strict=True):
+        marked = getattr(mod, scale_state.DELAYED_SCALES_SET, ())
+        if ok and operand not in marked:
+            setattr(mod, scale_state.DELAYED_SCALES_SET, (*marked, operand))
+
+
+_NON_FINITE = _HostReport(_warn_non_finite, wait=False)
+_SCALES_SET = _HostReport(_mark_scales_set, wait=True)
+# Counts report_non_finite calls: a mutated input keeps the op in compiled graphs (an op with
+# no output and no mutated input would be dead code to inductor).
+_REPORT_CALLS = torch.zeros((), dtype=torch.int64)
+
+
+# A custom op so that a compiled precompute_scales stays one graph: dynamo does not trace
+# into it, and it runs (on the host) at every call.
+@torch.library.custom_op("float8kit::report_non_finite", mutates_args=("calls",))
+def report_non_finite(calls: torch.Tensor, bad: torch.Tensor, names: str) -> None:
+    """Warn (without a host sync on CUDA) about the layers whose amax record is non-finite.
+
+    Args:
+        calls: a CPU counter, incremented.
+        bad: (R,) bool, one flag per amax record.
+        names: the R records' names, newline-separated.
+    """
+    calls += 1
+    _NON_FINITE.submit(bad, names.split("\n"))
+
+
+@report_non_finite.register_fake
+def _(calls: torch.Tensor, bad: torch.Tensor, names: str) -> None:
+    return None
 
 
 # Every kind of scale state that precompute_scales updates: fn(module) -> contributions.
@@ -175,6 +222,8 @@ def precompute_scales(module: nn.Module, *, group: dist.ProcessGroup | None = No
             model has one (1-D mesh), else the default group. With a multi-dimensional mesh
             (HSDP, TP) pass the group explicitly if the default group is not right.
     """
+    # Scale-set flags from an earlier call, before the providers read them.
+    _SCALES_SET.poll()
     contributions = [c for provider in _PROVIDERS for c in provider(module)]
     if not contributions:
         return

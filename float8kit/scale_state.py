@@ -93,7 +93,7 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     not a buffer: it never moves to an accelerator nor enters the state_dict) and
     ``_fp8_uncalibrated`` (operands whose STATIC scale is not set yet).
     """
-    module.__dict__.pop(DELAYED_WEIGHT_SCALE_SET, None)
+    module.__dict__.pop(DELAYED_SCALES_SET, None)
     keep = set(buffer_names(config))
     for name in [n for n in module._buffers if n.startswith("fp8_") and n not in keep]:
         del module._buffers[name]
@@ -123,16 +123,20 @@ def needs_calibration(config: Float8LinearConfig) -> tuple[str, ...]:
     )
 
 
-# Host-side flag of a Float8Linear whose DELAYED weight scale is known to be set: lets the
-# FSDP2 float8 all-gather (float8kit/fsdp.py) skip reading the scale buffer to the host once
-# it is set. Cleared wherever the buffers may go back to UNSET (init, reset, load).
-DELAYED_WEIGHT_SCALE_SET = "_fp8_delayed_weight_scale_set"
+# Host-side flag of a Float8Linear: the operands (names) whose DELAYED scale is known to be
+# set. ``precompute_scales`` adds them once, without a host sync (see precompute.py); casts
+# then use the scale buffer as is, with no amax pass for a first-step fallback, and the FSDP2
+# float8 all-gather needs no all-reduce. A Python tuple, so compiled graphs specialize on it
+# (one recompile when it changes). Cleared wherever the buffers may go back to UNSET (init,
+# reset, load): the first-step fallback then guards the cast again until the next
+# precompute_scales.
+DELAYED_SCALES_SET = "_fp8_delayed_scales_set"
 
 
 @torch.no_grad()
 def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str]) -> None:
     """Fill the float8 buffers ``names`` of ``module`` with their initial values."""
-    module.__dict__.pop(DELAYED_WEIGHT_SCALE_SET, None)
+    module.__dict__.pop(DELAYED_SCALES_SET, None)
     for role in GemmRole:
         cast = config.stateful_cast(role)
         if cast is None:
@@ -164,7 +168,7 @@ def after_load(
     when it is set; a loaded ``UNSET`` one (a checkpoint saved before ``calibrate``) leaves
     the operand uncalibrated, so the forward raises instead of casting with scale -1.
     """
-    module.__dict__.pop(DELAYED_WEIGHT_SCALE_SET, None)
+    module.__dict__.pop(DELAYED_SCALES_SET, None)
     names = buffer_names(config)
     absent = [n for n in names if prefix + n not in state_dict]
     if absent and len(absent) == len(names):

@@ -9,16 +9,19 @@ import torch
 import torch.nn.functional as F
 from expecttest import assert_expected_inline
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from float8kit import (
     CastConfig,
     Float8Linear,
     Float8LinearConfig,
+    GemmRole,
     ScalingGranularity,
     ScalingType,
     convert_to_float8_training,
     precompute_scales,
 )
+from float8kit.linear import operand_scale
 
 DELAYED = CastConfig(scaling_type=ScalingType.DELAYED)
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
@@ -179,21 +182,75 @@ def test_power_of_2_scales_from_history():
     assert float(layer.fp8_scale_input) == 128.0  # 448 / 3 = 149.3 floored to 2**7
 
 
-def test_scale_for_is_the_one_scale_decision():
-    """Float8Linear._scale_for: what an FSDP2 float8 all-gather asks the layer for."""
-    from float8kit import GemmRole
-
+def test_operand_scale_is_the_one_scale_decision():
+    """operand_scale with a layer's state: what the gemms and the FSDP2 all-gather use."""
     layer = delayed_layer(32, 16)
+    c = layer.config
+    cast = c.cast_config_weight
     amax = layer.weight.detach().abs().max()
-    assert torch.equal(layer._scale_for(GemmRole.WEIGHT, amax), E4M3_MAX / amax)  # unset
+    scale, record, scale_set = layer._operand_state(GemmRole.WEIGHT, True)
+    assert not scale_set
+    got = operand_scale(cast, GemmRole.WEIGHT, c, amax, scale, record, scale_set)
+    assert torch.equal(got, E4M3_MAX / amax)  # unset: the dynamic scale
     assert float(layer.fp8_amax_weight) == float(amax)  # recorded (train mode)
     precompute_scales(layer)
-    assert torch.equal(layer._scale_for(GemmRole.WEIGHT, amax * 10), layer.fp8_scale_weight)
+    scale, record, scale_set = layer._operand_state(GemmRole.WEIGHT, True)
+    assert scale_set  # marked by precompute_scales (CPU: at once)
+    got = operand_scale(cast, GemmRole.WEIGHT, c, amax * 10, scale, record, scale_set)
+    assert torch.equal(got, layer.fp8_scale_weight)
     static = Float8LinearConfig(
         cast_config_weight=CastConfig(scaling_type="static", static_scale=3.0),
         cast_config_input=CastConfig(scaling_type="static", static_scale=2.0),
     )
-    assert float(Float8Linear(32, 16, config=static)._scale_for(GemmRole.WEIGHT)) == 3.0
+    s_layer = Float8Linear(32, 16, config=static)
+    s_scale, _, _ = s_layer._operand_state(GemmRole.WEIGHT, True)
+    got = operand_scale(static.cast_config_weight, GemmRole.WEIGHT, static, None, s_scale)
+    assert float(got) == 3.0
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops dispatched (each one a kernel launch on a GPU, eager)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _steady_ops(recipe: str, train: bool) -> list[str]:
+    """Ops of one bf16 16x64x64 call (fwd+bwd in train mode, fwd in eval) of a layer that has
+    trained two steps with precompute_scales (bench_overhead's shape)."""
+    torch.manual_seed(0)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    layer = Float8Linear(64, 64, bias=False, config=config).bfloat16()
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    go = torch.randn(16, 64, dtype=torch.bfloat16)
+    for _ in range(2):
+        layer(x).backward(go)
+        precompute_scales(layer)
+    layer.train(train)
+    with _Ops() as counted:
+        y = layer(x)
+        if train:
+            y.backward(go)
+    return counted.ops
+
+
+def test_delayed_steady_state_costs_no_more_ops_than_dynamic():
+    dynamic, delayed = _steady_ops("tensorwise", True), _steady_ops("delayed", True)
+    print(f"eager aten ops per fwd+bwd: delayed {len(delayed)}, dynamic {len(dynamic)}")
+    assert len(delayed) <= len(dynamic)
+    # no first-step fallback left in the steady state: no amax -> scale, no where
+    assert "aten.where.self" not in delayed[: delayed.index("aten.mm.default")]
+    assert "aten.reciprocal.default" not in delayed
+    # eval uses the scales only: no amax of any kind
+    eval_ops = _steady_ops("delayed", False)
+    print(f"eval forward: {len(eval_ops)} ops")
+    amax_ops = {"aten.amax.default", "aten.linalg_vector_norm.default", "aten.max.default"}
+    assert not amax_ops & set(eval_ops), eval_ops
 
 
 def test_records_are_max_over_microbatches_and_skip_eval():
