@@ -275,11 +275,22 @@ class PrecomputedScale:
     """A weight's next all-gather scale from ``precompute_scales``, stored on its module.
 
     Valid while the module's weight parameter is the same object at the same version as
-    when its amax was read: both change alike on every rank (see the module docstring)."""
+    when its amax was read: both change alike on every rank (see the module docstring).
+
+    An update through ``param.data`` (an EMA, some optimizers) changes the values without a
+    version bump, and no rank can tell the others without a collective. So the hook cannot
+    refuse the scale; instead it records the shard's amax when it uses the scale
+    (``gathered_amax``: one read of the local shard, no collective, no host sync), and the
+    next ``precompute_scales`` compares it with ``local_amax``, the shard's amax the scale
+    was made from, and warns naming the layer (the scale is exactly stale when the weight's
+    amax moved on some rank).
+    """
 
     scale: torch.Tensor
     param: weakref.ref
     version: int
+    local_amax: torch.Tensor
+    gathered_amax: torch.Tensor | None = None
 
     def fresh(self, param: torch.Tensor) -> bool:
         return self.param() is param and param._version == self.version
@@ -321,6 +332,7 @@ def weight_scale_for_all_gather(
         precomputed: PrecomputedScale | None = getattr(module, _SCALE_ATTR, None)
         if precomputed is not None:
             if precomputed.fresh(module.weight):
+                precomputed.gathered_amax = local_amaxes([weight._tensor])[0]
                 return precomputed.scale
             warnings.warn(
                 "float8kit: a weight changed after precompute_scales(); its float8 all-gather "
@@ -346,19 +358,36 @@ def _all_reduce_max(amax: torch.Tensor, mesh) -> torch.Tensor:
     return amax
 
 
-def _sharded_fp8_linears(module: nn.Module) -> list[nn.Module]:
-    """Every Float8Linear in ``module`` whose weight FSDP2 sharded with float8 all-gather."""
+def _sharded_fp8_linears(module: nn.Module) -> dict[nn.Module, str]:
+    """Every Float8Linear in ``module`` whose weight FSDP2 sharded with float8 all-gather,
+    with its fqn."""
     from torch.distributed.tensor import DTensor
 
     from float8kit.linear import Float8Linear
 
-    return [
-        mod
-        for mod in module.modules()
+    return {
+        mod: fqn or "<root>"
+        for fqn, mod in module.named_modules()
         if isinstance(mod, Float8Linear)
         and isinstance(mod.weight, DTensor)
         and isinstance(mod.weight._local_tensor, Float8AllGatherWeight)
+    }
+
+
+def _report_stale_weights(mods: dict[nn.Module, str]) -> None:
+    """Warn (at the latest one call later on CUDA, with no host sync) about the weights whose
+    last all-gather used a precomputed scale they had outgrown (see ``PrecomputedScale``)."""
+    from float8kit.precompute import _REPORT_CALLS, report_flags
+
+    used = [
+        (p, name)
+        for m, name in mods.items()
+        if (p := getattr(m, _SCALE_ATTR, None)) is not None and p.gathered_amax is not None
     ]
+    if not used:
+        return
+    changed = torch.stack([p.gathered_amax != p.local_amax for p, _ in used])
+    report_flags(_REPORT_CALLS, changed, "stale_weight", "\n".join(n for _, n in used))
 
 
 @torch.no_grad()
@@ -377,11 +406,9 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     """
     from float8kit.linear import operand_scale
 
-    mods = [
-        m
-        for m in _sharded_fp8_linears(module)
-        if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC
-    ]
+    sharded = _sharded_fp8_linears(module)
+    _report_stale_weights(sharded)
+    mods = [m for m in sharded if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC]
     if not mods:
         return []
     # Group by scale computation (cast, power-of-2 rounding) and order the weights group by
@@ -400,7 +427,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
             stop = start + len(rows)
             scales = operand_scale(cast, GemmRole.WEIGHT, rows[0].config, reduced[start:stop])
             for i, scale in zip(range(start, stop), scales.unbind(0), strict=True):
-                setattr(mods[i], _SCALE_ATTR, PrecomputedScale(scale, *stamps[i]))
+                setattr(mods[i], _SCALE_ATTR, PrecomputedScale(scale, *stamps[i], amaxes[i]))
             start = stop
 
     return [(amaxes, apply)]

@@ -102,7 +102,7 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         unset = torch.full((), scaling.UNSET, device=reduced.device)
         torch._foreach_copy_(pending, [unset] * len(pending))
         torch._foreach_zero_(counts)
-        report_non_finite(_REPORT_CALLS, ~torch.isfinite(reduced), names)
+        report_flags(_REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", names)
         if unmarked:
             is_set = torch.stack([new_scales[i] for i, _ in unmarked]) >= 0
             _SCALES_SET.submit(is_set, [target for _, target in unmarked])
@@ -154,6 +154,19 @@ def _warn_non_finite(bad: list[bool], names: list[str]) -> None:
         )
 
 
+def _warn_stale_weights(changed: list[bool], names: list[str]) -> None:
+    layers = [name for name, c in zip(names, changed, strict=True) if c]
+    if layers:
+        warnings.warn(
+            f"float8kit: the weight of {', '.join(layers)} changed after precompute_scales() "
+            "without a version bump (an update through param.data, e.g. an EMA or a custom "
+            "optimizer): its last float8 all-gather used a stale scale. Call "
+            "precompute_scales(model) after every such update.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
 def _mark_scales_set(is_set: list[bool], targets: list[tuple[nn.Module, str]]) -> None:
     for ok, (mod, operand) in zip(is_set, targets, strict=True):
         marked = getattr(mod, scale_state.DELAYED_SCALES_SET, ())
@@ -161,30 +174,35 @@ def _mark_scales_set(is_set: list[bool], targets: list[tuple[nn.Module, str]]) -
             setattr(mod, scale_state.DELAYED_SCALES_SET, (*marked, operand))
 
 
-_NON_FINITE = _HostReport(_warn_non_finite, wait=False)
 _SCALES_SET = _HostReport(_mark_scales_set, wait=True)
-# Counts report_non_finite calls: a mutated input keeps the op in compiled graphs (an op with
-# no output and no mutated input would be dead code to inductor).
+# Warnings raised from device flags, by kind (the ``kind`` argument of report_flags).
+_REPORTS = {
+    "non_finite": _HostReport(_warn_non_finite, wait=False),  # amax records that were inf/NaN
+    "stale_weight": _HostReport(_warn_stale_weights, wait=False),  # see fsdp.py
+}
+# Counts report_flags calls: a mutated input keeps the op in compiled graphs (an op with no
+# output and no mutated input would be dead code to inductor).
 _REPORT_CALLS = torch.zeros((), dtype=torch.int64)
 
 
 # A custom op so that a compiled precompute_scales stays one graph: dynamo does not trace
 # into it, and it runs (on the host) at every call.
-@torch.library.custom_op("float8kit::report_non_finite", mutates_args=("calls",))
-def report_non_finite(calls: torch.Tensor, bad: torch.Tensor, names: str) -> None:
-    """Warn (without a host sync on CUDA) about the layers whose amax record is non-finite.
+@torch.library.custom_op("float8kit::report_flags", mutates_args=("calls",))
+def report_flags(calls: torch.Tensor, flags: torch.Tensor, kind: str, names: str) -> None:
+    """Warn (without a host sync on CUDA) about the items whose flag is set.
 
     Args:
         calls: a CPU counter, incremented.
-        bad: (R,) bool, one flag per amax record.
-        names: the R records' names, newline-separated.
+        flags: (R,) bool, one flag per item.
+        kind: which warning (a key of ``_REPORTS``).
+        names: the R items' names, newline-separated.
     """
     calls += 1
-    _NON_FINITE.submit(bad, names.split("\n"))
+    _REPORTS[kind].submit(flags, names.split("\n"))
 
 
-@report_non_finite.register_fake
-def _(calls: torch.Tensor, bad: torch.Tensor, names: str) -> None:
+@report_flags.register_fake
+def _(calls: torch.Tensor, flags: torch.Tensor, kind: str, names: str) -> None:
     return None
 
 

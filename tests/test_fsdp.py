@@ -288,6 +288,29 @@ def _worker_train(rank: int, world: int, tmp: str) -> dict:
     fresh_out = model(xs[2, local])
     res["stale_vs_fresh_max_abs_diff"] = (stale_out - fresh_out).abs().max().item()
 
+    # An update through .data keeps the parameter's version, so the hook uses the stale
+    # precomputed scale (no rank can tell the others without a collective); the next
+    # precompute_scales compares the shard amax the hook saw with the one the scale was made
+    # from and warns, naming the layer. A normal step warns nothing.
+    model = fsdp_net(reshard_after_forward=True)
+    _train(model, xs[:1, local], ys[:1, local], 1)  # precomputes after its step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(xs[1, local]).sum().backward()
+        precompute_scales(model)
+        res["data_update_normal_step_warnings"] = [str(w.message) for w in caught]
+        with torch.no_grad():
+            model.layers[1].fc2.weight.data.mul_(8.0)  # an EMA-like update: no version bump
+        caught.clear()
+        stale_out = model(xs[2, local])
+        res["data_update_hook_warnings"] = [str(w.message) for w in caught]
+        precompute_scales(model)
+        res["data_update_precompute_warnings"] = [str(w.message) for w in caught]
+    fresh_out = model(xs[2, local])
+    res["data_update_stale_vs_fresh_rel_diff"] = (
+        (stale_out - fresh_out).norm() / fresh_out.norm()
+    ).item()
+
     # inf / NaN in one rank's shard: every rank's output is non-finite, on both scale paths.
     for bad in (math.inf, math.nan):
         for path in ("hook", "precompute"):
@@ -601,6 +624,17 @@ def test_stale_precomputed_scale_is_not_used(train2):
         assert r["stale_warned"]
         assert r["stale_forward_all_reduces"] == 4
         assert r["stale_vs_fresh_max_abs_diff"] == 0.0
+
+
+@pytest.mark.slow
+def test_update_through_data_is_reported_at_the_next_precompute(train2):
+    for r in train2:
+        assert r["data_update_normal_step_warnings"] == []
+        assert r["data_update_hook_warnings"] == []  # the hook cannot know: no collective
+        stale = [w for w in r["data_update_precompute_warnings"] if "stale scale" in w]
+        assert len(stale) == 1 and "layers.1.fc2 changed after precompute_scales" in stale[0]
+        # what the warning is about: the stale scale clipped the 8x larger weight
+        assert r["data_update_stale_vs_fresh_rel_diff"] > 0.1
 
 
 @pytest.mark.slow
