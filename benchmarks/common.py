@@ -145,8 +145,13 @@ def git_dirty() -> bool | None:
 
 
 def command_line() -> str:
-    return " ".join(["python", *map(shlex.quote, [os.path.relpath(sys.argv[0], REPO)]),
-                     *map(shlex.quote, sys.argv[1:])])
+    return " ".join(
+        [
+            "python",
+            *map(shlex.quote, [os.path.relpath(sys.argv[0], REPO)]),
+            *map(shlex.quote, sys.argv[1:]),
+        ]
+    )
 
 
 def run_info(device: torch.device) -> dict:
@@ -162,7 +167,8 @@ def run_info(device: torch.device) -> dict:
         "git_dirty": git_dirty(),
         # CPU timings on a shared machine move with its load: say what it was
         "load_avg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()]
-        if hasattr(os, "getloadavg") else None,
+        if hasattr(os, "getloadavg")
+        else None,
     }
 
 

@@ -1,6 +1,6 @@
 """float8kit: float8 training for PyTorch.
 
-    from float8kit import convert_to_float8_training, Float8LinearConfig, precompute_scales
+from float8kit import convert_to_float8_training, Float8LinearConfig, precompute_scales
 """
 
 import torch

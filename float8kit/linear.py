@@ -153,8 +153,12 @@ class _Float8Matmul(torch.autograd.Function):
             x = cast_to_float8(
                 input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax
             )
-            w = weight if weight_is_fp8 else cast_to_float8(
-                weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax
+            w = (
+                weight
+                if weight_is_fp8
+                else cast_to_float8(
+                    weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax
+                )
             )
             output = torch.mm(x, w.t())
         else:
@@ -184,8 +188,17 @@ class _Float8Matmul(torch.autograd.Function):
         go_cast = c.cast_config_grad_output
         if go_cast.enabled:
             go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
-            w = w_saved if isinstance(w_saved, Float8TrainingTensor) else cast_to_float8(
-                w_saved, c.cast_config_weight_for_grad_input, GemmRole.WEIGHT, 0, c, *ctx.w_state
+            w = (
+                w_saved
+                if isinstance(w_saved, Float8TrainingTensor)
+                else cast_to_float8(
+                    w_saved,
+                    c.cast_config_weight_for_grad_input,
+                    GemmRole.WEIGHT,
+                    0,
+                    c,
+                    *ctx.w_state,
+                )
             )
             grad_input = torch.mm(go, w)
         else:
@@ -197,11 +210,19 @@ class _Float8Matmul(torch.autograd.Function):
             go_gw_state = (
                 ctx.go_state if not go_cast.scaling_type.stateful else (ctx.go_state[0], None)
             )
-            go_t = go if _reusable(go_cast, go_gw_cast) else cast_to_float8(
-                grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
+            go_t = (
+                go
+                if _reusable(go_cast, go_gw_cast)
+                else cast_to_float8(
+                    grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
+                )
             )
-            x = x_saved if isinstance(x_saved, Float8TrainingTensor) else cast_to_float8(
-                x_saved, c.cast_config_input_for_grad_weight, GemmRole.INPUT, 0, c, *ctx.x_state
+            x = (
+                x_saved
+                if isinstance(x_saved, Float8TrainingTensor)
+                else cast_to_float8(
+                    x_saved, c.cast_config_input_for_grad_weight, GemmRole.INPUT, 0, c, *ctx.x_state
+                )
             )
             grad_weight = torch.mm(go_t.t(), x)
         else:
@@ -285,9 +306,7 @@ class Float8Linear(nn.Linear):
         store_plain_weight(destination, prefix)
 
     @classmethod
-    def from_float(
-        cls, mod: nn.Linear, config: Float8LinearConfig | None = None
-    ) -> Float8Linear:
+    def from_float(cls, mod: nn.Linear, config: Float8LinearConfig | None = None) -> Float8Linear:
         """A ``Float8Linear`` sharing ``mod``'s parameters (same device and dtype): the same
         objects, except a float8-all-gather weight, a new parameter on the same storage."""
         with torch.device("meta"):
@@ -328,8 +347,12 @@ class Float8Linear(nn.Linear):
         casts = [
             ("i", c.cast_config_input, c.cast_config_input_for_grad_weight, GemmRole.INPUT),
             ("w", c.cast_config_weight, c.cast_config_weight_for_grad_input, GemmRole.WEIGHT),
-            ("go", c.cast_config_grad_output, c.cast_config_grad_output_for_grad_weight,
-             GemmRole.GRAD_OUTPUT),
+            (
+                "go",
+                c.cast_config_grad_output,
+                c.cast_config_grad_output_for_grad_weight,
+                GemmRole.GRAD_OUTPUT,
+            ),
         ]
         parts = []
         for name, first, second, role in casts:
