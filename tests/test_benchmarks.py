@@ -19,23 +19,33 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
-RUN_INFO_KEYS = {"device", "torch", "torchao", "date", "command", "script", "git_commit",
-                 "git_dirty", "rows"}
+RUN_INFO_KEYS = {
+    "device",
+    "torch",
+    "torchao",
+    "date",
+    "command",
+    "script",
+    "git_commit",
+    "git_dirty",
+    "rows",
+}
 
 
 def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["git", *args], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def run_script(name: str, out: Path, *args: str, timeout: int = 120) -> dict:
     """Run ``benchmarks/<name>.py ... --out out`` and return the JSON it wrote."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, str(BENCH / f"{name}.py"), *args, "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n" \
-                                 f"{proc.stderr[-3000:]}"
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     data = json.loads(out.read_text())
     assert RUN_INFO_KEYS <= data.keys()
     assert data["script"] == f"benchmarks/{name}.py"
@@ -46,8 +56,9 @@ def run_script(name: str, out: Path, *args: str, timeout: int = 120) -> dict:
 
 
 def test_bench_linear_sqnr_vs_bf16(tmp_path):
-    data = run_script("bench_linear", tmp_path / "linear.json",
-                      "--smoke", "--threads", "1", "--iters", "2")
+    data = run_script(
+        "bench_linear", tmp_path / "linear.json", "--smoke", "--threads", "1", "--iters", "2"
+    )
     assert (tmp_path / "linear.png").exists()
     recipes = {r["recipe"] for r in data["rows"]}
     assert {"tensorwise", "rowwise", "rowwise_with_gw_hp"} <= recipes
@@ -72,8 +83,18 @@ def test_bench_linear_sqnr_vs_bf16(tmp_path):
 
 
 def test_bench_overhead_ratio(tmp_path):
-    data = run_script("bench_overhead", tmp_path / "overhead.json", "--threads", "1",
-                      "--rounds", "3", "--calls", "3", "--warmup", "3")
+    data = run_script(
+        "bench_overhead",
+        tmp_path / "overhead.json",
+        "--threads",
+        "1",
+        "--rounds",
+        "3",
+        "--calls",
+        "3",
+        "--warmup",
+        "3",
+    )
     (row,) = data["rows"]
     ratio = row["ratio_float8kit_over_torchao"]
     assert math.isfinite(ratio) and ratio > 0
@@ -83,9 +104,13 @@ def test_bench_overhead_ratio(tmp_path):
 @pytest.mark.slow
 def test_bench_comm_bytes(tmp_path):
     data = run_script(
-        "bench_comm", tmp_path / "comm.json", "--steps", "2",
-        "--variants", "bf16,float8kit,float8kit_fp8_allgather,float8kit_delayed_fp8_allgather,"
-                      "torchao_fp8_allgather",
+        "bench_comm",
+        tmp_path / "comm.json",
+        "--steps",
+        "2",
+        "--variants",
+        "bf16,float8kit,float8kit_fp8_allgather,float8kit_delayed_fp8_allgather,"
+        "torchao_fp8_allgather",
     )
     rows = {r["variant"]: r for r in data["rows"]}
     bf16 = rows["bf16"]
@@ -99,8 +124,11 @@ def test_bench_comm_bytes(tmp_path):
     assert fk["status"] == "ok"
     assert fk["all_gather_bytes"] == bf16["all_gather_bytes"]
     assert fk["reduce_scatter_bytes"] == bf16["reduce_scatter_bytes"]
-    for variant in ("float8kit_fp8_allgather", "float8kit_delayed_fp8_allgather",
-                    "torchao_fp8_allgather"):
+    for variant in (
+        "float8kit_fp8_allgather",
+        "float8kit_delayed_fp8_allgather",
+        "torchao_fp8_allgather",
+    ):
         row = rows[variant]
         assert row["status"] == "ok", row
         # fp8 linear weights are half the bytes of bf16; norms, embedding and lm head are not
@@ -109,14 +137,30 @@ def test_bench_comm_bytes(tmp_path):
         # the scale precompute after optimizer.step(): ONE collective for all scale state
         assert row["all_reduce_calls"] == 1, row
     # float8kit and torchao put the same float8 weights on the wire
-    assert rows["float8kit_fp8_allgather"]["all_gather_bytes"] == \
-        rows["torchao_fp8_allgather"]["all_gather_bytes"]
+    assert (
+        rows["float8kit_fp8_allgather"]["all_gather_bytes"]
+        == rows["torchao_fp8_allgather"]["all_gather_bytes"]
+    )
 
 
 def test_bench_train_tiny(tmp_path):
-    data = run_script("bench_train", tmp_path / "train.json", "--preset", "tiny",
-                      "--device", "cpu", "--no-compile", "--threads", "1", "--warmup", "1",
-                      "--steps", "2", "--recipes", "tensorwise")
+    data = run_script(
+        "bench_train",
+        tmp_path / "train.json",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--no-compile",
+        "--threads",
+        "1",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--recipes",
+        "tensorwise",
+    )
     rows = {r["variant"]: r for r in data["rows"]}
     assert set(rows) == {"bf16", "float8kit:tensorwise", "torchao:tensorwise"}
     for row in rows.values():
@@ -129,9 +173,24 @@ def test_bench_train_tiny(tmp_path):
 
 
 def test_roofline_measured(tmp_path):
-    data = run_script("roofline", tmp_path / "roofline.json", "--threads", "1",
-                      "--measure-size", "128", "--bw-mib", "8", "--warmup", "1", "--iters", "3",
-                      "--shapes", "tiny,square", "--modes", "fwd_bwd")
+    data = run_script(
+        "roofline",
+        tmp_path / "roofline.json",
+        "--threads",
+        "1",
+        "--measure-size",
+        "128",
+        "--bw-mib",
+        "8",
+        "--warmup",
+        "1",
+        "--iters",
+        "3",
+        "--shapes",
+        "tiny,square",
+        "--modes",
+        "fwd_bwd",
+    )
     assert data["rates"]["source"] == "measured"
     rows = sorted(data["rows"], key=lambda r: r["gflop"])
     assert rows[-1]["predicted_speedup"] > rows[0]["predicted_speedup"]
@@ -144,8 +203,13 @@ def test_roofline_model_arithmetic():
         import roofline
     finally:
         sys.path.remove(str(BENCH))
-    rates = {"host_overlaps_device": False, "bf16_tflops": 1.0, "fp8_tflops": 2.0,
-             "bw_tbps": 0.01, "t0_us": {"bf16": {"fwd_bwd": 100.0}, "fp8": {"fwd_bwd": 300.0}}}
+    rates = {
+        "host_overlaps_device": False,
+        "bf16_tflops": 1.0,
+        "fp8_tflops": 2.0,
+        "bw_tbps": 0.01,
+        "t0_us": {"bf16": {"fwd_bwd": 100.0}, "fp8": {"fwd_bwd": 300.0}},
+    }
     m, k, n = 256, 512, 128
     flops = 3 * 2 * m * k * n  # three gemms
     cast_bytes = 7 * (m * k + k * n + m * n)

@@ -37,8 +37,11 @@ E4M3_MAX = 448.0
 PEER_AGREEMENT_DB = 60.0
 # float8kit vs fp32, per gemm (output, grad_input, grad_weight): e5m2 grad_output costs the
 # tensorwise backward gemms a few dB.
-ACCURACY_DB = {"tensorwise": (25, 20, 20), "rowwise": (25, 25, 25),
-               "rowwise_with_gw_hp": (25, 25, 25)}
+ACCURACY_DB = {
+    "tensorwise": (25, 20, 20),
+    "rowwise": (25, 25, 25),
+    "rowwise_with_gw_hp": (25, 25, 25),
+}
 
 
 def mlp():
@@ -74,14 +77,16 @@ def sqnr_table() -> list[dict]:
         r = run_both(recipe)
         for i, gemm in enumerate(GEMMS):
             peer_db = sqnr(r["torchao"][i], r["float8kit"][i])
-            rows.append({
-                "recipe": recipe,
-                "gemm": gemm,
-                "float8kit_vs_fp32": sqnr(r["fp32"][i], r["float8kit"][i]),
-                "torchao_vs_fp32": sqnr(r["fp32"][i], r["torchao"][i]),
-                "float8kit_vs_torchao": None if peer_db == float("inf") else peer_db,
-                "bitwise_equal_to_torchao": torch.equal(r["torchao"][i], r["float8kit"][i]),
-            })
+            rows.append(
+                {
+                    "recipe": recipe,
+                    "gemm": gemm,
+                    "float8kit_vs_fp32": sqnr(r["fp32"][i], r["float8kit"][i]),
+                    "torchao_vs_fp32": sqnr(r["fp32"][i], r["torchao"][i]),
+                    "float8kit_vs_torchao": None if peer_db == float("inf") else peer_db,
+                    "bitwise_equal_to_torchao": torch.equal(r["torchao"][i], r["float8kit"][i]),
+                }
+            )
     return rows
 
 
@@ -149,11 +154,15 @@ def scaling_policy_sqnrs() -> dict[str, float]:
     out["delayed_spike_after_precompute"] = sqnr(ref, _step(delayed, spike))
     # STATIC 448/4: represents |input| <= 4; then the same inputs 100x larger
     torch.manual_seed(0)
-    static = Float8Linear(64, 64, config=Float8LinearConfig(
-        cast_config_input=_cast(ScalingType.STATIC, static_scale=E4M3_MAX / 4),
-        cast_config_weight=_cast(ScalingType.STATIC, static_scale=896.0),
-        cast_config_grad_output=_cast(ScalingType.STATIC, static_scale=2.0**12),
-    ))
+    static = Float8Linear(
+        64,
+        64,
+        config=Float8LinearConfig(
+            cast_config_input=_cast(ScalingType.STATIC, static_scale=E4M3_MAX / 4),
+            cast_config_weight=_cast(ScalingType.STATIC, static_scale=896.0),
+            cast_config_grad_output=_cast(ScalingType.STATIC, static_scale=2.0**12),
+        ),
+    )
     inside = torch.rand(256, 64) * 8 - 4
     for name, x in (("static_inside", inside), ("static_100x", inside * 100)):
         out[name] = sqnr(F.linear(x, static.weight, static.bias), static(x))
@@ -165,8 +174,9 @@ def scaling_policy_sqnrs() -> dict[str, float]:
     calibrate(model, batches)
     x = batches[2]
     with torch.no_grad():
-        ref = F.linear(F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight,
-                       model[2].bias)
+        ref = F.linear(
+            F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias
+        )
         out["static_calibrated"] = sqnr(ref, model(x))
     return out
 
@@ -180,3 +190,17 @@ def test_scaling_policies_when_the_range_moves():
     assert s["delayed_spike_after_precompute"] == s["dynamic_spike"]
     assert s["static_inside"] >= 25 and s["static_100x"] < 5
     assert s["static_calibrated"] >= 25
+
+
+def test_non_finite_saturation_differs_from_torchao_as_documented():
+    # README: torchao's saturated cast turns inf into +-448 (an overflow hidden from a loss
+    # scaler); ours keeps inf/NaN non-finite (e4m3 has no inf: NaN).
+    from torchao.float8.float8_utils import to_fp8_saturated as peer_saturated
+
+    from float8kit.scaling import to_fp8_saturated
+
+    x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan")])
+    theirs = peer_saturated(x, torch.float8_e4m3fn).float()
+    ours = to_fp8_saturated(x, torch.tensor(1.0), torch.float8_e4m3fn).float()
+    assert torch.equal(theirs[:3], torch.tensor([1.0, 448.0, -448.0])) and theirs[3].isnan()
+    assert ours[0] == 1.0 and ours[1:].isnan().all()
