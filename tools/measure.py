@@ -41,6 +41,9 @@ import common  # noqa: E402  (benchmarks/common.py: run info, git commit and dir
 import torch  # noqa: E402
 
 PY = sys.executable
+# What a training subprocess gets: torch's default (OMP_NUM_THREADS when set), read before
+# main() pins this process to one thread for the in-process measurements.
+DEFAULT_THREADS = torch.get_num_threads()
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
@@ -52,14 +55,17 @@ def run(*args: str) -> float:
     return time.perf_counter() - t0
 
 
-def write(name: str, sources: list[str], data: dict, wall_s: float) -> Path:
-    """numbers/NAME.json: provenance + ``data``."""
+def write(name: str, sources: list[str], data: dict, wall_s: float, threads: int = 1) -> Path:
+    """numbers/NAME.json: provenance + ``data``; ``threads`` = the torch threads it ran with."""
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads)  # run_info's device line names the thread count
     info = common.run_info(torch.device("cpu"))
+    torch.set_num_threads(own)
     info.update(
         command=f"python tools/measure.py {name}",
         script="tools/measure.py",
         sources=sources,
-        threads=torch.get_num_threads(),
+        threads=threads,
         wall_s=round(wall_s, 1),
     )
     path = NUMBERS / f"{name}.json"
@@ -108,6 +114,7 @@ def compare_runs(name: str, argv: list[str]) -> None:
         ["recipes/compare.py", "recipes/train.py", "recipes/model.py", "recipes/data.py"],
         data,
         wall,
+        threads=DEFAULT_THREADS,
     )
 
 

@@ -75,8 +75,15 @@ def gap(x: float, ref: float) -> str:
     return f"{100 * (x - ref) / ref:+.2f}%"
 
 
-def rel(x: float, bitwise: bool = False) -> str:
-    return "**bitwise equal**" if bitwise or x == 0 else f"{x:.1e}"
+def sci(x: float) -> str:
+    """1.3e-3, not Python's 1.3e-03."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def rel(x: float) -> str:
+    """A max relative loss difference: 0 is said in words."""
+    return "**bitwise equal** losses" if x == 0 else f"max rel. diff {sci(x)}"
 
 
 # ---------------------------------------------------------------------------- recipes
@@ -199,17 +206,17 @@ def fsdp_table() -> str:
         ],
         [
             "losses, 2 ranks, fp32, batch split across ranks vs single-device on the global batch",
-            f"max rel. diff {rel(d['fp32_split_rel_diff'])}",
+            f"{rel(d['fp32_split_rel_diff'])}",
         ],
         [
             "losses, 2 ranks, bf16 params / fp32 reduce, `reshard_after_forward=False` vs "
             "single-device autocast",
-            f"max rel. diff {rel(d['bf16_split_rel_diff'])}",
+            f"{rel(d['bf16_split_rel_diff'])}",
         ],
         [
             "losses, 3 ranks, 1040/16/2-row layers (uneven + one empty shard, only float8 "
             "weights, gloo): split batch / same batch on every rank",
-            f"max rel. diff {rel(d['uneven_split_rel_diff'])} / "
+            f"{rel(d['uneven_split_rel_diff'])} / "
             + ("**bitwise equal**" if d["uneven_same_batch_bitwise"] else "differ"),
         ],
         [
@@ -222,8 +229,7 @@ def fsdp_table() -> str:
         ],
         [
             "`torch.compile(block, fullgraph=True)` per FSDP2 block vs eager",
-            f"max rel. diff {rel(d['compiled_vs_eager_rel_diff'])}, "
-            f"{d['compiled_graph_breaks']} graph breaks",
+            f"{rel(d['compiled_vs_eager_rel_diff'])}, {d['compiled_graph_breaks']} graph breaks",
         ],
     ]
     for policy, what in (
@@ -234,7 +240,7 @@ def fsdp_table() -> str:
             [
                 f"{what} with float8 all-gather, 2 ranks: same / split batch vs one device",
                 ("**bitwise equal**" if d[f"{policy}_same_batch_bitwise"] else "differ")
-                + f" / max rel. diff {rel(d[f'{policy}_split_rel_diff'])}; `precompute_scales` "
+                + f" / {rel(d[f'{policy}_split_rel_diff'])}; `precompute_scales` "
                 f"{d[f'{policy}_precompute_all_reduces']} all-reduce, next fwd+bwd "
                 f"{d[f'{policy}_fwd_bwd_all_reduces']}",
             ]
@@ -394,6 +400,10 @@ def bench_linear_table() -> str:
 def roofline_table() -> str:
     d = load("roofline")
     r = d["rates"]
+    fwd_bwd = [x for x in d["rows"] if x["mode"] == "fwd_bwd"]
+    # the measured shapes, and the largest one to show where the model levels off
+    shown = [x for x in fwd_bwd if x.get("measured_float8kit_speedup") is not None]
+    shown += [max(fwd_bwd, key=lambda x: x["gflop"])]
     rows = [
         [
             x["M"],
@@ -406,8 +416,7 @@ def roofline_table() -> str:
             f(x.get("measured_float8kit_speedup")),
             f(x.get("measured_torchao_speedup")),
         ]
-        for x in d["rows"]
-        if x["mode"] == "fwd_bwd"
+        for x in shown
     ]
     return (
         f"{caption('roofline')}; measured at {r['measure_size']}³: bf16 "
@@ -441,7 +450,7 @@ def bench_train_table(name: str) -> str:
             f(r.get("tokens_per_s"), ".0f"),
             f(r.get("speedup_vs_bf16")),
             f(r.get("loss_first"), ".5f"),
-            f(r.get("loss_first_rel_diff_vs_bf16"), ".1e"),
+            sci(r["loss_first_rel_diff_vs_bf16"]) if r.get("loss_first_rel_diff_vs_bf16") else "0",
             f(r.get("loss_last"), ".5f"),
         ]
         for r in d["rows"]
@@ -535,7 +544,11 @@ TABLES: dict[str, Callable[[], str]] = {
 
 
 def _fsdp(key: str, spec: str) -> Callable[[], str]:
-    return lambda: format(load("fsdp")["data"][key], spec)
+    def get() -> str:
+        x = load("fsdp")["data"][key]
+        return sci(x) if spec == "sci" else format(x, spec)
+
+    return get
 
 
 def _demo_gap(mode: str, which: str) -> Callable[[], str]:
@@ -550,9 +563,9 @@ INLINE: dict[str, Callable[[], str]] = {
     "fsdp.ag_ratio": lambda: "{:.3f}x".format(
         load("fsdp")["data"]["all_gather_bytes_fp8"] / load("fsdp")["data"]["all_gather_bytes_bf16"]
     ),
-    "fsdp.fp32_split": _fsdp("fp32_split_rel_diff", ".1e"),
-    "fsdp.bf16_split": _fsdp("bf16_split_rel_diff", ".1e"),
-    "fsdp.uneven_split": _fsdp("uneven_split_rel_diff", ".1e"),
+    "fsdp.fp32_split": _fsdp("fp32_split_rel_diff", "sci"),
+    "fsdp.bf16_split": _fsdp("bf16_split_rel_diff", "sci"),
+    "fsdp.uneven_split": _fsdp("uneven_split_rel_diff", "sci"),
     "fsdp.precompute_all_reduces": _fsdp("precompute_all_reduces", "d"),
     "fsdp.fwd_bwd_all_reduces": _fsdp("fwd_bwd_all_reduces_after_precompute", "d"),
     "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
