@@ -98,8 +98,8 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     p = train._Parser(prog="compare.py", description=__doc__.split("\n")[0])
-    # rowwise is opt-in: on 2 CPU cores it adds ~40% to the run time (measured: the 3-mode
-    # small comparison took 451 s on a shared machine), pushing past the 5-minute target.
+    # rowwise is opt-in: it is the slowest mode on CPU, and every mode is one more full run
+    # of the demo (numbers/tiny.json has the per-mode tokens/s).
     p.add_argument("--modes", default="none,tensorwise",
                    help="comma-separated --float8 modes to run; 'none' is the bf16 reference")
     p.add_argument("--out", default=None, help="output folder (default runs/compare_PRESET)")
