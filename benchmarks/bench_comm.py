@@ -17,9 +17,8 @@ Variants: bf16; float8kit and torchao tensorwise with bf16 all-gather; both with
 all-gather (``enable_fsdp_float8_all_gather=True``, then the library's scale precompute after
 the optimizer step); and float8kit's delayed recipe, with and without float8 all-gather
 (precompute_scales folds every layer's amax history with one all-reduce). A variant a
-library cannot run is a row that says why: "not available" for a float8kit feature missing
-from the checkout (detected: a float8 all-gather needs a weight with
-``fsdp_pre_all_gather``), and an error (e.g. a float8 dtype gloo refuses) as its text.
+library cannot run is a row that says why: "not available" when torchao cannot be imported,
+and an error (e.g. a float8 dtype gloo refuses) as its text.
 
     python benchmarks/bench_comm.py                         # preset tiny, 3 steps
     python benchmarks/bench_comm.py --preset small --steps 3
@@ -52,8 +51,15 @@ from model import ModelArgs, Transformer  # noqa: E402
 
 # <library>[_delayed][_fp8_allgather]: float8 recipe tensorwise (or delayed), with float8
 # all-gather of the weights or without.
-VARIANTS = ["bf16", "float8kit", "float8kit_fp8_allgather", "float8kit_delayed",
-            "float8kit_delayed_fp8_allgather", "torchao", "torchao_fp8_allgather"]
+VARIANTS = [
+    "bf16",
+    "float8kit",
+    "float8kit_fp8_allgather",
+    "float8kit_delayed",
+    "float8kit_delayed_fp8_allgather",
+    "torchao",
+    "torchao_fp8_allgather",
+]
 
 # ----------------------------------------------------------------------------
 # counting collectives
@@ -72,11 +78,21 @@ class CommCounter:
         "all_reduce": ("tensor", 0),
         "broadcast": ("tensor", 0),
     }
-    FUNCTIONAL = ("all_reduce", "all_reduce_coalesced", "all_gather_into_tensor",
-                  "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
-                  "reduce_scatter_tensor_coalesced", "broadcast")
-    KIND = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-            "all_reduce": "all_reduce", "broadcast": "broadcast"}
+    FUNCTIONAL = (
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+        "broadcast",
+    )
+    KIND = {
+        "all_gather": "all_gather",
+        "reduce_scatter": "reduce_scatter",
+        "all_reduce": "all_reduce",
+        "broadcast": "broadcast",
+    }
 
     def __init__(self):
         self.active = False
@@ -154,7 +170,7 @@ class _CountingPacket:
 
 def build(variant: str, args: ModelArgs, seed: int):
     """The model for ``variant`` and the per-step scale precompute to call (or None), or a
-    string saying why the variant is not available."""
+    string saying why the variant is not available (torchao missing)."""
     torch.manual_seed(seed)
     model = Transformer(args)
     keep_head = lambda mod, fqn: fqn != "output" and mod.in_features % 16 == 0  # noqa: E731
@@ -163,16 +179,10 @@ def build(variant: str, args: ModelArgs, seed: int):
         import float8kit
 
         recipe = "delayed" if "_delayed" in variant else "tensorwise"
-        if recipe not in common.float8kit_recipes():
-            return f"not available: float8kit in this checkout has no {recipe!r} recipe"
         config = float8kit.Float8LinearConfig.from_recipe_name(recipe)
         if fp8_ag:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         float8kit.convert_to_float8_training(model, config=config, module_filter_fn=keep_head)
-        if fp8_ag and not any(hasattr(m.weight, "fsdp_pre_all_gather") for m in model.modules()
-                              if isinstance(m, float8kit.Float8Linear)):
-            return ("not available: float8kit in this checkout has no FSDP float8 all-gather "
-                    "weight (enable_fsdp_float8_all_gather is accepted but not implemented yet)")
         return model, float8kit.precompute_scales
     if variant.startswith("torchao"):
         ao_float8, note = common.import_torchao_float8()
@@ -227,8 +237,9 @@ def worker(rank: int, world: int, port: int, margs: ModelArgs, opts: dict, out_d
     torch.set_num_threads(1)
     if any(v.startswith("torchao") for v in opts["variants"]):
         common.import_torchao_float8()  # import it quietly, before any variant needs it
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=opts["timeout_s"]))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=opts["timeout_s"])
+    )
     counter = CommCounter()
     counter.install()
     rows = []
@@ -239,8 +250,13 @@ def worker(rank: int, world: int, port: int, margs: ModelArgs, opts: dict, out_d
             except Exception as e:  # noqa: BLE001  (a library's failure is a result)
                 counter.active = False
                 msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400]}"
-                rows.append({"variant": variant, "status": f"error: {msg}",
-                             "traceback_tail": traceback.format_exc()[-1500:]})
+                rows.append(
+                    {
+                        "variant": variant,
+                        "status": f"error: {msg}",
+                        "traceback_tail": traceback.format_exc()[-1500:],
+                    }
+                )
             dist.barrier()
     finally:
         counter.uninstall()
@@ -259,19 +275,29 @@ def free_port() -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="tiny", help="recipes/model.py preset (tiny, small, ...)")
-    p.add_argument("--variants", default=",".join(VARIANTS),
-                   help="comma list of " + ", ".join(VARIANTS))
+    p.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma list of " + ", ".join(VARIANTS)
+    )
     p.add_argument("--world-size", type=int, default=2, help="gloo processes")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last is counted")
     p.add_argument("--batch", type=int, default=2, help="sequences per rank")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--timeout-s", type=int, default=120,
-                   help="gloo timeout: a variant stuck in a collective fails instead of hanging")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/<date>-cpu-comm.json)")
+    p.add_argument(
+        "--timeout-s",
+        type=int,
+        default=120,
+        help="gloo timeout: a variant stuck in a collective fails instead of hanging",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/<date>-cpu-comm.json)",
+    )
     args = p.parse_args()
 
     variants = [v.strip() for v in args.variants.split(",")]
@@ -279,8 +305,13 @@ def main() -> int:
         if v not in VARIANTS:
             raise SystemExit(f"bench_comm: unknown variant {v!r}: use {', '.join(VARIANTS)}")
     margs = ModelArgs.from_name(args.preset)
-    opts = dict(variants=variants, steps=args.steps, batch=args.batch, seq=args.seq,
-                timeout_s=args.timeout_s)
+    opts = dict(
+        variants=variants,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        timeout_s=args.timeout_s,
+    )
     device = torch.device("cpu")
     info = common.run_info(device)
     info["device"] += f"; {args.world_size} gloo processes, 1 thread each"
@@ -289,41 +320,67 @@ def main() -> int:
         # fork where there is one: the workers skip re-importing torch (seconds each); the
         # parent has run no torch ops yet, so there is no thread pool to inherit.
         method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-        mp.start_processes(worker, args=(args.world_size, free_port(), margs, opts, tmp),
-                           nprocs=args.world_size, join=True, start_method=method)
+        mp.start_processes(
+            worker,
+            args=(args.world_size, free_port(), margs, opts, tmp),
+            nprocs=args.world_size,
+            join=True,
+            start_method=method,
+        )
         rows = json.loads(Path(tmp, "rank0.json").read_text())
 
     base = next((r for r in rows if r["variant"] == "bf16" and r["status"] == "ok"), None)
     for r in rows:
         if r["status"] == "ok" and base:
             r["all_gather_ratio_vs_bf16"] = round(
-                r["all_gather_bytes"] / base["all_gather_bytes"], 4)
+                r["all_gather_bytes"] / base["all_gather_bytes"], 4
+            )
             r["total_ratio_vs_bf16"] = round(
                 sum(r[f"{k}_bytes"] for k in ("all_gather", "reduce_scatter", "all_reduce"))
                 / sum(base[f"{k}_bytes"] for k in ("all_gather", "reduce_scatter", "all_reduce")),
-                4)
+                4,
+            )
     n_params = sum(p.numel() for p in Transformer(margs).parameters())
-    payload = {**info, "kind": "comm", "preset": args.preset,
-               "model_args": dataclasses.asdict(margs),
-               "n_params": n_params, "world_size": args.world_size, "steps": args.steps,
-               "counted_step": args.steps, "batch_per_rank": args.batch, "seq": args.seq,
-               "mixed_precision": "param bf16, reduce fp32", "per_rank": "rank 0",
-               "rows": rows}
-    columns = [("variant", "variant"), ("status", "status"),
-               ("all_gather_bytes", "all-gather B"), ("all_gather_calls", "AG calls"),
-               ("all_gather_dtypes", "AG dtype"),
-               ("reduce_scatter_bytes", "reduce-scatter B"), ("reduce_scatter_calls", "RS calls"),
-               ("all_reduce_bytes", "all-reduce B"), ("all_reduce_calls", "AR calls"),
-               ("collectives", "collectives/step"),
-               ("all_gather_ratio_vs_bf16", "AG bytes / bf16"),
-               ("total_ratio_vs_bf16", "all bytes / bf16"), ("final_loss", "loss")]
+    payload = {
+        **info,
+        "kind": "comm",
+        "preset": args.preset,
+        "model_args": dataclasses.asdict(margs),
+        "n_params": n_params,
+        "world_size": args.world_size,
+        "steps": args.steps,
+        "counted_step": args.steps,
+        "batch_per_rank": args.batch,
+        "seq": args.seq,
+        "mixed_precision": "param bf16, reduce fp32",
+        "per_rank": "rank 0",
+        "rows": rows,
+    }
+    columns = [
+        ("variant", "variant"),
+        ("status", "status"),
+        ("all_gather_bytes", "all-gather B"),
+        ("all_gather_calls", "AG calls"),
+        ("all_gather_dtypes", "AG dtype"),
+        ("reduce_scatter_bytes", "reduce-scatter B"),
+        ("reduce_scatter_calls", "RS calls"),
+        ("all_reduce_bytes", "all-reduce B"),
+        ("all_reduce_calls", "AR calls"),
+        ("collectives", "collectives/step"),
+        ("all_gather_ratio_vs_bf16", "AG bytes / bf16"),
+        ("total_ratio_vs_bf16", "all bytes / bf16"),
+        ("final_loss", "loss"),
+    ]
     table = common.markdown_table(rows, columns, ndigits=4)
-    table += (f"\n\nPer training step on rank 0 (step {args.steps} of {args.steps}), preset "
-              f"{args.preset} ({n_params:,} params; lm head, norms and embedding stay bf16), "
-              f"{args.world_size} ranks, batch {args.batch}x{args.seq} tokens per rank.")
+    table += (
+        f"\n\nPer training step on rank 0 (step {args.steps} of {args.steps}), preset "
+        f"{args.preset} ({n_params:,} params; lm head, norms and embedding stay bf16), "
+        f"{args.world_size} ranks, batch {args.batch}x{args.seq} tokens per rank."
+    )
     out = args.out or common.default_out(device, "comm")
     json_path, md_path = common.write_results(
-        out, payload, table, "bench_comm: FSDP2 bytes and collectives per step")
+        out, payload, table, "bench_comm: FSDP2 bytes and collectives per step"
+    )
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")
     return 0

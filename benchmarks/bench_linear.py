@@ -17,7 +17,7 @@ four square-ish reference shapes), eager and compiled:
 
     python benchmarks/bench_linear.py --shapes llama,square --compile
 
-CPU, small shapes (what benchmarks/results/ holds for CPU), and the CI smoke run:
+CPU, small shapes (the published CPU table, numbers/bench_linear.json), and the CI smoke run:
 
     python benchmarks/bench_linear.py --device cpu --shapes small --no-compile
     python benchmarks/bench_linear.py --smoke --out /tmp/linear.json
@@ -56,8 +56,12 @@ LLAMA_TOKENS = (4096, 8192, 16384)
 def llama_shapes(size: str) -> list[tuple[str, int, int, int]]:
     a = LLAMA[size]
     kv = a["n_kv_heads"] * a["dim"] // a["n_heads"]
-    layers = [("wq|wo", a["dim"], a["dim"]), ("wk|wv", a["dim"], kv),
-              ("w1|w3", a["dim"], a["ffn"]), ("w2", a["ffn"], a["dim"])]
+    layers = [
+        ("wq|wo", a["dim"], a["dim"]),
+        ("wk|wv", a["dim"], kv),
+        ("w1|w3", a["dim"], a["ffn"]),
+        ("w2", a["ffn"], a["dim"]),
+    ]
     return [(f"{size}.{name}", m, k, n) for m in LLAMA_TOKENS for name, k, n in layers]
 
 
@@ -66,8 +70,12 @@ SHAPE_SETS: dict[str, list[tuple[str, int, int, int]]] = {
     "llama70b": llama_shapes("70b"),
     "llama": llama_shapes("8b") + llama_shapes("70b"),
     # the four reference shapes (M, K, N)
-    "square": [("ref", 1024, 2048, 1024), ("ref", 4096, 8192, 16384),
-               ("ref", 8192, 8192, 8192), ("ref", 16384, 16384, 16384)],
+    "square": [
+        ("ref", 1024, 2048, 1024),
+        ("ref", 4096, 8192, 16384),
+        ("ref", 8192, 8192, 8192),
+        ("ref", 16384, 16384, 16384),
+    ],
     # CPU: sizes a laptop core finishes in seconds, still showing the trend
     "small": [("small", 128, 256, 128), ("small", 256, 512, 512), ("small", 512, 1024, 1024)],
     # CI smoke test: seconds in all
@@ -110,8 +118,9 @@ def make_layers(base: nn.Module, recipe: str, ao_float8) -> dict[str, nn.Module 
     else:
         try:
             cfg = common.torchao_recipe_config(ao_float8, recipe)
-            layers["torchao"] = ao_float8.convert_to_float8_training(copy.deepcopy(base),
-                                                                    config=cfg)
+            layers["torchao"] = ao_float8.convert_to_float8_training(
+                copy.deepcopy(base), config=cfg
+            )
         except Exception as e:  # noqa: BLE001  (record the peer's refusal, keep going)
             layers["torchao"] = f"{type(e).__name__}: {e}"
     return layers
@@ -146,39 +155,72 @@ def outputs_for_check(module: nn.Module, x: torch.Tensor, go: torch.Tensor, back
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default=None,
-                   help="comma list of shape sets (" + ", ".join(SHAPE_SETS) + ") and/or MxKxN; "
-                        "default: llama,square on CUDA, small on CPU")
-    p.add_argument("--recipes", default=None,
-                   help="comma list of recipes; default: every recipe this float8kit has "
-                        "(tensorwise, rowwise, rowwise_with_gw_hp, delayed, ...)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--shapes",
+        default=None,
+        help="comma list of shape sets (" + ", ".join(SHAPE_SETS) + ") and/or MxKxN; "
+        "default: llama,square on CUDA, small on CPU",
+    )
+    p.add_argument(
+        "--recipes",
+        default=None,
+        help="comma list of recipes; default: every recipe this float8kit has "
+        "(tensorwise, rowwise, rowwise_with_gw_hp, delayed, ...)",
+    )
     p.add_argument("--modes", default="fwd,fwd_bwd", help="comma list of fwd, fwd_bwd")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time torch.compile'd layers (default: on for CUDA, off for CPU, "
-                        "where each compile takes ~20 s)")
-    p.add_argument("--eager", action=argparse.BooleanOptionalAction, default=True,
-                   help="time the eager layers (--no-eager with --compile: compiled rows only, "
-                        "to split a long GPU sweep)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time torch.compile'd layers (default: on for CUDA, off for CPU, "
+        "where each compile takes ~20 s)",
+    )
+    p.add_argument(
+        "--eager",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the eager layers (--no-eager with --compile: compiled rows only, "
+        "to split a long GPU sweep)",
+    )
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed calls (default 10 CUDA, 2 CPU)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed calls (default 10 CUDA, 2 CPU)"
+    )
     p.add_argument("--iters", type=int, default=None, help="timed calls (default 50 CUDA, 10 CPU)")
-    p.add_argument("--n-inputs", type=int, default=4,
-                   help="pre-made inputs cycled through (fewer when they would pass "
-                        "--input-budget-gib)")
-    p.add_argument("--input-budget-gib", type=float, default=2.0,
-                   help="cap on memory for the rotated inputs + grad_outputs of one shape")
-    p.add_argument("--min-sqnr", type=float, default=20.0,
-                   help="fail (exit 1) when any float8 output/grad SQNR vs bf16 is below this (dB)")
-    p.add_argument("--smoke", action="store_true",
-                   help="CI: tiny shapes, 1 warm-up, 3 timed calls, eager only, on CPU")
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/<date>-<device>-linear.json); "
-                        ".md and .png are written beside it")
-    p.add_argument("--threads", type=int, default=None,
-                   help=common.THREADS_HELP)
+    p.add_argument(
+        "--n-inputs",
+        type=int,
+        default=4,
+        help="pre-made inputs cycled through (fewer when they would pass --input-budget-gib)",
+    )
+    p.add_argument(
+        "--input-budget-gib",
+        type=float,
+        default=2.0,
+        help="cap on memory for the rotated inputs + grad_outputs of one shape",
+    )
+    p.add_argument(
+        "--min-sqnr",
+        type=float,
+        default=20.0,
+        help="fail (exit 1) when any float8 output/grad SQNR vs bf16 is below this (dB)",
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CI: tiny shapes, 1 warm-up, 3 timed calls, eager only, on CPU",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/<date>-<device>-linear.json); "
+        ".md and .png are written beside it",
+    )
+    p.add_argument("--threads", type=int, default=None, help=common.THREADS_HELP)
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     args = p.parse_args()
 
@@ -221,8 +263,10 @@ def main() -> int:
         torch.manual_seed(0)
         set_bytes = 2 * (M * K + M * N)  # one bf16 input + one grad_output
         n_inputs = max(2, min(args.n_inputs, int(args.input_budget_gib * 2**30 // set_bytes)))
-        xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16).requires_grad_(True)
-              for _ in range(n_inputs)]
+        xs = [
+            torch.randn(M, K, device=device, dtype=torch.bfloat16).requires_grad_(True)
+            for _ in range(n_inputs)
+        ]
         gos = [torch.randn(M, N, device=device, dtype=torch.bfloat16) for _ in range(n_inputs)]
         # One bf16 layer per shape: every recipe converts a copy of the same weights, so the
         # bf16 time and reference outputs are shared. Sequential: converters see a child Linear.
@@ -242,8 +286,16 @@ def main() -> int:
                     runnable = {name: torch.compile(mod) for name, mod in runnable.items()}
                 for mode in modes:
                     backward = mode == "fwd_bwd"
-                    row = dict(label=label, M=M, K=K, N=N, recipe=recipe, mode=mode,
-                               compiled=compiled, n_inputs=n_inputs)
+                    row = dict(
+                        label=label,
+                        M=M,
+                        K=K,
+                        N=N,
+                        recipe=recipe,
+                        mode=mode,
+                        compiled=compiled,
+                        n_inputs=n_inputs,
+                    )
                     for name in ("bf16", "float8kit", "torchao"):
                         if name == "bf16" and mode in bf16_ms:
                             row["bf16_ms"] = bf16_ms[mode]
@@ -255,12 +307,14 @@ def main() -> int:
                         pre = float8kit.precompute_scales if name == "float8kit" else None
 
                         def fn(i, mod=mod, pre=pre, backward=backward, xs=xs, gos=gos):
-                            train_step(mod, xs[i % len(xs)],
-                                       gos[i % len(gos)] if backward else None, pre)
+                            train_step(
+                                mod, xs[i % len(xs)], gos[i % len(gos)] if backward else None, pre
+                            )
 
                         try:
-                            ms = common.median(common.time_ms(fn, device, warmup=warmup,
-                                                              iters=iters))
+                            ms = common.median(
+                                common.time_ms(fn, device, warmup=warmup, iters=iters)
+                            )
                             outs = outputs_for_check(mod, xs[0], gos[0], backward)
                         except Exception as e:  # noqa: BLE001  (a peer failure is a result)
                             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -271,7 +325,8 @@ def main() -> int:
                         elif mode in bf16_ref:
                             pairs = zip(bf16_ref[mode], outs, strict=True)
                             row[f"{name}_sqnr_db"] = common.finite_or_none(
-                                min(common.sqnr_db(r, o) for r, o in pairs))
+                                min(common.sqnr_db(r, o) for r, o in pairs)
+                            )
                     for name in ("float8kit", "torchao"):
                         if row.get(f"{name}_ms") and row.get("bf16_ms"):
                             row[f"{name}_speedup"] = round(row["bf16_ms"] / row[f"{name}_ms"], 3)
@@ -291,29 +346,59 @@ def main() -> int:
     bad = []
     for row in rows:
         if "float8kit_error" in row:
-            bad.append(f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
-                       f"{row['mode']}: float8kit failed: {row['float8kit_error']}")
+            bad.append(
+                f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
+                f"{row['mode']}: float8kit failed: {row['float8kit_error']}"
+            )
         for name in ("float8kit", "torchao"):
             s = row.get(f"{name}_sqnr_db", "absent")
             if s != "absent" and s is not None and s < args.min_sqnr:
-                bad.append(f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
-                           f"{row['mode']}: {name} SQNR {s} dB < {args.min_sqnr} dB")
-    payload = {**info, "kind": "linear", "timing": "CUDA events" if on_cuda else "perf_counter",
-               "warmup": warmup, "iters": iters, "min_sqnr_db": args.min_sqnr,
-               "recipes": recipes, "rows": rows, "failures": bad}
-    columns = [("label", "shape"), ("M", "M"), ("K", "K"), ("N", "N"), ("recipe", "recipe"),
-               ("mode", "mode"), ("compiled", "compiled"), ("bf16_ms", "bf16 ms"),
-               ("float8kit_ms", "float8kit ms"), ("torchao_ms", "torchao ms"),
-               ("float8kit_speedup", "fk speedup"), ("torchao_speedup", "ao speedup"),
-               ("float8kit_sqnr_db", "fk SQNR dB"), ("torchao_sqnr_db", "ao SQNR dB")]
+                bad.append(
+                    f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
+                    f"{row['mode']}: {name} SQNR {s} dB < {args.min_sqnr} dB"
+                )
+    payload = {
+        **info,
+        "kind": "linear",
+        "timing": "CUDA events" if on_cuda else "perf_counter",
+        "warmup": warmup,
+        "iters": iters,
+        "min_sqnr_db": args.min_sqnr,
+        "recipes": recipes,
+        "rows": rows,
+        "failures": bad,
+    }
+    columns = [
+        ("label", "shape"),
+        ("M", "M"),
+        ("K", "K"),
+        ("N", "N"),
+        ("recipe", "recipe"),
+        ("mode", "mode"),
+        ("compiled", "compiled"),
+        ("bf16_ms", "bf16 ms"),
+        ("float8kit_ms", "float8kit ms"),
+        ("torchao_ms", "torchao ms"),
+        ("float8kit_speedup", "fk speedup"),
+        ("torchao_speedup", "ao speedup"),
+        ("float8kit_sqnr_db", "fk SQNR dB"),
+        ("torchao_sqnr_db", "ao SQNR dB"),
+    ]
     table = common.markdown_table(rows, columns)
-    errors = sorted({f"- {n}: {r[f'{n}_error']}" for r in rows for n in ("torchao", "float8kit")
-                     if f"{n}_error" in r})
+    errors = sorted(
+        {
+            f"- {n}: {r[f'{n}_error']}"
+            for r in rows
+            for n in ("torchao", "float8kit")
+            if f"{n}_error" in r
+        }
+    )
     if errors:
         table += "\n\nErrors (recorded, not hidden):\n" + "\n".join(errors)
     out = args.out or common.default_out(device, "linear")
     json_path, md_path = common.write_results(
-        out, payload, table, "bench_linear: bf16 vs float8kit vs torchao.float8, one Linear")
+        out, payload, table, "bench_linear: bf16 vs float8kit vs torchao.float8, one Linear"
+    )
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")
     if not args.no_plot:
@@ -335,24 +420,35 @@ def plot(rows: list[dict], path: Path, info: dict) -> Path:
     if any(r["compiled"] for r in sel):
         sel = [r for r in sel if r["compiled"]]
     shapes = list(dict.fromkeys((r["label"], r["M"], r["K"], r["N"]) for r in sel))
-    series = list(dict.fromkeys((lib, r["recipe"]) for r in sel
-                                for lib in ("float8kit", "torchao")))
+    series = list(
+        dict.fromkeys((lib, r["recipe"]) for r in sel for lib in ("float8kit", "torchao"))
+    )
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(shapes) * max(1, len(series)) / 3), 4.5))
     width = 0.8 / max(1, len(series))
     for j, (lib, recipe) in enumerate(series):
         ys = []
         for s in shapes:
-            match = [r for r in sel if (r["label"], r["M"], r["K"], r["N"]) == s
-                     and r["recipe"] == recipe]
+            match = [
+                r
+                for r in sel
+                if (r["label"], r["M"], r["K"], r["N"]) == s and r["recipe"] == recipe
+            ]
             ys.append(match[0].get(f"{lib}_speedup") or 0.0 if match else 0.0)
         recipes = list(dict.fromkeys(r for _, r in series))
-        ax.bar([i + j * width for i in range(len(shapes))], ys, width,
-               label=f"{lib} {recipe}", color=f"C{recipes.index(recipe)}",
-               hatch="" if lib == "float8kit" else "//", edgecolor="white")
+        ax.bar(
+            [i + j * width for i in range(len(shapes))],
+            ys,
+            width,
+            label=f"{lib} {recipe}",
+            color=f"C{recipes.index(recipe)}",
+            hatch="" if lib == "float8kit" else "//",
+            edgecolor="white",
+        )
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(shapes))])
-    ax.set_xticklabels([f"{lab}\n{m}x{k}x{n}" for lab, m, k, n in shapes], fontsize=7,
-                       rotation=45, ha="right")
+    ax.set_xticklabels(
+        [f"{lab}\n{m}x{k}x{n}" for lab, m, k, n in shapes], fontsize=7, rotation=45, ha="right"
+    )
     ax.set_ylabel("speedup over bf16 (fwd+bwd)")
     mode = "compiled" if sel and sel[0]["compiled"] else "eager"
     ax.set_title(f"{info['device']}, {mode}", fontsize=8)

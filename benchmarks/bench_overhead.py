@@ -46,9 +46,11 @@ def make_layers(k: int, n: int, recipe: str, device, ao_float8) -> dict[str, nn.
     base = nn.Sequential(nn.Linear(k, n, bias=False)).to(device=device, dtype=torch.bfloat16)
     return {
         "float8kit": float8kit.convert_to_float8_training(
-            copy.deepcopy(base), config=float8kit.Float8LinearConfig.from_recipe_name(recipe)),
+            copy.deepcopy(base), config=float8kit.Float8LinearConfig.from_recipe_name(recipe)
+        ),
         "torchao": ao_float8.convert_to_float8_training(
-            copy.deepcopy(base), config=common.torchao_recipe_config(ao_float8, recipe)),
+            copy.deepcopy(base), config=common.torchao_recipe_config(ao_float8, recipe)
+        ),
         "bf16": base,
     }
 
@@ -81,13 +83,21 @@ def profile_top(mod, x, go, calls: int, top: int) -> list[dict]:
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     return [
-        {"op": e.key, "calls_per_step": round(e.count / calls, 2),
-         "self_cpu_us_per_step": round(e.self_cpu_time_total / calls, 2),
-         "share": round(e.self_cpu_time_total / total, 3)}
+        {
+            "op": e.key,
+            "calls_per_step": round(e.count / calls, 2),
+            "self_cpu_us_per_step": round(e.self_cpu_time_total / calls, 2),
+            "share": round(e.self_cpu_time_total / total, 3),
+        }
         for e in events[:top]
-    ] + [{"op": "TOTAL (all ops, self)", "calls_per_step": round(
-        sum(e.count for e in events) / calls, 1), "self_cpu_us_per_step": round(total / calls, 2),
-        "share": 1.0}]
+    ] + [
+        {
+            "op": "TOTAL (all ops, self)",
+            "calls_per_step": round(sum(e.count for e in events) / calls, 1),
+            "self_cpu_us_per_step": round(total / calls, 2),
+            "share": 1.0,
+        }
+    ]
 
 
 # ----------------------------------------------------------------------------
@@ -95,21 +105,28 @@ def profile_top(mod, x, go, calls: int, top: int) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shape", default="16x64x64", help="MxKxN of the layer (tokens x in x out)")
     p.add_argument("--recipes", default="tensorwise", help="comma list of recipes")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--rounds", type=int, default=30, help="interleaved rounds (median over them)")
     p.add_argument("--calls", type=int, default=20, help="calls per timed block")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls per layer first")
-    p.add_argument("--profile", action="store_true",
-                   help="also record torch.profiler top ops per library (into the JSON)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also record torch.profiler top ops per library (into the JSON)",
+    )
     p.add_argument("--top", type=int, default=15, help="ops per library in --profile")
-    p.add_argument("--threads", type=int, default=None,
-                   help=common.THREADS_HELP)
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/<date>-<device>-overhead.json)")
+    p.add_argument("--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/<date>-<device>-overhead.json)",
+    )
     args = p.parse_args()
 
     common.set_threads(args.threads)
@@ -133,49 +150,75 @@ def main() -> int:
         per_call: dict[str, list[float]] = {lib: [] for lib in LIBS}
         ratios = []
         for r in range(args.rounds):
-            order = LIBS[r % 3:] + LIBS[:r % 3]
+            order = LIBS[r % 3 :] + LIBS[: r % 3]
             got = {lib: block_us(layers[lib], x, go, args.calls, device) for lib in order}
             for lib in LIBS:
                 per_call[lib].append(got[lib])
             ratios.append(got["float8kit"] / got["torchao"])
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
         row = {
-            "recipe": recipe, "M": M, "K": K, "N": N, "mode": "fwd_bwd", "compiled": False,
+            "recipe": recipe,
+            "M": M,
+            "K": K,
+            "N": N,
+            "mode": "fwd_bwd",
+            "compiled": False,
             "float8kit_us": round(common.median(per_call["float8kit"]), 2),
             "torchao_us": round(common.median(per_call["torchao"]), 2),
             "bf16_us": round(common.median(per_call["bf16"]), 2),
             "ratio_float8kit_over_torchao": round(common.median(ratios), 4),
-            "ratio_q1": round(q[0], 4), "ratio_q3": round(q[2], 4),
-            **{f"{lib}_aten_ops": common.count_aten_ops(layers[lib], M, K, N, True)
-               for lib in LIBS},
-            "rounds": args.rounds, "calls_per_round": args.calls,
+            "ratio_q1": round(q[0], 4),
+            "ratio_q3": round(q[2], 4),
+            **{
+                f"{lib}_aten_ops": common.count_aten_ops(layers[lib], M, K, N, True) for lib in LIBS
+            },
+            "rounds": args.rounds,
+            "calls_per_round": args.calls,
         }
         rows.append(row)
         print(" ".join(f"{k}={common.fmt(v)}" for k, v in row.items()), flush=True)
         if args.profile:
-            profiles[recipe] = {lib: profile_top(layers[lib], x, go, 50, args.top)
-                                for lib in ("float8kit", "torchao")}
+            profiles[recipe] = {
+                lib: profile_top(layers[lib], x, go, 50, args.top)
+                for lib in ("float8kit", "torchao")
+            }
 
     payload = {**info, "kind": "overhead", "shape": [M, K, N], "rows": rows}
     if profiles:
         payload["profile"] = profiles
-    columns = [("recipe", "recipe"), ("M", "M"), ("K", "K"), ("N", "N"),
-               ("float8kit_us", "float8kit us/call"), ("torchao_us", "torchao us/call"),
-               ("bf16_us", "bf16 us/call"),
-               ("ratio_float8kit_over_torchao", "float8kit/torchao (median of rounds)"),
-               ("ratio_q1", "ratio q1"), ("ratio_q3", "ratio q3"),
-               ("float8kit_aten_ops", "fk aten ops"), ("torchao_aten_ops", "ao aten ops"),
-               ("bf16_aten_ops", "bf16 aten ops")]
+    columns = [
+        ("recipe", "recipe"),
+        ("M", "M"),
+        ("K", "K"),
+        ("N", "N"),
+        ("float8kit_us", "float8kit us/call"),
+        ("torchao_us", "torchao us/call"),
+        ("bf16_us", "bf16 us/call"),
+        ("ratio_float8kit_over_torchao", "float8kit/torchao (median of rounds)"),
+        ("ratio_q1", "ratio q1"),
+        ("ratio_q3", "ratio q3"),
+        ("float8kit_aten_ops", "fk aten ops"),
+        ("torchao_aten_ops", "ao aten ops"),
+        ("bf16_aten_ops", "bf16 aten ops"),
+    ]
     table = common.markdown_table(rows, columns)
     for recipe, libs in profiles.items():
         for lib, ops in libs.items():
             table += f"\n\nTop ops by self CPU time, {lib} {recipe} (per fwd+bwd call):\n\n"
-            table += common.markdown_table(ops, [("op", "op"), ("calls_per_step", "calls"),
-                                                 ("self_cpu_us_per_step", "self us"),
-                                                 ("share", "share")], ndigits=2)
+            table += common.markdown_table(
+                ops,
+                [
+                    ("op", "op"),
+                    ("calls_per_step", "calls"),
+                    ("self_cpu_us_per_step", "self us"),
+                    ("share", "share"),
+                ],
+                ndigits=2,
+            )
     out = args.out or common.default_out(device, "overhead")
     json_path, md_path = common.write_results(
-        out, payload, table, "bench_overhead: eager per-call time, float8kit vs torchao.float8")
+        out, payload, table, "bench_overhead: eager per-call time, float8kit vs torchao.float8"
+    )
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")
     return 0

@@ -14,7 +14,7 @@ GPU (one H100), the issue-6 configuration:
 
     python benchmarks/bench_train.py --preset llama3-8b-4l --compile
 
-CPU (CI smoke test and the CPU table in benchmarks/results/):
+CPU (CI smoke test and the published CPU table, numbers/bench_train.json):
 
     python benchmarks/bench_train.py --preset tiny --device cpu --no-compile
 
@@ -37,8 +37,7 @@ sys.path.insert(0, str(common.REPO / "recipes"))
 from model import PRESETS, ModelArgs, Transformer  # noqa: E402
 
 # Tokens per step that fit one device with bf16 params + AdamW state: (batch, seq_len).
-SHAPE_DEFAULTS = {"tiny": (4, 64), "small": (4, 128), "1b": (4, 2048),
-                  "llama3-8b-4l": (1, 8192)}
+SHAPE_DEFAULTS = {"tiny": (4, 64), "small": (4, 128), "1b": (4, 2048), "llama3-8b-4l": (1, 8192)}
 
 # ----------------------------------------------------------------------------
 # variants
@@ -59,15 +58,19 @@ def build(variant: str, recipe: str | None, margs: ModelArgs, device, ao_float8)
         import float8kit
 
         float8kit.convert_to_float8_training(
-            model, config=float8kit.Float8LinearConfig.from_recipe_name(recipe),
-            module_filter_fn=keep_head)
+            model,
+            config=float8kit.Float8LinearConfig.from_recipe_name(recipe),
+            module_filter_fn=keep_head,
+        )
         return model, float8kit.precompute_scales
     if variant == "torchao":
         if ao_float8 is None:
             raise ValueError("torchao.float8 not importable")
         ao_float8.convert_to_float8_training(
-            model, config=common.torchao_recipe_config(ao_float8, recipe),
-            module_filter_fn=keep_head)
+            model,
+            config=common.torchao_recipe_config(ao_float8, recipe),
+            module_filter_fn=keep_head,
+        )
     return model, None
 
 
@@ -76,29 +79,44 @@ def build(variant: str, recipe: str | None, margs: ModelArgs, device, ao_float8)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default=None,
-                   help="recipes/model.py preset (" + ", ".join(PRESETS) + "); default "
-                        "llama3-8b-4l on CUDA, tiny on CPU")
-    p.add_argument("--recipes", default="tensorwise,rowwise",
-                   help="comma list of float8 recipes to run for both libraries ('all': every "
-                        "float8kit recipe this checkout has)")
-    p.add_argument("--libs", default="bf16,float8kit,torchao",
-                   help="comma list of bf16, float8kit, torchao")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="recipes/model.py preset (" + ", ".join(PRESETS) + "); default "
+        "llama3-8b-4l on CUDA, tiny on CPU",
+    )
+    p.add_argument(
+        "--recipes",
+        default="tensorwise,rowwise",
+        help="comma list of float8 recipes to run for both libraries ('all': every "
+        "float8kit recipe this checkout has)",
+    )
+    p.add_argument(
+        "--libs", default="bf16,float8kit,torchao", help="comma list of bf16, float8kit, torchao"
+    )
     p.add_argument("--batch", type=int, default=None, help="sequences per step (preset default)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (preset default)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the model (default: on for CUDA, off for CPU)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the model (default: on for CUDA, off for CPU)",
+    )
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     p.add_argument("--warmup", type=int, default=None, help="untimed steps (default 5 CUDA, 2 CPU)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20 CUDA, 5 CPU)")
     p.add_argument("--n-batches", type=int, default=4, help="pre-made batches cycled through")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
-    p.add_argument("--threads", type=int, default=None,
-                   help=common.THREADS_HELP)
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/<date>-<device>-train.json)")
+    p.add_argument("--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/<date>-<device>-train.json)",
+    )
     args = p.parse_args()
 
     common.set_threads(args.threads)
@@ -113,24 +131,35 @@ def main() -> int:
     compiled = args.compile if args.compile is not None else on_cuda
     warmup = args.warmup if args.warmup is not None else (5 if on_cuda else 2)
     steps = args.steps if args.steps is not None else (20 if on_cuda else 5)
-    recipes = (common.float8kit_recipes() if args.recipes == "all"
-               else [r.strip() for r in args.recipes.split(",")])
+    recipes = (
+        common.float8kit_recipes()
+        if args.recipes == "all"
+        else [r.strip() for r in args.recipes.split(",")]
+    )
     libs = [x.strip() for x in args.libs.split(",")]
     ao_float8, ao_note = common.import_torchao_float8()
     info = common.run_info(device)
     print(f"# {info['device']} | torch {info['torch']} | torchao {info['torchao']}", flush=True)
 
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, margs.vocab_size, (batch, seq + 1), generator=g).to(device)
-               for _ in range(args.n_batches)]
+    batches = [
+        torch.randint(0, margs.vocab_size, (batch, seq + 1), generator=g).to(device)
+        for _ in range(args.n_batches)
+    ]
     variants = [("bf16", None)] if "bf16" in libs else []
     variants += [(lib, r) for r in recipes for lib in ("float8kit", "torchao") if lib in libs]
 
     rows = []
     for lib, recipe in variants:
-        row = {"variant": lib if recipe is None else f"{lib}:{recipe}", "library": lib,
-               "recipe": recipe, "compiled": compiled, "preset": preset, "batch": batch,
-               "seq": seq}
+        row = {
+            "variant": lib if recipe is None else f"{lib}:{recipe}",
+            "library": lib,
+            "recipe": recipe,
+            "compiled": compiled,
+            "preset": preset,
+            "batch": batch,
+            "seq": seq,
+        }
         try:
             model, precompute = build(lib, recipe, margs, device, ao_float8)
         except Exception as e:  # noqa: BLE001  (a library refusing a recipe is a result)
@@ -145,8 +174,9 @@ def main() -> int:
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(device)
 
-        def step(i, step_model=step_model, optim=optim, precompute=precompute, model=model,
-                 losses=losses):
+        def step(
+            i, step_model=step_model, optim=optim, precompute=precompute, model=model, losses=losses
+        ):
             idx = batches[i % len(batches)]
             loss = step_model(idx[:, :-1], idx[:, 1:])
             loss.backward()
@@ -172,7 +202,8 @@ def main() -> int:
             loss_first=round(losses[0].item(), 5),
             loss_last=round(losses[-1].item(), 5),
             peak_mem_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-            if on_cuda else None,
+            if on_cuda
+            else None,
         )
         rows.append(row)
         print(" ".join(f"{k}={common.fmt(v)}" for k, v in row.items()), flush=True)
@@ -191,25 +222,49 @@ def main() -> int:
         if base and "step_ms" in r:
             r["speedup_vs_bf16"] = round(base["step_ms"] / r["step_ms"], 3)
             r["loss_first_rel_diff_vs_bf16"] = round(
-                abs(r["loss_first"] - base["loss_first"]) / abs(base["loss_first"]), 5)
+                abs(r["loss_first"] - base["loss_first"]) / abs(base["loss_first"]), 5
+            )
     with torch.device("meta"):
         n_params = sum(p.numel() for p in Transformer(margs).parameters())
-    payload = {**info, "kind": "train", "preset": preset, "n_params": n_params,
-               "batch": batch, "seq": seq, "tokens_per_step": batch * seq, "compiled": compiled,
-               "warmup": warmup, "steps": steps, "params_dtype": "bfloat16", "optimizer": "AdamW",
-               "timing": "CUDA events" if on_cuda else "perf_counter", "rows": rows,
-               "failures": bad}
-    columns = [("variant", "variant"), ("compiled", "compiled"), ("float8_linears", "fp8 linears"),
-               ("step_ms", "step ms"), ("tokens_per_s", "tokens/s"),
-               ("speedup_vs_bf16", "speedup vs bf16"), ("peak_mem_gib", "peak GiB"),
-               ("loss_first", "loss step 1"), ("loss_first_rel_diff_vs_bf16", "rel diff vs bf16"),
-               ("loss_last", "last loss"), ("error", "error")]
+    payload = {
+        **info,
+        "kind": "train",
+        "preset": preset,
+        "n_params": n_params,
+        "batch": batch,
+        "seq": seq,
+        "tokens_per_step": batch * seq,
+        "compiled": compiled,
+        "warmup": warmup,
+        "steps": steps,
+        "params_dtype": "bfloat16",
+        "optimizer": "AdamW",
+        "timing": "CUDA events" if on_cuda else "perf_counter",
+        "rows": rows,
+        "failures": bad,
+    }
+    columns = [
+        ("variant", "variant"),
+        ("compiled", "compiled"),
+        ("float8_linears", "fp8 linears"),
+        ("step_ms", "step ms"),
+        ("tokens_per_s", "tokens/s"),
+        ("speedup_vs_bf16", "speedup vs bf16"),
+        ("peak_mem_gib", "peak GiB"),
+        ("loss_first", "loss step 1"),
+        ("loss_first_rel_diff_vs_bf16", "rel diff vs bf16"),
+        ("loss_last", "last loss"),
+        ("error", "error"),
+    ]
     table = common.markdown_table(rows, columns, ndigits=4)
-    table += (f"\n\nPreset {preset}, {batch}x{seq} tokens per step, bf16 params + AdamW, "
-              f"median of {steps} steps after {warmup} warm-up.")
+    table += (
+        f"\n\nPreset {preset}, {batch}x{seq} tokens per step, bf16 params + AdamW, "
+        f"median of {steps} steps after {warmup} warm-up."
+    )
     out = args.out or common.default_out(device, "train")
     json_path, md_path = common.write_results(
-        out, payload, table, "bench_train: training-step tokens/s, recipes model")
+        out, payload, table, "bench_train: training-step tokens/s, recipes model"
+    )
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")
     if bad:

@@ -64,18 +64,10 @@ def torchao_version() -> str | None:
 
 
 def float8kit_recipes() -> list[str]:
-    """The named recipes this checkout of float8kit knows (``delayed`` once it has landed)."""
+    """The named recipes of float8kit (``Float8Recipe``)."""
     import float8kit
 
-    names = [r.value for r in float8kit.Float8Recipe]
-    for name in ("delayed",):  # features that land on other branches: probe, never assume
-        if name not in names:
-            try:
-                float8kit.Float8LinearConfig.from_recipe_name(name)
-                names.append(name)
-            except ValueError:
-                pass
-    return names
+    return [r.value for r in float8kit.Float8Recipe]
 
 
 def torchao_recipe_config(ao_float8, recipe: str):
@@ -128,20 +120,38 @@ def device_slug(device: torch.device) -> str:
     return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
-def git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-            timeout=10,
-        )
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_commit() -> str | None:
+    """The checkout's full commit hash (None outside a git checkout)."""
+    return _git("rev-parse", "HEAD")
+
+
+# Results (numbers/) and prose (*.md) do not change what a script measures: a checkout whose
+# only changes are there still runs the committed code. tools/numbers.py uses the same rule.
+DIRTY_EXCLUDES = (":(exclude)numbers", ":(exclude,glob)**/*.md")
+
+
+def git_dirty() -> bool | None:
+    """True when tracked or untracked files outside numbers/ and *.md differ from HEAD."""
+    status = _git("status", "--porcelain", "--", ".", *DIRTY_EXCLUDES)
+    return None if status is None else bool(status)
 
 
 def command_line() -> str:
-    return " ".join(["python", *map(shlex.quote, [os.path.relpath(sys.argv[0], REPO)]),
-                     *map(shlex.quote, sys.argv[1:])])
+    return " ".join(
+        [
+            "python",
+            *map(shlex.quote, [os.path.relpath(sys.argv[0], REPO)]),
+            *map(shlex.quote, sys.argv[1:]),
+        ]
+    )
 
 
 def run_info(device: torch.device) -> dict:
@@ -152,10 +162,13 @@ def run_info(device: torch.device) -> dict:
         "torchao": torchao_version(),
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command_line(),
+        "script": os.path.relpath(os.path.abspath(sys.argv[0]), REPO),
         "git_commit": git_commit(),
+        "git_dirty": git_dirty(),
         # CPU timings on a shared machine move with its load: say what it was
         "load_avg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()]
-        if hasattr(os, "getloadavg") else None,
+        if hasattr(os, "getloadavg")
+        else None,
     }
 
 
@@ -281,7 +294,8 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str]], ndigits: in
 def header_lines(info: dict) -> str:
     return (
         f"- device: {info['device']}\n- torch: {info['torch']}, torchao: {info['torchao']}\n"
-        f"- date: {info['date']}, git: {info.get('git_commit')}, "
+        f"- date: {info['date']}, git: {info.get('git_commit')}"
+        f"{' (dirty)' if info.get('git_dirty') else ''}, "
         f"load average (1/5/15 min) at start: {info.get('load_avg_1m_5m_15m')}\n"
         f"- command: `{info['command']}`\n"
     )

@@ -21,10 +21,10 @@ Measured rates (this machine: bf16 ``mm`` and fp8 ``torch._scaled_mm`` at --meas
 copy bandwidth, T0 of bf16 and float8kit layers), optionally beside bench_linear's measured
 speedups:
 
-    python benchmarks/roofline.py --threads 1 --linear-json benchmarks/results/<...>-linear.json
+    python benchmarks/roofline.py --threads 1 --linear-json numbers/bench_linear.json
     python benchmarks/roofline.py --device cuda --measure-size 8192      # on an H100
 
-A MODEL with datasheet-style H100 constants (DESIGN.md's performance model; not a
+A MODEL with datasheet-style H100 constants (not a
 measurement, labeled so in every output):
 
     python benchmarks/roofline.py --device-spec h100
@@ -67,7 +67,8 @@ def tiny_layers(device, k: int = 16, n: int = 16) -> dict[str, nn.Module]:
     base = nn.Sequential(nn.Linear(k, n, bias=False)).to(device=device, dtype=torch.bfloat16)
     fp8 = float8kit.convert_to_float8_training(
         nn.Sequential(nn.Linear(k, n, bias=False)).to(device=device, dtype=torch.bfloat16),
-        config=float8kit.Float8LinearConfig.from_recipe_name("tensorwise"))
+        config=float8kit.Float8LinearConfig.from_recipe_name("tensorwise"),
+    )
     fp8.load_state_dict(base.state_dict())
     return {"bf16": base, "fp8": fp8}
 
@@ -82,8 +83,11 @@ def measure(device, size: int, bw_mib: int, warmup: int, iters: int) -> dict:
     a8 = [t.to(torch.float8_e4m3fn) for t in a]
     b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major, as _scaled_mm wants
     one = torch.tensor(1.0, device=device)
-    fp8_ms = med(lambda i: torch._scaled_mm(a8[i % 2], b8, scale_a=one, scale_b=one,
-                                            out_dtype=torch.bfloat16))
+    fp8_ms = med(
+        lambda i: torch._scaled_mm(
+            a8[i % 2], b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+        )
+    )
     nbytes = bw_mib * 2**20
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
@@ -92,6 +96,7 @@ def measure(device, size: int, bw_mib: int, warmup: int, iters: int) -> dict:
     go = torch.randn(16, 16, device=device, dtype=torch.bfloat16)
     t0 = {}
     for name, mod in tiny_layers(device).items():
+
         def fwd(i, mod=mod):
             mod(x)
 
@@ -116,12 +121,17 @@ def spec(name: str) -> dict:
     s = DEVICE_SPECS[name]
     t0 = {}
     for lib, mod in tiny_layers(torch.device("cpu")).items():
-        t0[lib] = {mode: common.count_aten_ops(mod, 16, 16, 16, mode == "fwd_bwd") * s["us_per_op"]
-                   for mode in ("fwd", "fwd_bwd")}
-    return {"source": f"MODEL: {name} datasheet-style constants, NOT a measurement",
-            "host_overlaps_device": True,
-            **{k: v for k, v in s.items() if k != "us_per_op"},
-            "us_per_op": s["us_per_op"], "t0_us": t0}
+        t0[lib] = {
+            mode: common.count_aten_ops(mod, 16, 16, 16, mode == "fwd_bwd") * s["us_per_op"]
+            for mode in ("fwd", "fwd_bwd")
+        }
+    return {
+        "source": f"MODEL: {name} datasheet-style constants, NOT a measurement",
+        "host_overlaps_device": True,
+        **{k: v for k, v in s.items() if k != "us_per_op"},
+        "us_per_op": s["us_per_op"],
+        "t0_us": t0,
+    }
 
 
 # ----------------------------------------------------------------------------
@@ -137,10 +147,15 @@ def predict(m: int, k: int, n: int, mode: str, r: dict) -> dict:
     gemm8_ms = flops / (r["fp8_tflops"] * 1e9)
     cast_ms = cast_bytes / (r["bw_tbps"] * 1e9)
     fp8_ms = combine(r["t0_us"]["fp8"][mode] / 1e3, gemm8_ms + cast_ms)
-    return {"gflop": round(flops / 1e9, 4), "cast_mb": round(cast_bytes / 1e6, 3),
-            "bf16_pred_ms": round(bf16_ms, 5), "fp8_gemm_ms": round(gemm8_ms, 5),
-            "cast_ms": round(cast_ms, 5), "fp8_pred_ms": round(fp8_ms, 5),
-            "predicted_speedup": round(bf16_ms / fp8_ms, 4)}
+    return {
+        "gflop": round(flops / 1e9, 4),
+        "cast_mb": round(cast_bytes / 1e6, 3),
+        "bf16_pred_ms": round(bf16_ms, 5),
+        "fp8_gemm_ms": round(gemm8_ms, 5),
+        "cast_ms": round(cast_ms, 5),
+        "fp8_pred_ms": round(fp8_ms, 5),
+        "predicted_speedup": round(bf16_ms / fp8_ms, 4),
+    }
 
 
 def measured_speedups(path: Path | None, recipe: str) -> dict:
@@ -160,28 +175,54 @@ def measured_speedups(path: Path | None, recipe: str) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="small,llama,square",
-                   help="comma list of shape sets (" + ", ".join(SHAPE_SETS) + ") and/or MxKxN")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--shapes",
+        default="small,llama,square",
+        help="comma list of shape sets (" + ", ".join(SHAPE_SETS) + ") and/or MxKxN",
+    )
     p.add_argument("--modes", default="fwd_bwd,fwd", help="comma list of fwd_bwd, fwd")
     p.add_argument("--device", default="auto", help="where to measure rates: cuda, cpu, auto")
-    p.add_argument("--device-spec", choices=sorted(DEVICE_SPECS), default=None,
-                   help="use datasheet-style constants instead of measuring (a MODEL)")
-    p.add_argument("--measure-size", type=int, default=None,
-                   help="gemm size for the rate measurement (default 8192 CUDA, 512 CPU)")
-    p.add_argument("--bw-mib", type=int, default=None,
-                   help="copy size for the bandwidth measurement (default 1024 CUDA, 128 CPU)")
+    p.add_argument(
+        "--device-spec",
+        choices=sorted(DEVICE_SPECS),
+        default=None,
+        help="use datasheet-style constants instead of measuring (a MODEL)",
+    )
+    p.add_argument(
+        "--measure-size",
+        type=int,
+        default=None,
+        help="gemm size for the rate measurement (default 8192 CUDA, 512 CPU)",
+    )
+    p.add_argument(
+        "--bw-mib",
+        type=int,
+        default=None,
+        help="copy size for the bandwidth measurement (default 1024 CUDA, 128 CPU)",
+    )
     p.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 CUDA, 2 CPU)")
     p.add_argument("--iters", type=int, default=None, help="timed calls (default 20 CUDA, 7 CPU)")
-    p.add_argument("--linear-json", type=Path, default=None,
-                   help="a bench_linear JSON: show its measured speedups beside the prediction")
-    p.add_argument("--recipe", default="tensorwise",
-                   help="bench_linear recipe whose measured rows to show (the model is tensorwise)")
-    p.add_argument("--threads", type=int, default=None,
-                   help=common.THREADS_HELP)
-    p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default benchmarks/results/<date>-<device>-roofline.json)")
+    p.add_argument(
+        "--linear-json",
+        type=Path,
+        default=None,
+        help="a bench_linear JSON: show its measured speedups beside the prediction",
+    )
+    p.add_argument(
+        "--recipe",
+        default="tensorwise",
+        help="bench_linear recipe whose measured rows to show (the model is tensorwise)",
+    )
+    p.add_argument("--threads", type=int, default=None, help=common.THREADS_HELP)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/<date>-<device>-roofline.json)",
+    )
     args = p.parse_args()
 
     common.set_threads(args.threads)
@@ -190,26 +231,39 @@ def main() -> int:
     info = common.run_info(device)
     if args.device_spec:
         rates = spec(args.device_spec)
-        info["device"] = (f"MODEL {args.device_spec} (datasheet-style constants, not measured; "
-                          f"computed on {info['device']})")
+        info["device"] = (
+            f"MODEL {args.device_spec} (datasheet-style constants, not measured; "
+            f"computed on {info['device']})"
+        )
         slug = f"{args.device_spec}-model"
     else:
-        rates = measure(device,
-                        args.measure_size or (8192 if on_cuda else 512),
-                        args.bw_mib or (1024 if on_cuda else 128),
-                        args.warmup if args.warmup is not None else (5 if on_cuda else 2),
-                        args.iters if args.iters is not None else (20 if on_cuda else 7))
+        rates = measure(
+            device,
+            args.measure_size or (8192 if on_cuda else 512),
+            args.bw_mib or (1024 if on_cuda else 128),
+            args.warmup if args.warmup is not None else (5 if on_cuda else 2),
+            args.iters if args.iters is not None else (20 if on_cuda else 7),
+        )
         slug = common.device_slug(device)
     print(f"# {info['device']}\n# rates: " + json.dumps(rates), flush=True)
 
-    shapes = list({(m, k, n): (label, m, k, n) for label, m, k, n in
-                   reversed(parse_shapes(args.shapes))}.values())  # one row per (M, K, N)
+    shapes = list(
+        {
+            (m, k, n): (label, m, k, n) for label, m, k, n in reversed(parse_shapes(args.shapes))
+        }.values()
+    )  # one row per (M, K, N)
     seen = measured_speedups(args.linear_json, args.recipe)
     rows = []
     for mode in [m.strip() for m in args.modes.split(",")]:
         for label, m, k, n in sorted(shapes, key=lambda s: s[1] * s[2] * s[3]):
-            row = {"label": label, "M": m, "K": k, "N": n, "mode": mode, **predict(m, k, n, mode,
-                                                                                 rates)}
+            row = {
+                "label": label,
+                "M": m,
+                "K": k,
+                "N": n,
+                "mode": mode,
+                **predict(m, k, n, mode, rates),
+            }
             got = seen.get((m, k, n, mode))
             if got is not None:
                 row["measured_float8kit_speedup"] = got.get("float8kit_speedup")
@@ -219,29 +273,53 @@ def main() -> int:
     crossover = {}
     for mode in {r["mode"] for r in rows}:
         wins = [r for r in rows if r["mode"] == mode and r["predicted_speedup"] > 1]
-        crossover[mode] = (f"{wins[0]['M']}x{wins[0]['K']}x{wins[0]['N']} ({wins[0]['gflop']} "
-                           "GFLOP)" if wins else "none of these shapes")
+        crossover[mode] = (
+            f"{wins[0]['M']}x{wins[0]['K']}x{wins[0]['N']} ({wins[0]['gflop']} GFLOP)"
+            if wins
+            else "none of these shapes"
+        )
     limit = rates["fp8_tflops"] / rates["bf16_tflops"]
-    payload = {**info, "kind": "roofline", "rates": rates, "recipe_modeled": "tensorwise",
-               "gemm_rate_ratio_fp8_over_bf16": round(limit, 3),
-               "first_predicted_win": crossover, "rows": rows}
-    columns = [("label", "shape"), ("M", "M"), ("K", "K"), ("N", "N"), ("mode", "mode"),
-               ("gflop", "GFLOP"), ("cast_mb", "cast MB"), ("bf16_pred_ms", "bf16 ms (pred)"),
-               ("fp8_pred_ms", "fp8 ms (pred)"), ("cast_ms", "of which casts"),
-               ("predicted_speedup", "predicted speedup")]
+    payload = {
+        **info,
+        "kind": "roofline",
+        "rates": rates,
+        "recipe_modeled": "tensorwise",
+        "gemm_rate_ratio_fp8_over_bf16": round(limit, 3),
+        "first_predicted_win": crossover,
+        "rows": rows,
+    }
+    columns = [
+        ("label", "shape"),
+        ("M", "M"),
+        ("K", "K"),
+        ("N", "N"),
+        ("mode", "mode"),
+        ("gflop", "GFLOP"),
+        ("cast_mb", "cast MB"),
+        ("bf16_pred_ms", "bf16 ms (pred)"),
+        ("fp8_pred_ms", "fp8 ms (pred)"),
+        ("cast_ms", "of which casts"),
+        ("predicted_speedup", "predicted speedup"),
+    ]
     if seen:
-        columns += [("measured_float8kit_speedup", "measured fk"),
-                    ("measured_torchao_speedup", "measured ao")]
+        columns += [
+            ("measured_float8kit_speedup", "measured fk"),
+            ("measured_torchao_speedup", "measured ao"),
+        ]
     table = common.markdown_table(rows, columns, ndigits=4)
-    table = (f"Source of rates: **{rates['source']}**. bf16 {rates['bf16_tflops']:.4g} TFLOP/s, "
-             f"fp8 {rates['fp8_tflops']:.4g} TFLOP/s (ratio {limit:.3f}: the large-shape "
-             f"limit), bandwidth {rates['bw_tbps']:.4g} TB/s, fixed per-call cost (us) "
-             f"{json.dumps(rates['t0_us'])}. First shape predicted to win: "
-             f"{json.dumps(crossover)}.\n\n" + table)
+    table = (
+        f"Source of rates: **{rates['source']}**. bf16 {rates['bf16_tflops']:.4g} TFLOP/s, "
+        f"fp8 {rates['fp8_tflops']:.4g} TFLOP/s (ratio {limit:.3f}: the large-shape "
+        f"limit), bandwidth {rates['bw_tbps']:.4g} TB/s, fixed per-call cost (us) "
+        f"{json.dumps(rates['t0_us'])}. First shape predicted to win: "
+        f"{json.dumps(crossover)}.\n\n" + table
+    )
     out = args.out or common.default_out(device, "roofline").with_name(
-        common.default_out(device, "roofline").name.replace(common.device_slug(device), slug))
+        common.default_out(device, "roofline").name.replace(common.device_slug(device), slug)
+    )
     json_path, md_path = common.write_results(
-        out, payload, table, "roofline: predicted float8 speedup per Linear shape")
+        out, payload, table, "roofline: predicted float8 speedup per Linear shape"
+    )
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")
     return 0

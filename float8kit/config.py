@@ -169,9 +169,7 @@ class GemmConfig:
 
     def __post_init__(self):
         if not isinstance(self.use_fast_accum, bool):
-            raise ValueError(
-                f"GemmConfig.use_fast_accum={self.use_fast_accum!r} must be a bool"
-            )
+            raise ValueError(f"GemmConfig.use_fast_accum={self.use_fast_accum!r} must be a bool")
 
 
 @dataclasses.dataclass(frozen=True)

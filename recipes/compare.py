@@ -38,8 +38,12 @@ def summarize(records: list[dict]) -> dict:
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     speeds = [r["tokens_per_s"] for r in records]
     steady = speeds[WARMUP_STEPS:] or speeds
-    return {"steps": records[-1]["step"], "train_loss": statistics.fmean(losses[-TRAIN_TAIL:]),
-            "val_loss": vals[-1], "tokens_per_s": statistics.median(steady)}
+    return {
+        "steps": records[-1]["step"],
+        "train_loss": statistics.fmean(losses[-TRAIN_TAIL:]),
+        "val_loss": vals[-1],
+        "tokens_per_s": statistics.median(steady),
+    }
 
 
 def gap(x: float, ref: float) -> str:
@@ -48,15 +52,20 @@ def gap(x: float, ref: float) -> str:
 
 def report_table(summaries: dict[str, dict]) -> str:
     ref = summaries.get("none")
-    rows = ["| mode | train loss | val loss | train gap vs bf16 | val gap vs bf16 | tokens/s "
-            "| speedup |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| mode | train loss | val loss | train gap vs bf16 | val gap vs bf16 | tokens/s "
+        "| speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for mode, s in summaries.items():
         name = "none (bf16)" if mode == "none" else mode
         tg = gap(s["train_loss"], ref["train_loss"]) if ref else "n/a"
         vg = gap(s["val_loss"], ref["val_loss"]) if ref else "n/a"
         sp = f"{s['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "n/a"
-        rows.append(f"| {name} | {s['train_loss']:.4f} | {s['val_loss']:.4f} | {tg} | {vg} "
-                    f"| {s['tokens_per_s']:.0f} | {sp} |")
+        rows.append(
+            f"| {name} | {s['train_loss']:.4f} | {s['val_loss']:.4f} | {tg} | {vg} "
+            f"| {s['tokens_per_s']:.0f} | {sp} |"
+        )
     return "\n".join(rows)
 
 
@@ -72,10 +81,11 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
         steps = [r["step"] for r in recs]
         losses = [r["loss"] for r in recs]
         # Trailing mean over TRAIN_TAIL steps, the table's "train loss" at every step.
-        out = [statistics.fmean(losses[max(0, i + 1 - TRAIN_TAIL): i + 1])
-               for i in range(len(losses))]
+        out = [
+            statistics.fmean(losses[max(0, i + 1 - TRAIN_TAIL) : i + 1]) for i in range(len(losses))
+        ]
         smooth[mode] = (steps, out)
-        line, = ax.plot(steps, out, label=f"{mode} train (mean of last {TRAIN_TAIL})")
+        (line,) = ax.plot(steps, out, label=f"{mode} train (mean of last {TRAIN_TAIL})")
         vs = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
         ax.plot(*zip(*vs, strict=True), "o--", color=line.get_color(), label=f"{mode} val")
     # Clip the first 10% of steps' steep drop so the late-training gaps are visible.
@@ -98,17 +108,22 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     p = train._Parser(prog="compare.py", description=__doc__.split("\n")[0])
-    # rowwise is opt-in: on 2 CPU cores it adds ~40% to the run time (measured: the 3-mode
-    # small comparison took 451 s on a shared machine), pushing past the 5-minute target.
-    p.add_argument("--modes", default="none,tensorwise",
-                   help="comma-separated --float8 modes to run; 'none' is the bf16 reference")
+    # rowwise is opt-in: it is the slowest mode on CPU, and every mode is one more full run
+    # of the demo (numbers/tiny.json has the per-mode tokens/s).
+    p.add_argument(
+        "--modes",
+        default="none,tensorwise",
+        help="comma-separated --float8 modes to run; 'none' is the bf16 reference",
+    )
     p.add_argument("--out", default=None, help="output folder (default runs/compare_PRESET)")
     args, train_argv = p.parse_known_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in train.FLOAT8_MODES]
     if bad or not modes:
-        p.error(f"--modes: unknown mode(s) {','.join(bad) or '(none)'}; "
-                f"choose from {','.join(train.FLOAT8_MODES)}")
+        p.error(
+            f"--modes: unknown mode(s) {','.join(bad) or '(none)'}; "
+            f"choose from {','.join(train.FLOAT8_MODES)}"
+        )
     for flag in ("--float8", "--out", "--resume", "--checkpoint-every"):
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):
             p.error(f"{flag} is set by compare.py per run; leave it out")
@@ -129,17 +144,23 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     cmd = argv if argv is not None else sys.argv[1:]
     title = f"{base.preset}: {base.steps} steps, batch {base.batch_size} x {base.seq_len} bytes"
     data = cfg["data"]
-    text = "\n".join([
-        f"# float8 vs bf16: {title}", "",
-        table, "",
-        f"- command: `python recipes/compare.py {' '.join(cmd)}`",
-        f"- device: {cfg['device']}, torch {cfg['torch']}, float8kit {cfg['float8kit']}, "
-        f"{cfg['n_params']:,} params, seed {base.seed}",
-        f"- data: {data['source']} ({data['files']} files, {data['bytes']:,} bytes, "
-        f"sha256 {data['sha256'][:16]})",
-        f"- train loss = mean of the last {TRAIN_TAIL} steps; val loss = at the last step; "
-        f"tokens/s = median after the first {WARMUP_STEPS} steps; wall time {wall:.0f} s",
-        "- per-step numbers: MODE/metrics.jsonl; curves: loss.png", ""])
+    text = "\n".join(
+        [
+            f"# float8 vs bf16: {title}",
+            "",
+            table,
+            "",
+            f"- command: `python recipes/compare.py {' '.join(cmd)}`",
+            f"- device: {cfg['device']}, torch {cfg['torch']}, float8kit {cfg['float8kit']}, "
+            f"{cfg['n_params']:,} params, seed {base.seed}",
+            f"- data: {data['source']} ({data['files']} files, {data['bytes']:,} bytes, "
+            f"sha256 {data['sha256'][:16]})",
+            f"- train loss = mean of the last {TRAIN_TAIL} steps; val loss = at the last step; "
+            f"tokens/s = median after the first {WARMUP_STEPS} steps; wall time {wall:.0f} s",
+            "- per-step numbers: MODE/metrics.jsonl; curves: loss.png",
+            "",
+        ]
+    )
     (out / "report.md").write_text(text)
     plot(runs, out / "loss.png", title)
     print(f"\n{table}\n\nwrote {out / 'report.md'} and {out / 'loss.png'} ({wall:.0f} s)")

@@ -30,8 +30,10 @@ class Corpus:
     sha256: str
 
     def describe(self) -> str:
-        return (f"data: {self.source}: {self.n_files} files, {self.n_bytes:,} bytes "
-                f"(train {len(self.train):,} / val {len(self.val):,}), sha256 {self.sha256[:16]}")
+        return (
+            f"data: {self.source}: {self.n_files} files, {self.n_bytes:,} bytes "
+            f"(train {len(self.train):,} / val {len(self.val):,}), sha256 {self.sha256[:16]}"
+        )
 
 
 def _list_files(root: Path, suffix: str | None) -> list[Path]:
@@ -47,8 +49,9 @@ def _list_files(root: Path, suffix: str | None) -> list[Path]:
 
 
 @functools.lru_cache(maxsize=4)  # compare.py trains several modes in one process
-def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
-                val_fraction: float = 0.1) -> Corpus:
+def load_corpus(
+    path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES, val_fraction: float = 0.1
+) -> Corpus:
     """Reads up to ``max_bytes`` bytes and splits them into train and validation.
 
     Args:
@@ -84,12 +87,24 @@ def load_corpus(path: str | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
         raise ValueError(f"--data {source}: no bytes to train on")
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     n_val = int(len(data) * val_fraction)
-    return Corpus(train=data[: len(data) - n_val], val=data[len(data) - n_val:], source=source,
-                  n_files=len(chunks), n_bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+    return Corpus(
+        train=data[: len(data) - n_val],
+        val=data[len(data) - n_val :],
+        source=source,
+        n_files=len(chunks),
+        n_bytes=len(raw),
+        sha256=hashlib.sha256(raw).hexdigest(),
+    )
 
 
-def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator,
-              rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def get_batch(
+    data: torch.Tensor,
+    batch_size: int,
+    seq_len: int,
+    generator: torch.Generator,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random windows (x, y=x shifted by one) from ``data``, sharded by rank.
 
     Every rank draws the same global batch of ``batch_size`` windows from the same seeded
@@ -99,7 +114,7 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
     """
     ix = torch.randint(len(data) - seq_len, (batch_size,), generator=generator)
     per_rank = batch_size // world_size
-    ix = ix[rank * per_rank: (rank + 1) * per_rank]
-    x = torch.stack([data[i: i + seq_len] for i in ix.tolist()]).long()
-    y = torch.stack([data[i + 1: i + 1 + seq_len] for i in ix.tolist()]).long()
+    ix = ix[rank * per_rank : (rank + 1) * per_rank]
+    x = torch.stack([data[i : i + seq_len] for i in ix.tolist()]).long()
+    y = torch.stack([data[i + 1 : i + 1 + seq_len] for i in ix.tolist()]).long()
     return x, y

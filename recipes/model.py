@@ -54,11 +54,25 @@ PRESETS: dict[str, dict] = {
     # The CPU demo that compare.py runs: ~0.8 M params.
     "small": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352),
     # GPU: ~1.2 B params (Llama-3.2-1B-like widths, 256-byte vocab).
-    "1b": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
-               rope_theta=500000.0, max_seq_len=8192),
+    "1b": dict(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=8192,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
     # GPU benchmark: Llama-3-8B layer shapes, 4 layers.
-    "llama3-8b-4l": dict(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
-                         rope_theta=500000.0, max_seq_len=8192),
+    "llama3-8b-4l": dict(
+        dim=4096,
+        n_layers=4,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden=14336,
+        rope_theta=500000.0,
+        max_seq_len=8192,
+    ),
 }
 
 

@@ -39,7 +39,8 @@ teacher = mlp(args.dim)
 bf16_model = mlp(args.dim).to(torch.bfloat16)
 fp8_model = copy.deepcopy(bf16_model)
 convert_to_float8_training(  # float8
-    fp8_model, config=Float8LinearConfig.from_recipe_name(args.recipe)  # float8
+    fp8_model,
+    config=Float8LinearConfig.from_recipe_name(args.recipe),  # float8
 )
 
 

@@ -93,43 +93,85 @@ def _preset_default(key: str) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = _Parser(prog="train.py", description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                   help="model size (recipes/model.py); also picks the defaults below")
-    p.add_argument("--float8", default="none", choices=FLOAT8_MODES,
-                   help="float8kit recipe for the block Linears; none = the bf16 baseline")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        choices=list(PRESETS),
+        help="model size (recipes/model.py); also picks the defaults below",
+    )
+    p.add_argument(
+        "--float8",
+        default="none",
+        choices=FLOAT8_MODES,
+        help="float8kit recipe for the block Linears; none = the bf16 baseline",
+    )
     p.add_argument("--steps", type=int, help=f"optimizer steps ({_preset_default('steps')})")
-    p.add_argument("--batch-size", type=int,
-                   help="global batch in sequences, split evenly over ranks "
-                        f"({_preset_default('batch_size')})")
-    p.add_argument("--seq-len", type=int,
-                   help=f"tokens (bytes) per sequence ({_preset_default('seq_len')})")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="global batch in sequences, split evenly over ranks "
+        f"({_preset_default('batch_size')})",
+    )
+    p.add_argument(
+        "--seq-len", type=int, help=f"tokens (bytes) per sequence ({_preset_default('seq_len')})"
+    )
     p.add_argument("--lr", type=float, help=f"peak learning rate ({_preset_default('lr')})")
     p.add_argument("--warmup", type=int, help="linear warmup steps (default: 10%% of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto = cuda when available, else cpu")
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU intra-op threads per process (0 = torch's default, one per core). "
-                        "1 by default: these models are too small to gain from more, and "
-                        "threads that wait on busy cores slow a step down many times")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="auto = cuda when available, else cpu",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="CPU intra-op threads per process (0 = torch's default, one per core). "
+        "1 by default: these models are too small to gain from more, and "
+        "threads that wait on busy cores slow a step down many times",
+    )
     p.add_argument("--seed", type=int, default=0, help="seeds the init and the batch sampler")
     p.add_argument("--out", help="output folder (default runs/PRESET_FLOAT8)")
-    p.add_argument("--checkpoint-every", type=int, default=0,
-                   help="save a dcp checkpoint every N steps and at the end (0 = never)")
-    p.add_argument("--resume", metavar="DIR",
-                   help="continue from a checkpoint folder, or a run's --out (its latest "
-                        "complete one); its manifest must verify")
-    p.add_argument("--data", metavar="PATH",
-                   help="a text file or folder to train on (default: the stdlib's .py files)")
-    p.add_argument("--eval-every", type=int, default=50,
-                   help="log val_loss every N steps and at the last step (0 = only the last)")
-    p.add_argument("--eval-batches", type=int, default=8,
-                   help="validation batches of --batch-size sequences per evaluation")
-    p.add_argument("--log-every", type=int, default=10,
-                   help="when stderr is not a terminal: print a progress line every N steps "
-                        "(a terminal gets a progress bar)")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="save a dcp checkpoint every N steps and at the end (0 = never)",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue from a checkpoint folder, or a run's --out (its latest "
+        "complete one); its manifest must verify",
+    )
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help="a text file or folder to train on (default: the stdlib's .py files)",
+    )
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=50,
+        help="log val_loss every N steps and at the last step (0 = only the last)",
+    )
+    p.add_argument(
+        "--eval-batches",
+        type=int,
+        default=8,
+        help="validation batches of --batch-size sequences per evaluation",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=10,
+        help="when stderr is not a terminal: print a progress line every N steps "
+        "(a terminal gets a progress bar)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     args = p.parse_args(argv)
     for k, v in PRESET_DEFAULTS[args.preset].items():
@@ -163,8 +205,9 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checked before the process group exists: every rank fails alike, nothing hangs.
     if args.batch_size % world_size:
-        raise UsageError(f"--batch-size {args.batch_size} must be divisible by the "
-                         f"{world_size} processes")
+        raise UsageError(
+            f"--batch-size {args.batch_size} must be divisible by the {world_size} processes"
+        )
     if world_size == 1:
         return 0, 1, torch.device(device_flag)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -185,8 +228,9 @@ def print0(*args, **kwargs) -> None:
 # model: build, convert to float8, shard
 
 
-def build_model(args: argparse.Namespace, device: torch.device, world_size: int,
-                fp8_all_gather: bool) -> torch.nn.Module:
+def build_model(
+    args: argparse.Namespace, device: torch.device, world_size: int, fp8_all_gather: bool
+) -> torch.nn.Module:
     torch.manual_seed(args.seed)  # same init on every rank and in every --float8 mode
     margs = ModelArgs.from_name(args.preset)
     margs = replace(margs, max_seq_len=max(margs.max_seq_len, args.seq_len))
@@ -196,9 +240,13 @@ def build_model(args: argparse.Namespace, device: torch.device, world_size: int,
     # Float8Linear weights and (tensorwise) all-gathers them as fp8.
     if args.float8 != "none":
         float8kit.convert_to_float8_training(  # float8: block Linears -> Float8Linear, lm head hp
-            model, module_filter_fn=lambda mod, fqn: fqn != "output",
-            config=replace(float8kit.Float8LinearConfig.from_recipe_name(args.float8),
-                           enable_fsdp_float8_all_gather=fp8_all_gather))
+            model,
+            module_filter_fn=lambda mod, fqn: fqn != "output",
+            config=replace(
+                float8kit.Float8LinearConfig.from_recipe_name(args.float8),
+                enable_fsdp_float8_all_gather=fp8_all_gather,
+            ),
+        )
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -246,18 +294,39 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
 # checkpoints: torch.distributed.checkpoint (sharded under FSDP, also fine in one process)
 
 # A resumed run must match the flags that shaped the original trajectory.
-RESUME_KEYS = ("preset", "float8", "steps", "batch_size", "seq_len", "lr", "warmup",
-               "weight_decay", "grad_clip", "seed")
+RESUME_KEYS = (
+    "preset",
+    "float8",
+    "steps",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "warmup",
+    "weight_decay",
+    "grad_clip",
+    "seed",
+)
 
 
 MANIFEST = "manifest.json"  # sha256 and size of every file of a checkpoint, written last
 
 
-def save_checkpoint(path: Path, model, optimizer, step: int, gen: torch.Generator,
-                    meta: dict, rank: int, world_size: int) -> None:
+def save_checkpoint(
+    path: Path,
+    model,
+    optimizer,
+    step: int,
+    gen: torch.Generator,
+    meta: dict,
+    rank: int,
+    world_size: int,
+) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd,
-             "train": {"step": step, "data_rng": gen.get_state(), "meta": json.dumps(meta)}}
+    state = {
+        "model": model_sd,
+        "optim": optim_sd,
+        "train": {"step": step, "data_rng": gen.get_state(), "meta": json.dumps(meta)},
+    }
     with quiet_single_process():
         dcp.save(state, checkpoint_id=str(path))
     # dcp.save returns once every rank's files and .metadata are written; the manifest
@@ -286,8 +355,10 @@ def _sha256(path: Path) -> str:
 
 def write_manifest(path: Path) -> None:
     files = sorted(f for f in path.rglob("*") if f.is_file() and f.name != MANIFEST)
-    entries = {f.relative_to(path).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-               for f in files}
+    entries = {
+        f.relative_to(path).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        for f in files
+    }
     tmp = path / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"files": entries}, indent=1) + "\n")
     tmp.replace(path / MANIFEST)  # atomic: a manifest is whole or absent
@@ -297,8 +368,10 @@ def verify_checkpoint(path: Path) -> str | None:
     """None if every file of the checkpoint matches its manifest, else what is wrong."""
     manifest = path / MANIFEST
     if not manifest.is_file():
-        return (f"{path} has no {MANIFEST}: its save did not finish (or an older train.py "
-                "wrote it); refusing to resume from a checkpoint that cannot be verified")
+        return (
+            f"{path} has no {MANIFEST}: its save did not finish (or an older train.py "
+            "wrote it); refusing to resume from a checkpoint that cannot be verified"
+        )
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as e:
@@ -322,16 +395,21 @@ def find_checkpoint(path: str) -> Path:
     found = sorted((p / "checkpoints").glob("step_*/.metadata"))
     complete = [f.parent for f in found if (f.parent / MANIFEST).is_file()]
     if not found:
-        raise UsageError(f"--resume {path}: no checkpoint there (expected a folder with "
-                         ".metadata, or a run folder with checkpoints/step_*)")
+        raise UsageError(
+            f"--resume {path}: no checkpoint there (expected a folder with "
+            ".metadata, or a run folder with checkpoints/step_*)"
+        )
     if not complete:
-        raise UsageError(f"--resume {path}: no complete checkpoint there (none has a "
-                         f"{MANIFEST}: their saves did not finish)")
+        raise UsageError(
+            f"--resume {path}: no complete checkpoint there (none has a "
+            f"{MANIFEST}: their saves did not finish)"
+        )
     return complete[-1]
 
 
-def load_checkpoint(path: Path, model, optimizer, gen: torch.Generator, meta: dict,
-                    rank: int, world_size: int) -> int:
+def load_checkpoint(
+    path: Path, model, optimizer, gen: torch.Generator, meta: dict, rank: int, world_size: int
+) -> int:
     # Verify the files first (rank 0 reads them; every rank gets the verdict, so all fail
     # alike), then the flags, then load: a mismatch is reported before any model key.
     problem = [verify_checkpoint(path) if rank == 0 else None]
@@ -350,8 +428,9 @@ def load_checkpoint(path: Path, model, optimizer, gen: torch.Generator, meta: di
     state = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     gen.set_state(train_state["train"]["data_rng"])
     return int(train_state["train"]["step"])
 
@@ -397,8 +476,10 @@ def train(args: argparse.Namespace) -> list[dict]:
         raise UsageError(str(e)) from None
     shortest = min(len(corpus.train), len(corpus.val))
     if args.seq_len >= shortest:
-        raise UsageError(f"--seq-len {args.seq_len} is longer than the data: the smaller split "
-                         f"of {corpus.source} has {shortest} bytes")
+        raise UsageError(
+            f"--seq-len {args.seq_len} is longer than the data: the smaller split "
+            f"of {corpus.source} has {shortest} bytes"
+        )
     print0(corpus.describe())
     try:
         model, fp8_all_gather = setup_model(args, device, world_size)
@@ -409,9 +490,14 @@ def train(args: argparse.Namespace) -> list[dict]:
     # Decay matrices only: norms' gains (and nothing else here) are left alone, as in nanoGPT.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(args.seed)  # the whole data state of a run
     # Not world_size: batches are drawn globally, so a run may resume on more or fewer ranks.
     meta = {k: getattr(args, k) for k in RESUME_KEYS} | {"data_sha256": corpus.sha256}
@@ -427,19 +513,29 @@ def train(args: argparse.Namespace) -> list[dict]:
     records: list[dict] = []
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-        config = {"args": vars(args), "model": asdict(model.args),
-                  "world_size": world_size, "fsdp_float8_all_gather": fp8_all_gather,
-                  "device": str(device), "torch": torch.__version__,
-                  "float8kit": getattr(float8kit, "__version__", "?"),
-                  "data": {"source": corpus.source, "files": corpus.n_files,
-                           "bytes": corpus.n_bytes, "sha256": corpus.sha256},
-                  "n_params": sum(p.numel() for p in model.parameters())}
+        config = {
+            "args": vars(args),
+            "model": asdict(model.args),
+            "world_size": world_size,
+            "fsdp_float8_all_gather": fp8_all_gather,
+            "device": str(device),
+            "torch": torch.__version__,
+            "float8kit": getattr(float8kit, "__version__", "?"),
+            "data": {
+                "source": corpus.source,
+                "files": corpus.n_files,
+                "bytes": corpus.n_bytes,
+                "sha256": corpus.sha256,
+            },
+            "n_params": sum(p.numel() for p in model.parameters()),
+        }
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # On resume keep the steps up to the checkpoint and drop any logged after it.
         mpath = out / "metrics.jsonl"
         if start and mpath.exists():
-            records = [r for r in map(json.loads, mpath.read_text().splitlines())
-                       if r["step"] <= start]
+            records = [
+                r for r in map(json.loads, mpath.read_text().splitlines()) if r["step"] <= start
+            ]
         mpath.write_text("".join(json.dumps(r) + "\n" for r in records))
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
 
@@ -449,8 +545,14 @@ def train(args: argparse.Namespace) -> list[dict]:
     # carriage returns would fill a log file).
     bar_on = rank == 0 and not args.quiet and sys.stderr.isatty()
     lines_on = rank == 0 and not args.quiet and not bar_on
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, dynamic_ncols=True,
-               disable=not bar_on, desc=f"{args.preset}/{args.float8}")
+    bar = tqdm(
+        range(start, args.steps),
+        initial=start,
+        total=args.steps,
+        dynamic_ncols=True,
+        disable=not bar_on,
+        desc=f"{args.preset}/{args.float8}",
+    )
     for step in bar:
         t0 = time.perf_counter()
         lr = lr_at(step, args)
@@ -483,11 +585,21 @@ def train(args: argparse.Namespace) -> list[dict]:
         records.append(rec)
         bar.set_postfix(loss=f"{loss_val:.4f}", tok_s=f"{rec['tokens_per_s']:.0f}")
         if lines_on and ((step + 1) % args.log_every == 0 or last):
-            print0(f"{args.preset}/{args.float8} step {step + 1}/{args.steps}: "
-                   f"loss {loss_val:.4f}, {rec['tokens_per_s']:.0f} tokens/s")
+            print0(
+                f"{args.preset}/{args.float8} step {step + 1}/{args.steps}: "
+                f"loss {loss_val:.4f}, {rec['tokens_per_s']:.0f} tokens/s"
+            )
         if args.checkpoint_every and ((step + 1) % args.checkpoint_every == 0 or last):
-            save_checkpoint(out / "checkpoints" / f"step_{step + 1:06d}", model, optimizer,
-                            step + 1, gen, meta, rank, world_size)
+            save_checkpoint(
+                out / "checkpoints" / f"step_{step + 1:06d}",
+                model,
+                optimizer,
+                step + 1,
+                gen,
+                meta,
+                rank,
+                world_size,
+            )
     bar.close()
     if metrics:
         metrics.close()

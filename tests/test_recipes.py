@@ -43,8 +43,9 @@ def run_train(tmp: Path, *flags: str) -> list[dict]:
 
 
 def run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -54,8 +55,10 @@ def run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def tiny60(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("tiny60")
-    return {mode: run_train(out / mode, "--steps", "60", "--eval-every", "30", "--float8", mode)
-            for mode in ("none", "tensorwise")}
+    return {
+        mode: run_train(out / mode, "--steps", "60", "--eval-every", "30", "--float8", mode)
+        for mode in ("none", "tensorwise")
+    }
 
 
 def test_tiny_loss_falls(tiny60):
@@ -72,8 +75,11 @@ def test_tiny_float8_tensorwise_tracks_bf16(tiny60):
     bf16, fp8 = tiny60["none"], tiny60["tensorwise"]
     assert all(math.isfinite(r["loss"]) for r in fp8)
     assert fp8[0]["loss"] == pytest.approx(bf16[0]["loss"], rel=2e-3)  # same init and batch
-    train_gap = statistics.fmean(r["loss"] for r in fp8[-10:]) / statistics.fmean(
-        r["loss"] for r in bf16[-10:]) - 1
+    train_gap = (
+        statistics.fmean(r["loss"] for r in fp8[-10:])
+        / statistics.fmean(r["loss"] for r in bf16[-10:])
+        - 1
+    )
     val_gap = fp8[-1]["val_loss"] / bf16[-1]["val_loss"] - 1
     assert abs(train_gap) < 0.03 and abs(val_gap) < 0.03, (train_gap, val_gap)  # observed <0.5%
     assert fp8[-1]["loss"] != bf16[-1]["loss"]  # float8 really ran: the gemms differ
@@ -85,10 +91,27 @@ def test_tiny_float8_tensorwise_tracks_bf16(tiny60):
 
 @pytest.mark.slow
 def test_torchrun_fsdp2_matches_single_process(tmp_path):
-    flags = ["--preset", "tiny", "--float8", "tensorwise", "--steps", "5", "--eval-every", "2",
-             "--quiet"]
-    r = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   str(RECIPES / "train.py"), *flags, "--out", str(tmp_path / "fsdp"))
+    flags = [
+        "--preset",
+        "tiny",
+        "--float8",
+        "tensorwise",
+        "--steps",
+        "5",
+        "--eval-every",
+        "2",
+        "--quiet",
+    ]
+    r = run_script(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(RECIPES / "train.py"),
+        *flags,
+        "--out",
+        str(tmp_path / "fsdp"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     config = json.loads((tmp_path / "fsdp" / "config.json").read_text())
     assert config["world_size"] == 2
@@ -130,8 +153,9 @@ def flat(d, prefix=""):
 def test_resume_is_bitwise(tmp_path, mode):
     flags = ["--float8", mode, "--steps", "12", "--eval-every", "4", "--checkpoint-every", "6"]
     straight = run_train(tmp_path / "a", *flags)
-    resumed = run_train(tmp_path / "b", *flags, "--resume",
-                        str(tmp_path / "a" / "checkpoints" / "step_000006"))
+    resumed = run_train(
+        tmp_path / "b", *flags, "--resume", str(tmp_path / "a" / "checkpoints" / "step_000006")
+    )
     assert [r["step"] for r in resumed] == list(range(7, 13))
     for a, b in zip(straight[6:], resumed, strict=True):
         assert (a["loss"], a["lr"], a.get("val_loss")) == (b["loss"], b["lr"], b.get("val_loss"))
@@ -159,11 +183,11 @@ def test_resume_refuses_other_flags(tmp_path, capsys):
 def test_resume_refuses_another_recipe_before_loading(tmp_path, capsys):
     # A delayed model has float8 state keys a tensorwise checkpoint lacks: the recipe
     # mismatch must be what the user reads, not a missing-key error from the loader.
-    run_train(tmp_path / "a", "--steps", "2", "--checkpoint-every", "2", "--float8",
-              "tensorwise")
+    run_train(tmp_path / "a", "--steps", "2", "--checkpoint-every", "2", "--float8", "tensorwise")
     with pytest.raises(SystemExit) as e:
-        run_train(tmp_path / "b", "--steps", "2", "--float8", "delayed",
-                  "--resume", str(tmp_path / "a"))
+        run_train(
+            tmp_path / "b", "--steps", "2", "--float8", "delayed", "--resume", str(tmp_path / "a")
+        )
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "checkpoint has float8='tensorwise', this run 'delayed'" in err, err
@@ -174,7 +198,7 @@ def _corrupt(shard: Path, how: str) -> None:
     if how == "flip":  # 4 KiB of flipped bytes in the middle of the shard
         data = bytearray(shard.read_bytes())
         mid = len(data) // 2
-        data[mid:mid + 4096] = bytes(b ^ 0xFF for b in data[mid:mid + 4096])
+        data[mid : mid + 4096] = bytes(b ^ 0xFF for b in data[mid : mid + 4096])
         shard.write_bytes(bytes(data))
     elif how == "truncate":
         shard.write_bytes(b"")
@@ -217,28 +241,55 @@ def test_evaluation_does_not_change_training(tmp_path):
 
 
 def test_progress_is_plain_lines_off_a_terminal(tmp_path):
-    r = run_script(str(RECIPES / "train.py"), "--preset", "tiny", "--steps", "10",
-                   "--log-every", "4", "--eval-every", "0", "--out", str(tmp_path / "out"))
+    r = run_script(
+        str(RECIPES / "train.py"),
+        "--preset",
+        "tiny",
+        "--steps",
+        "10",
+        "--log-every",
+        "4",
+        "--eval-every",
+        "0",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "\r" not in r.stdout + r.stderr
-    steps = [line.split("step ")[1].split(":")[0] for line in r.stdout.splitlines()
-             if line.startswith("tiny/none step ")]
+    steps = [
+        line.split("step ")[1].split(":")[0]
+        for line in r.stdout.splitlines()
+        if line.startswith("tiny/none step ")
+    ]
     assert steps == ["4/10", "8/10", "10/10"]
 
 
 def test_help_shows_each_presets_defaults():
     r = run_script(str(RECIPES / "train.py"), "--help")
     text = " ".join(r.stdout.split())
-    for key, flag in (("steps", "--steps"), ("batch_size", "--batch-size"),
-                      ("seq_len", "--seq-len"), ("lr", "--lr")):
+    for key, flag in (
+        ("steps", "--steps"),
+        ("batch_size", "--batch-size"),
+        ("seq_len", "--seq-len"),
+        ("lr", "--lr"),
+    ):
         want = ", ".join(f"{name} {d[key]}" for name, d in train.PRESET_DEFAULTS.items())
         assert want in text, (flag, want)
 
 
 @pytest.mark.slow
 def test_torchrun_usage_error_is_said_once(tmp_path):
-    r = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                   str(RECIPES / "train.py"), "--batch-size", "7", "--out", str(tmp_path / "o"))
+    r = run_script(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(RECIPES / "train.py"),
+        "--batch-size",
+        "7",
+        "--out",
+        str(tmp_path / "o"),
+    )
     assert r.returncode != 0
     ours = [x for x in r.stderr.splitlines() if x.startswith("train.py: error:")]
     assert ours == ["train.py: error: --batch-size 7 must be divisible by the 2 processes"]
@@ -251,8 +302,20 @@ def test_torchrun_usage_error_is_said_once(tmp_path):
 
 def test_compare_report_matches_metrics(tmp_path):
     out = tmp_path / "cmp"
-    r = run_script(str(RECIPES / "compare.py"), "--preset", "tiny", "--steps", "14",
-                   "--eval-every", "7", "--modes", "none,tensorwise", "--out", str(out), "--quiet")
+    r = run_script(
+        str(RECIPES / "compare.py"),
+        "--preset",
+        "tiny",
+        "--steps",
+        "14",
+        "--eval-every",
+        "7",
+        "--modes",
+        "none,tensorwise",
+        "--out",
+        str(out),
+        "--quiet",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     png = (out / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
@@ -268,9 +331,11 @@ def test_compare_report_matches_metrics(tmp_path):
     for mode, cells in rows.items():
         recs = [json.loads(x) for x in (out / mode / "metrics.jsonl").read_text().splitlines()]
         assert len(recs) == 14
-        want = {"train": statistics.fmean(r["loss"] for r in recs[-10:]),
-                "val": recs[-1]["val_loss"],
-                "tok": statistics.median(r["tokens_per_s"] for r in recs[3:])}
+        want = {
+            "train": statistics.fmean(r["loss"] for r in recs[-10:]),
+            "val": recs[-1]["val_loss"],
+            "tok": statistics.median(r["tokens_per_s"] for r in recs[3:]),
+        }
         ref.setdefault("bf16", want)
         assert float(cells[1]) == pytest.approx(want["train"], abs=5.1e-5)
         assert float(cells[2]) == pytest.approx(want["val"], abs=5.1e-5)
@@ -287,9 +352,21 @@ def test_compare_report_matches_metrics(tmp_path):
 # bad input: one clear line on stderr, exit 2, no traceback
 
 
-@pytest.mark.parametrize("case", ["preset", "mode", "missing_data", "empty_data", "seq_len",
-                                  "resume", "compare_mode", "warmup", "eval_every",
-                                  "checkpoint_every"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "preset",
+        "mode",
+        "missing_data",
+        "empty_data",
+        "seq_len",
+        "resume",
+        "compare_mode",
+        "warmup",
+        "eval_every",
+        "checkpoint_every",
+    ],
+)
 def test_bad_input_fails_cleanly(tmp_path, case):
     small = tmp_path / "small.txt"
     small.write_bytes(b"print('hello')\n" * 40)  # 600 bytes: val split has 60
@@ -297,18 +374,26 @@ def test_bad_input_fails_cleanly(tmp_path, case):
     script, flags, expect = {
         "preset": ("train.py", ["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         "mode": ("train.py", ["--float8", "fp4"], "argument --float8: invalid choice: 'fp4'"),
-        "missing_data": ("train.py", ["--data", str(tmp_path / "nope")],
-                         f"--data {tmp_path / 'nope'}: no such file or directory"),
+        "missing_data": (
+            "train.py",
+            ["--data", str(tmp_path / "nope")],
+            f"--data {tmp_path / 'nope'}: no such file or directory",
+        ),
         "empty_data": ("train.py", ["--data", str(tmp_path / "empty.txt")], "no bytes to train on"),
-        "seq_len": ("train.py", ["--data", str(small), "--seq-len", "128"],
-                    "--seq-len 128 is longer than the data: the smaller split of "
-                    f"{small} has 60 bytes"),
+        "seq_len": (
+            "train.py",
+            ["--data", str(small), "--seq-len", "128"],
+            f"--seq-len 128 is longer than the data: the smaller split of {small} has 60 bytes",
+        ),
         "resume": ("train.py", ["--resume", str(tmp_path)], "no checkpoint there"),
         "compare_mode": ("compare.py", ["--modes", "none,fp4"], "--modes: unknown mode(s) fp4"),
         "warmup": ("train.py", ["--warmup", "-1"], "--warmup must be >= 0"),
         "eval_every": ("train.py", ["--eval-every", "-5"], "--eval-every must be >= 0"),
-        "checkpoint_every": ("train.py", ["--checkpoint-every", "-2"],
-                             "--checkpoint-every must be >= 0"),
+        "checkpoint_every": (
+            "train.py",
+            ["--checkpoint-every", "-2"],
+            "--checkpoint-every must be >= 0",
+        ),
     }[case]
     r = run_script(str(RECIPES / script), *flags, "--out", str(tmp_path / "out"))
     assert r.returncode == 2, (r.returncode, r.stderr)

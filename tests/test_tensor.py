@@ -109,10 +109,21 @@ def test_unknown_op_raises_naming_it():
 def test_op_table_covers_what_gemms_autograd_and_fsdp_need():
     names = {str(op) for op in supported_ops()}
     needed = {
-        "aten.t.default", "aten.transpose.int", "aten.view.default", "aten.clone.default",
-        "aten.detach.default", "aten.split.Tensor", "aten.cat.default", "aten.slice.Tensor",
-        "aten.copy_.default", "aten._to_copy.default", "aten.mm.default", "aten.addmm.default",
-        "aten.as_strided.default", "aten._pin_memory.default", "aten.is_same_size.default",
+        "aten.t.default",
+        "aten.transpose.int",
+        "aten.view.default",
+        "aten.clone.default",
+        "aten.detach.default",
+        "aten.split.Tensor",
+        "aten.cat.default",
+        "aten.slice.Tensor",
+        "aten.copy_.default",
+        "aten._to_copy.default",
+        "aten.mm.default",
+        "aten.addmm.default",
+        "aten.as_strided.default",
+        "aten._pin_memory.default",
+        "aten.is_same_size.default",
     }
     assert needed <= names, needed - names
 

@@ -1,0 +1,212 @@
+"""The docs against what backs them.
+
+- Every published table and prose number is the rendering of its numbers/*.json
+  (tools/publish.py), and every such file was measured on a clean checkout of a commit in
+  this repository's history that has the scripts which made it.
+- No measured-looking number sits in the docs' prose outside those markers.
+- The README's Python blocks run (on CPU, with the substitutions in CPU_SUBSTITUTIONS).
+- Every repository path the docs name exists, and nothing points outside the repository.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+import publish  # noqa: E402
+
+NUMBER_FILES = sorted((REPO / "numbers").glob("*.json"))
+
+
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True)
+
+
+needs_git = pytest.mark.skipif(
+    git("rev-parse", "HEAD").returncode != 0, reason="not a git checkout: commits cannot be checked"
+)
+
+
+# ---------------------------------------------------------------------------- published numbers
+
+
+@pytest.mark.parametrize("doc", publish.DOCS)
+def test_published_numbers_are_their_json_rendered(doc):
+    text = (REPO / doc).read_text()
+    assert publish.render(text) == text, f"{doc} is stale: run python tools/publish.py"
+
+
+def test_every_table_and_number_file_is_published():
+    tables, inline = set(), set()
+    for doc in publish.DOCS:
+        t, n = publish.used((REPO / doc).read_text())
+        tables |= t
+        inline |= n
+    assert tables == set(publish.TABLES), "renderers without a block, or blocks without one"
+    assert inline == set(publish.INLINE)
+    # each JSON under numbers/ backs something: no orphan measurement
+    for fn in [*publish.TABLES.values(), *publish.INLINE.values()]:
+        fn()
+    assert {p.stem for p in NUMBER_FILES} == publish.LOADED
+
+
+@needs_git
+@pytest.mark.parametrize("path", NUMBER_FILES, ids=[p.name for p in NUMBER_FILES])
+def test_number_file_names_a_clean_commit_that_has_its_scripts(path):
+    d = json.loads(path.read_text())
+    for key in ("command", "script", "git_commit", "git_dirty", "device", "torch", "date"):
+        assert key in d, f"{path.name}: no {key!r}"
+    assert d["git_dirty"] is False, f"{path.name} was measured on uncommitted changes"
+    commit = d["git_commit"]
+    assert git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0, (
+        f"{path.name}: commit {commit} is not in this branch's history"
+    )
+    for script in [d["script"], *d.get("sources", [])]:
+        assert git("cat-file", "-e", f"{commit}:{script}").returncode == 0, (
+            f"{path.name}: commit {commit[:7]} has no {script}"
+        )
+    assert d["command"].startswith(f"python {d['script']}")
+    # and they have not changed since: the numbers are what HEAD's scripts print
+    changed = git(
+        "diff", "--name-only", commit, "HEAD", "--", d["script"], *d.get("sources", [])
+    ).stdout.split()
+    assert changed == [], f"{path.name}: {changed} changed since {commit[:7]}: make numbers"
+
+
+# ---------------------------------------------------------------------------- stray numbers
+
+# A measurement in prose: a number with a unit or a multiplier (x, dB, %, ms, us, s, GB/s,
+# TFLOP/s, min), a signed percentage, or an exponent. Versions (torch 2.13) and code
+# (`1e-12` in backticks) are not caught.
+MEASURED = re.compile(
+    r"(?<![\w.])(\d+(\.\d+)?(x|e-?\d+| ?(dB|ms|us|s|%|GB/s|TFLOP/s))(?!\w)"
+    r"|\d+(\.\d+)? ?(min|minutes|seconds)\b|[+-]\d+\.\d+%?)"
+)
+
+
+def prose(text: str) -> str:
+    """``text`` without fenced code, inline code, and the generated blocks and numbers."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    text = publish.TABLE_RE.sub("", text)
+    text = publish.INLINE_RE.sub("", text)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+@pytest.mark.parametrize("doc", publish.DOCS)
+def test_no_measured_number_outside_the_generated_blocks(doc):
+    hits = [m.group(0) for m in MEASURED.finditer(prose((REPO / doc).read_text()))]
+    assert hits == [], f"{doc}: numbers not rendered from numbers/*.json: {hits}"
+
+
+def test_the_stray_number_check_can_fail():
+    assert MEASURED.search(prose("a gap of 1.40% and 0.521x the bytes, 3 min"))
+    assert not MEASURED.search(prose("torch 2.13.0 `0.5x` <!-- n:k -->1.5x<!-- /n -->"))
+
+
+# ---------------------------------------------------------------------------- README examples
+
+# The README's example is written for a GPU; on CPU the test shrinks it and skips compiling.
+CPU_SUBSTITUTIONS = [
+    ("dim, hidden, classes = 4096, 16384, 10", "dim, hidden, classes = 64, 256, 10"),
+    (
+        "model = torch.compile(model.to(device, torch.bfloat16))",
+        "model = model.to(device, torch.bfloat16)",
+    ),
+]
+# Python blocks that are fragments of a larger program (they say so with `...` or need a
+# distributed job); every other block must run.
+FRAGMENT_FIRST_LINES = {
+    "config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)   # tensorwise weights",
+}
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+
+
+def test_readme_python_blocks_run_on_cpu():
+    blocks = python_blocks((REPO / "README.md").read_text())
+    ran = 0
+    for block in blocks:
+        if block.splitlines()[0] in FRAGMENT_FIRST_LINES:
+            continue
+        for old, new in CPU_SUBSTITUTIONS:
+            block = block.replace(old, new)
+        scope: dict = {}
+        exec(compile(block, "README.md", "exec"), scope)  # noqa: S102
+        ran += 1
+        if "optimizer" in scope:  # the training example: it trained, with float8 layers
+            from float8kit import Float8Linear
+
+            model = scope["model"]
+            kinds = [type(m).__name__ for m in model.modules() if isinstance(m, Float8Linear)]
+            assert len(kinds) == 2  # the MLP's two layers; the head ("3") stays hp
+            assert scope["loss"].isfinite()
+    assert ran >= 1
+    for old, _ in CPU_SUBSTITUTIONS:  # a substitution that matches nothing tests nothing
+        assert any(old in b for b in blocks), f"README no longer has: {old}"
+
+
+# ---------------------------------------------------------------------------- references
+
+DOC_FILES = [
+    "README.md",
+    *sorted(str(p.relative_to(REPO)) for p in REPO.glob("docs/*.md")),
+    "benchmarks/README.md",
+    "benchmarks/NOTES.md",
+    "recipes/README.md",
+]
+REPO_PATH = re.compile(
+    r"\b((?:float8kit|tests|recipes|benchmarks|docs|tools|numbers)/[\w./-]+"
+    r"\.(?:py|md|json|png))\b"
+)
+
+
+@pytest.mark.parametrize("doc", DOC_FILES)
+def test_paths_the_docs_name_exist(doc):
+    text = (REPO / doc).read_text()
+    missing = set()
+    for path in REPO_PATH.findall(text):
+        if not (REPO / path).exists() and not (REPO / doc).parent.joinpath(path).exists():
+            missing.add(path)
+    for link in re.findall(r"\]\(([^)#\s]+)", text):
+        if "://" in link:
+            continue
+        target = REPO / link.lstrip("/") if link.startswith("/") else (REPO / doc).parent / link
+        if not target.exists():
+            missing.add(link)
+    assert not missing, f"{doc} names files this repository does not have: {sorted(missing)}"
+
+
+UNFOLLOWABLE = re.compile(
+    "|".join(
+        [
+            r"\bissue \d+",
+            r"\bseed 0\d\d\b",
+            "/" + "work/",
+            "shared/" + "GPU.md",
+            "DESIGN" + r"\.md",
+        ]
+    ),
+    re.IGNORECASE,
+)
+
+
+def test_no_references_a_reader_cannot_follow():
+    files = git("ls-files").stdout.split() or [str(p.relative_to(REPO)) for p in REPO.rglob("*")]
+    hits = []
+    for name in files:
+        path = REPO / name
+        if path.suffix not in {".md", ".py", ".toml", ""} or not path.is_file():
+            continue
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if UNFOLLOWABLE.search(line):
+                hits.append(f"{name}:{i}: {line.strip()}")
+    assert hits == []

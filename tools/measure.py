@@ -1,0 +1,335 @@
+"""Measure every number the docs publish; write one JSON file per source under numbers/.
+
+    python tools/measure.py                    # all of them (see NAMES), in that order
+    python tools/measure.py numerics scaling   # only some
+    python tools/publish.py                    # then re-render the docs' tables from the JSON
+    make numbers                               # both, with the .venv's python
+
+Each file records what made it and where: the command, the script and the other files the
+numbers depend on (``sources``), the git commit and whether the checkout was dirty (changes
+outside numbers/ and *.md count), device, torch, torchao, torch threads, date, the machine's
+load average at the start, wall time, and the numbers (``data``). The benchmark scripts write
+their own files in the same shape (``benchmarks/common.py``'s ``run_info``).
+tests/test_docs.py checks that every published table is the rendering of its file and that
+every file was made from a clean checkout of a commit in this repository's history.
+
+Run it on a quiet machine: the timings (tokens/s, benchmark medians) move with the load,
+which each file records. Losses and SQNRs are deterministic on a given machine and thread
+count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NUMBERS = REPO / "numbers"
+RUNS = REPO / "runs" / "numbers"  # training runs' folders (ignored by git)
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(REPO / "recipes"))
+
+import common  # noqa: E402  (benchmarks/common.py: run info, git commit and dirty flag)
+import torch  # noqa: E402
+
+PY = sys.executable
+# What a training subprocess gets: torch's default (OMP_NUM_THREADS when set), read before
+# main() pins this process to one thread for the in-process measurements.
+DEFAULT_THREADS = torch.get_num_threads()
+ENV = {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def run(*args: str) -> float:
+    """Run ``python ARGS`` from the repository root; return its wall time in s."""
+    t0 = time.perf_counter()
+    print("+ python", " ".join(args), flush=True)
+    subprocess.run([PY, *args], cwd=REPO, env=ENV, check=True)
+    return time.perf_counter() - t0
+
+
+def write(name: str, sources: list[str], data: dict, wall_s: float, threads: int = 1) -> Path:
+    """numbers/NAME.json: provenance + ``data``; ``threads`` = the torch threads it ran with."""
+    own = torch.get_num_threads()
+    torch.set_num_threads(threads)  # run_info's device line names the thread count
+    info = common.run_info(torch.device("cpu"))
+    torch.set_num_threads(own)
+    info.update(
+        command=f"python tools/measure.py {name}",
+        script="tools/measure.py",
+        sources=sources,
+        threads=threads,
+        wall_s=round(wall_s, 1),
+    )
+    path = NUMBERS / f"{name}.json"
+    path.write_text(
+        json.dumps({"name": name, **info, "data": data}, indent=2, allow_nan=False) + "\n"
+    )
+    print(f"wrote {path.relative_to(REPO)}", flush=True)
+    return path
+
+
+# ---------------------------------------------------------------------------- training runs
+
+
+def compare_runs(name: str, argv: list[str]) -> None:
+    """recipes/compare.py with ``argv``; its per-mode summaries, config and wall time."""
+    import compare
+
+    out = RUNS / name
+    wall = run("recipes/compare.py", *argv, "--out", str(out.relative_to(REPO)), "--quiet")
+    summaries = {}
+    for mode_dir in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()):
+        records = [
+            json.loads(line) for line in (mode_dir / "metrics.jsonl").read_text().splitlines()
+        ]
+        summaries[mode_dir.name] = compare.summarize(records)
+    modes = (
+        argv[argv.index("--modes") + 1].split(",") if "--modes" in argv else ["none", "tensorwise"]
+    )
+    summaries = {m: summaries[m] for m in modes}  # the report's order
+    cfg = json.loads((out / modes[0] / "config.json").read_text())
+    data = {
+        "compare_argv": argv,
+        "modes": modes,
+        "summaries": summaries,
+        "device": cfg["device"],
+        "n_params": cfg["n_params"],
+        "data": cfg["data"],
+        "train_args": {
+            k: cfg["args"][k] for k in ("preset", "steps", "batch_size", "seq_len", "seed")
+        },
+    }
+    if (out / "loss.png").exists():
+        (NUMBERS / f"{name}_loss.png").write_bytes((out / "loss.png").read_bytes())
+    write(
+        name,
+        ["recipes/compare.py", "recipes/train.py", "recipes/model.py", "recipes/data.py"],
+        data,
+        wall,
+        threads=DEFAULT_THREADS,
+    )
+
+
+def demo() -> None:
+    """`make demo`'s run: the small preset, bf16 vs float8 tensorwise (train.py defaults)."""
+    compare_runs("demo", ["--preset", "small"])
+
+
+def tiny() -> None:
+    """Every --float8 mode on the tiny preset (60 steps)."""
+    compare_runs(
+        "tiny",
+        ["--preset", "tiny", "--modes", "none,tensorwise,rowwise,rowwise_with_gw_hp,delayed"],
+    )
+
+
+# ---------------------------------------------------------------------------- numerics
+
+
+def numerics() -> None:
+    from tests import test_numerics
+
+    t0 = time.perf_counter()
+    rows = test_numerics.sqnr_table()
+    write(
+        "numerics",
+        ["tests/test_numerics.py", "tests/helpers.py"],
+        {
+            "rows": rows,
+            "thresholds_db": test_numerics.ACCURACY_DB,
+            "peer_agreement_db": test_numerics.PEER_AGREEMENT_DB,
+        },
+        time.perf_counter() - t0,
+    )
+
+
+def scaling() -> None:
+    from tests import test_numerics
+
+    t0 = time.perf_counter()
+    write(
+        "scaling",
+        ["tests/test_numerics.py", "tests/helpers.py"],
+        test_numerics.scaling_policy_sqnrs(),
+        time.perf_counter() - t0,
+    )
+
+
+def fsdp() -> None:
+    """tests/test_fsdp.py's multi-process runs (2 and 3 gloo ranks); rank 0's numbers."""
+    from tests import test_fsdp as t
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for sub in ("train2", "uneven3", "compile2"):
+            (tmp / sub).mkdir()
+        train2 = t._spawn("_worker_train", 2, tmp / "train2")
+        uneven3 = t._spawn("_worker_uneven", 3, tmp / "uneven3")
+        compile2 = t._spawn("_worker_compile", 2, tmp / "compile2")
+    r, u, c = train2[0], uneven3[0], compile2[0]
+    data = {
+        "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
+        "all_gather_bytes_bf16": r["all_gather_bytes_bf16"],
+        "all_gather_calls_fp8": r["all_gather_calls_fp8"],
+        "all_gather_calls_bf16": r["all_gather_calls_bf16"],
+        "float8_weights": len(r["precomputed_scales"]),
+        "precompute_all_reduces": r["precompute_all_reduces"],
+        "fwd_bwd_all_reduces_after_precompute": r["fwd_bwd_all_reduces_after_precompute"],
+        "forward_all_reduces_without_precompute": r["forward_all_reduces_without_precompute"],
+        "fp32_same_batch_bitwise": r["fp32_replicated_data"] == r["ref_fp32"],
+        "fp32_split_rel_diff": t._rel_diff(r["fp32"], r["ref_fp32"]),
+        "bf16_split_rel_diff": t._rel_diff(r["bf16"], r["ref_bf16"]),
+        "uneven_split_rel_diff": t._rel_diff(u["uneven"], u["ref"]),
+        "uneven_same_batch_bitwise": u["uneven_replicated_data"] == u["ref"],
+        "uneven_local_rows": [x["local_rows"] for x in uneven3],
+        "precomputed_scales_bitwise": r["precomputed_scales"] == r["full_weight_scales"],
+        "dcp_resume_bitwise": all(x["resumed"] == x["after"] for x in uneven3),
+        "compiled_vs_eager_rel_diff": t._rel_diff(c["compiled"], c["eager"]),
+        "compiled_graph_breaks": c["graph_breaks"],
+        "steps": len(r["fp32"]),
+    }
+    for policy in ("delayed", "static"):
+        data[f"{policy}_same_batch_bitwise"] = r[f"{policy}_replicated_data"] == r[f"{policy}_ref"]
+        data[f"{policy}_split_rel_diff"] = t._rel_diff(r[f"{policy}_split"], r[f"{policy}_ref"])
+        data[f"{policy}_precompute_all_reduces"] = r[f"{policy}_precompute_all_reduces"]
+        data[f"{policy}_fwd_bwd_all_reduces"] = r[f"{policy}_fwd_bwd_all_reduces"]
+    write("fsdp", ["tests/test_fsdp.py"], data, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------------- benchmarks
+
+
+def bench(script: str, out: str, *args: str) -> None:
+    """A benchmark script writes numbers/OUT.json (and .md) itself; we add its wall time."""
+    wall = run(f"benchmarks/{script}.py", *args, "--out", f"numbers/{out}.json")
+    path = NUMBERS / f"{out}.json"
+    path.write_text(
+        json.dumps(
+            {**json.loads(path.read_text()), "wall_s": round(wall, 1)}, indent=2, allow_nan=False
+        )
+        + "\n"
+    )
+
+
+def bench_overhead() -> None:
+    bench(
+        "bench_overhead",
+        "bench_overhead",
+        "--threads",
+        "1",
+        "--recipes",
+        "tensorwise,rowwise,rowwise_with_gw_hp",
+        "--profile",
+    )
+
+
+def bench_comm() -> None:
+    bench("bench_comm", "bench_comm_tiny")
+    bench("bench_comm", "bench_comm_small", "--preset", "small")
+
+
+def bench_linear() -> None:
+    bench(
+        "bench_linear",
+        "bench_linear",
+        "--device",
+        "cpu",
+        "--shapes",
+        "small",
+        "--no-compile",
+        "--threads",
+        "1",
+    )
+
+
+def roofline() -> None:  # reads bench_linear's file: run after it
+    bench("roofline", "roofline", "--threads", "1", "--linear-json", "numbers/bench_linear.json")
+
+
+def bench_train() -> None:
+    bench(
+        "bench_train",
+        "bench_train",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--no-compile",
+        "--threads",
+        "1",
+    )
+    bench(
+        "bench_train",
+        "bench_train_compiled",
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--compile",
+        "--threads",
+        "1",
+        "--recipes",
+        "tensorwise",
+        "--warmup",
+        "2",
+        "--steps",
+        "5",
+    )
+
+
+NAMES: dict[str, Callable[[], None]] = {
+    "numerics": numerics,
+    "scaling": scaling,
+    "fsdp": fsdp,
+    "tiny": tiny,
+    "demo": demo,
+    "bench_overhead": bench_overhead,
+    "bench_comm": bench_comm,
+    "bench_linear": bench_linear,
+    "roofline": roofline,
+    "bench_train": bench_train,
+}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"what to measure (default: all, in this order): {', '.join(NAMES)}",
+    )
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="measure a checkout with uncommitted changes (the files say so, and "
+        "tests/test_docs.py refuses them)",
+    )
+    args = p.parse_args()
+    if unknown := [n for n in args.names if n not in NAMES]:
+        p.error(f"unknown NAME {', '.join(unknown)}; choose from {', '.join(NAMES)}")
+    if common.git_dirty() and not args.allow_dirty:
+        p.error(
+            "uncommitted changes outside numbers/ and *.md: commit them first, so that "
+            "every number names the code that made it (or pass --allow-dirty to try)"
+        )
+    torch.set_num_threads(1)
+    NUMBERS.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    for name in args.names or NAMES:
+        NAMES[name]()
+    print(f"done in {time.perf_counter() - t0:.0f} s; now run: python tools/publish.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,631 @@
+"""Render the docs' measured tables from numbers/*.json (written by tools/measure.py).
+
+    python tools/publish.py            # rewrite every block in the docs from the JSON
+    python tools/publish.py --check    # exit 1 if any block differs from its rendering
+
+A published table lives between two markers, and a number in prose inside an inline pair:
+
+    <!-- table:NAME -->
+    (rendered: a caption naming command, device, commit, date, then the table)
+    <!-- /table -->
+    ... measured <!-- n:KEY -->0.52x<!-- /n --> the bytes ...
+
+NAME is a key of TABLES, KEY of INLINE. Everything between the markers is generated: edit
+the renderer here, never the rendered text. tests/test_docs.py runs ``check`` on every file
+in DOCS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NUMBERS = REPO / "numbers"
+DOCS = [
+    "README.md",
+    "docs/scaling.md",
+    "docs/fsdp.md",
+    "benchmarks/README.md",
+    "benchmarks/NOTES.md",
+    "recipes/README.md",
+]
+
+TABLE_RE = re.compile(r"(<!-- table:([\w-]+) -->\n)(.*?)(<!-- /table -->)", re.DOTALL)
+INLINE_RE = re.compile(r"(<!-- n:([\w.-]+) -->)(.*?)(<!-- /n -->)")
+
+
+LOADED: set[str] = set()  # the numbers/ files the renderers have read
+
+
+@functools.cache
+def load(name: str) -> dict:
+    LOADED.add(name)
+    return json.loads((NUMBERS / f"{name}.json").read_text())
+
+
+def caption(name: str) -> str:
+    """Where a table's numbers come from: command, device, versions, commit, date, load."""
+    d = load(name)
+    load_avg = d.get("load_avg_1m_5m_15m")
+    return (
+        f"`{d['command']}`: {d['device']}; torch {d['torch']}, torchao {d['torchao']}; "
+        f"commit {d['git_commit'][:7]}; {d['date'][:10]}; load average at start "
+        f"{load_avg[0] if load_avg else '?'}; [numbers/{name}.json](/numbers/{name}.json)"
+    )
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def f(x, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def gap(x: float, ref: float) -> str:
+    return f"{100 * (x - ref) / ref:+.2f}%"
+
+
+def sci(x: float) -> str:
+    """1.3e-3, not Python's 1.3e-03."""
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def rel(x: float) -> str:
+    """A max relative loss difference: 0 is said in words."""
+    return "**bitwise equal** losses" if x == 0 else f"max rel. diff {sci(x)}"
+
+
+# ---------------------------------------------------------------------------- recipes
+
+
+def compare_table(name: str) -> str:
+    """recipes/compare.py's report table, from the summaries the run wrote."""
+    d = load(name)["data"]
+    s, ref = d["summaries"], d["summaries"]["none"]
+    rows = [
+        [
+            "none (bf16)" if m == "none" else m,
+            f(x["train_loss"], ".4f"),
+            f(x["val_loss"], ".4f"),
+            gap(x["train_loss"], ref["train_loss"]),
+            gap(x["val_loss"], ref["val_loss"]),
+            f(x["tokens_per_s"], ".0f"),
+            f"{x['tokens_per_s'] / ref['tokens_per_s']:.2f}x",
+        ]
+        for m, x in s.items()
+    ]
+    a = d["train_args"]
+    return (
+        f"{caption(name)}; {a['preset']} preset, {a['steps']} steps, batch "
+        f"{a['batch_size']} x {a['seq_len']} bytes, {d['n_params']:,} params, seed "
+        f"{a['seed']}; wall time {load(name)['wall_s']:.0f} s\n\n"
+        + table(
+            [
+                "mode",
+                "train loss",
+                "val loss",
+                "train gap vs bf16",
+                "val gap vs bf16",
+                "tokens/s",
+                "speedup",
+            ],
+            rows,
+        )
+    )
+
+
+# ---------------------------------------------------------------------------- numerics
+
+
+def numerics_table() -> str:
+    rows = []
+    for r in load("numerics")["data"]["rows"]:
+        peer = (
+            "bitwise equal"
+            if r["bitwise_equal_to_torchao"]
+            else f(r["float8kit_vs_torchao"], ".1f")
+        )
+        rows.append(
+            [r["recipe"], r["gemm"], f(r["float8kit_vs_fp32"]), f(r["torchao_vs_fp32"]), peer]
+        )
+    return (
+        caption("numerics")
+        + "\n\n"
+        + table(
+            [
+                "recipe",
+                "gemm output",
+                "float8kit vs fp32",
+                "torchao vs fp32",
+                "float8kit vs torchao",
+            ],
+            rows,
+        )
+    )
+
+
+def scaling_table() -> str:
+    s = load("scaling")["data"]
+    rows = [
+        ["DYNAMIC, input suddenly 100x larger", f(s["dynamic_spike"], ".1f")],
+        [
+            "DELAYED, the spike step (scale from the previous steps' amax)",
+            f"**{s['delayed_spike_stale']:.1f}** (clipped)",
+        ],
+        [
+            "DELAYED, the spike input again after one `precompute_scales`",
+            f(s["delayed_spike_after_precompute"], ".1f"),
+        ],
+        ["STATIC `static_scale = 448/4`, inputs within ±4", f(s["static_inside"], ".1f")],
+        ["STATIC, the same inputs 100x larger", f"**{s['static_100x']:.1f}** (clipped)"],
+        [
+            "STATIC after `calibrate` on 100x-300x inputs (two-layer MLP, both gemms float8)",
+            f(s["static_calibrated"], ".1f"),
+        ],
+    ]
+    return caption("scaling") + "\n\n" + table(["situation", "SQNR (dB)"], rows)
+
+
+# ---------------------------------------------------------------------------- FSDP2
+
+
+def fsdp_table() -> str:
+    d = load("fsdp")["data"]
+    ratio = d["all_gather_bytes_fp8"] / d["all_gather_bytes_bf16"]
+    rows = [
+        [
+            "bytes all-gathered in one fwd+bwd, float8 vs bf16 all-gather (2 blocks of 64x128 + "
+            "128x64 with biases, hp head; bf16 params)",
+            f"{d['all_gather_bytes_fp8']:,} / {d['all_gather_bytes_bf16']:,} = **{ratio:.3f}x** "
+            f"({d['all_gather_calls_fp8']} all-gathers each; biases and head stay bf16)",
+        ],
+        [
+            "collectives in `precompute_scales`",
+            f"**{d['precompute_all_reduces']}** all-reduce (for {d['float8_weights']} weights); "
+            f"**{d['fwd_bwd_all_reduces_after_precompute']}** in the next forward+backward",
+        ],
+        [
+            "collectives without `precompute_scales`",
+            f"{d['forward_all_reduces_without_precompute']} all-reduces in one forward",
+        ],
+        [
+            f"losses, 2 ranks, fp32, same global batch on every rank vs single-device float8 "
+            f"({d['steps']} AdamW steps)",
+            "**bitwise equal**" if d["fp32_same_batch_bitwise"] else "differ",
+        ],
+        [
+            "losses, 2 ranks, fp32, batch split across ranks vs single-device on the global batch",
+            f"{rel(d['fp32_split_rel_diff'])}",
+        ],
+        [
+            "losses, 2 ranks, bf16 params / fp32 reduce, `reshard_after_forward=False` vs "
+            "single-device autocast",
+            f"{rel(d['bf16_split_rel_diff'])}",
+        ],
+        [
+            "losses, 3 ranks, 1040/16/2-row layers (uneven + one empty shard, only float8 "
+            "weights, gloo): split batch / same batch on every rank",
+            f"{rel(d['uneven_split_rel_diff'])} / "
+            + ("**bitwise equal**" if d["uneven_same_batch_bitwise"] else "differ"),
+        ],
+        [
+            "precomputed scales vs `fp8_max / amax(full weight)`",
+            "bitwise equal" if d["precomputed_scales_bitwise"] else "differ",
+        ],
+        [
+            "DCP save, more steps vs fresh model + DCP load + the same steps",
+            "**bitwise equal** losses" if d["dcp_resume_bitwise"] else "differ",
+        ],
+        [
+            "`torch.compile(block, fullgraph=True)` per FSDP2 block vs eager",
+            f"{rel(d['compiled_vs_eager_rel_diff'])}, {d['compiled_graph_breaks']} graph breaks",
+        ],
+    ]
+    for policy, what in (
+        ("delayed", "DELAYED weights (`delayed` recipe)"),
+        ("static", "STATIC weight (`static_scale=2048`)"),
+    ):
+        rows.append(
+            [
+                f"{what} with float8 all-gather, 2 ranks: same / split batch vs one device",
+                ("**bitwise equal**" if d[f"{policy}_same_batch_bitwise"] else "differ")
+                + f" / {rel(d[f'{policy}_split_rel_diff'])}; `precompute_scales` "
+                f"{d[f'{policy}_precompute_all_reduces']} all-reduce, next fwd+bwd "
+                f"{d[f'{policy}_fwd_bwd_all_reduces']}",
+            ]
+        )
+    return caption("fsdp") + "\n\n" + table(["what", "result"], rows)
+
+
+# ---------------------------------------------------------------------------- benchmarks
+
+
+def overhead_rows() -> dict[str, dict]:
+    return {r["recipe"]: r for r in load("bench_overhead")["rows"]}
+
+
+def bench_overhead_table() -> str:
+    rows = [
+        [
+            r["recipe"],
+            f(r["float8kit_us"], ".0f"),
+            f(r["torchao_us"], ".0f"),
+            f(r["bf16_us"], ".0f"),
+            f"{r['ratio_float8kit_over_torchao']:.3f} ({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})",
+            f"{r['float8kit_aten_ops']} / {r['torchao_aten_ops']} / {r['bf16_aten_ops']}",
+        ]
+        for r in overhead_rows().values()
+    ]
+    m, k, n = load("bench_overhead")["shape"]
+    return f"{caption('bench_overhead')}; {m}x{k}x{n}, fwd+bwd, eager\n\n" + table(
+        [
+            "recipe",
+            "float8kit us",
+            "torchao us",
+            "bf16 us",
+            "float8kit / torchao (median of rounds, q1-q3)",
+            "aten ops float8kit / torchao / bf16",
+        ],
+        rows,
+    )
+
+
+def overhead_profile_table() -> str:
+    prof = load("bench_overhead")["profile"]["tensorwise"]
+    fk, ao = prof["float8kit"][:6], prof["torchao"][:6]
+    rows = []
+    for i in range(max(len(fk), len(ao))):
+        row = []
+        for side in (fk, ao):
+            if i < len(side):
+                p = side[i]
+                row += [
+                    f"`{p['op']}`",
+                    f(p["calls_per_step"], ".0f"),
+                    f(p["self_cpu_us_per_step"], ".0f"),
+                    f"{100 * p['share']:.0f}%",
+                ]
+            else:
+                row += [""] * 4
+        rows.append(row)
+    return (
+        f"{caption('bench_overhead')}; tensorwise, self CPU time per fwd+bwd call under "
+        "torch.profiler, top ops\n\n"
+        + table(
+            [
+                "float8kit op",
+                "calls",
+                "self us",
+                "share",
+                "torchao op",
+                "calls",
+                "self us",
+                "share",
+            ],
+            rows,
+        )
+    )
+
+
+def bench_comm_table(name: str) -> str:
+    d = load(name)
+    rows = [
+        [
+            r["variant"],
+            r["status"],
+            r.get("all_gather_bytes"),
+            r.get("all_gather_calls"),
+            r.get("all_gather_dtypes"),
+            r.get("reduce_scatter_bytes"),
+            r.get("reduce_scatter_calls"),
+            r.get("all_reduce_bytes"),
+            r.get("all_reduce_calls"),
+            f(r.get("all_gather_ratio_vs_bf16"), ".3f"),
+            f(r.get("total_ratio_vs_bf16"), ".3f"),
+        ]
+        for r in d["rows"]
+    ]
+    return (
+        f"{caption(name)}; preset {d['preset']} ({d['n_params']:,} params), "
+        f"{d['world_size']} gloo ranks, rank 0, step {d['counted_step']}\n\n"
+        + table(
+            [
+                "variant",
+                "status",
+                "all-gather B",
+                "AG calls",
+                "AG dtypes",
+                "reduce-scatter B",
+                "RS calls",
+                "all-reduce B",
+                "AR calls",
+                "AG / bf16",
+                "all bytes / bf16",
+            ],
+            rows,
+        )
+    )
+
+
+def linear_rows(mode: str = "fwd_bwd") -> list[dict]:
+    return [r for r in load("bench_linear")["rows"] if r["mode"] == mode and not r["compiled"]]
+
+
+def bench_linear_table() -> str:
+    rows = [
+        [
+            r["M"],
+            r["K"],
+            r["N"],
+            r["recipe"],
+            f(r["bf16_ms"]),
+            f(r["float8kit_ms"]),
+            f(r.get("torchao_ms")),
+            f(r["float8kit_speedup"]),
+            f(r.get("torchao_speedup")),
+            f(r["float8kit_sqnr_db"]),
+            f(r.get("torchao_sqnr_db")),
+        ]
+        for r in linear_rows()
+    ]
+    return f"{caption('bench_linear')}; fwd+bwd, eager (fwd rows are in the file)\n\n" + table(
+        [
+            "M",
+            "K",
+            "N",
+            "recipe",
+            "bf16 ms",
+            "float8kit ms",
+            "torchao ms",
+            "fk speedup",
+            "ao speedup",
+            "fk SQNR dB",
+            "ao SQNR dB",
+        ],
+        rows,
+    )
+
+
+def roofline_table() -> str:
+    d = load("roofline")
+    r = d["rates"]
+    fwd_bwd = [x for x in d["rows"] if x["mode"] == "fwd_bwd"]
+    # the measured shapes, and the largest one to show where the model levels off
+    shown = [x for x in fwd_bwd if x.get("measured_float8kit_speedup") is not None]
+    shown += [max(fwd_bwd, key=lambda x: x["gflop"])]
+    rows = [
+        [
+            x["M"],
+            x["K"],
+            x["N"],
+            f(x["gflop"], ".3g"),
+            f(x["bf16_pred_ms"], ".3g"),
+            f(x["fp8_pred_ms"], ".3g"),
+            f(x["predicted_speedup"]),
+            f(x.get("measured_float8kit_speedup")),
+            f(x.get("measured_torchao_speedup")),
+        ]
+        for x in shown
+    ]
+    return (
+        f"{caption('roofline')}; measured at {r['measure_size']}³: bf16 "
+        f"{r['bf16_tflops']:.3g} TFLOP/s, fp8 `_scaled_mm` {r['fp8_tflops']:.3g} TFLOP/s, "
+        f"copy bandwidth {1e3 * r['bw_tbps']:.3g} GB/s; fixed cost per fwd+bwd call: bf16 "
+        f"{r['t0_us']['bf16']['fwd_bwd']:.0f} us, float8kit "
+        f"{r['t0_us']['fp8']['fwd_bwd']:.0f} us\n\n"
+        + table(
+            [
+                "M",
+                "K",
+                "N",
+                "GFLOP",
+                "bf16 ms (pred)",
+                "fp8 ms (pred)",
+                "predicted",
+                "measured fk",
+                "measured ao",
+            ],
+            rows,
+        )
+    )
+
+
+def bench_train_table(name: str) -> str:
+    d = load(name)
+    rows = [
+        [
+            r["variant"],
+            f(r.get("step_ms"), ".1f"),
+            f(r.get("tokens_per_s"), ".0f"),
+            f(r.get("speedup_vs_bf16")),
+            f(r.get("loss_first"), ".5f"),
+            sci(r["loss_first_rel_diff_vs_bf16"]) if r.get("loss_first_rel_diff_vs_bf16") else "0",
+            f(r.get("loss_last"), ".5f"),
+        ]
+        for r in d["rows"]
+    ]
+    return (
+        f"{caption(name)}; preset {d['preset']}, {d['batch']}x{d['seq']} tokens per step, "
+        f"{'compiled' if d['compiled'] else 'eager'}, median of {d['steps']} steps after "
+        f"{d['warmup']} warm-up\n\n"
+        + table(
+            [
+                "variant",
+                "step ms",
+                "tokens/s",
+                "vs bf16",
+                "loss step 1",
+                "rel diff vs bf16",
+                "last loss",
+            ],
+            rows,
+        )
+    )
+
+
+def perf_table() -> str:
+    """README's summary of the benchmarks."""
+    o = overhead_rows()
+    m, k, n = load("bench_overhead")["shape"]
+    t = o["tensorwise"]
+    others = ", ".join(
+        f"{name} {r['ratio_float8kit_over_torchao']:.2f}x"
+        for name, r in o.items()
+        if name != "tensorwise"
+    )
+    comm = {
+        name: {r["variant"]: r for r in load(name)["rows"]}
+        for name in ("bench_comm_tiny", "bench_comm_small")
+    }
+    ag = comm["bench_comm_tiny"]["float8kit_fp8_allgather"]
+    big = max(linear_rows(), key=lambda r: r["M"] * r["K"] * r["N"])
+    lin = {
+        r["recipe"]: r
+        for r in linear_rows()
+        if (r["M"], r["K"], r["N"]) == (big["M"], big["K"], big["N"])
+    }["tensorwise"]
+    rows = [
+        [
+            f"per-call time, {m}x{k}x{n} fwd+bwd eager, float8kit / torchao",
+            f"tensorwise **{t['ratio_float8kit_over_torchao']:.2f}x** ({t['float8kit_us']:.0f} vs "
+            f"{t['torchao_us']:.0f} us; {t['float8kit_aten_ops']} vs {t['torchao_aten_ops']} aten "
+            f"ops), {others}",
+            "`tools/measure.py bench_overhead`",
+        ],
+        [
+            "FSDP2 bytes all-gathered per step, float8 vs bf16 all-gather (2 gloo ranks)",
+            f"**{ag['all_gather_ratio_vs_bf16']:.3f}x** (tiny preset), "
+            f"{comm['bench_comm_small']['float8kit_fp8_allgather']['all_gather_ratio_vs_bf16']:.3f}x"
+            f" (small); {ag['all_reduce_calls']} all-reduce of {ag['all_reduce_bytes']} B per step",
+            "`tools/measure.py bench_comm`",
+        ],
+        [
+            f"one Linear fwd+bwd, {big['M']}x{big['K']}x{big['N']}, speedup over bf16, "
+            "float8kit / torchao",
+            f"tensorwise {lin['float8kit_speedup']:.2f}x / {lin['torchao_speedup']:.2f}x",
+            "`tools/measure.py bench_linear`",
+        ],
+    ]
+    d = load("bench_overhead")
+    return (
+        f"{d['device']}; torch {d['torch']}, torchao {d['torchao']}; commit "
+        f"{d['git_commit'][:7]}; {d['date'][:10]} (each file in [numbers/](/numbers/) "
+        "names its own)\n\n" + table(["benchmark", "result", "command"], rows)
+    )
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "demo": lambda: compare_table("demo"),
+    "tiny": lambda: compare_table("tiny"),
+    "numerics": numerics_table,
+    "scaling": scaling_table,
+    "fsdp": fsdp_table,
+    "perf": perf_table,
+    "bench_overhead": bench_overhead_table,
+    "overhead_profile": overhead_profile_table,
+    "bench_comm_tiny": lambda: bench_comm_table("bench_comm_tiny"),
+    "bench_comm_small": lambda: bench_comm_table("bench_comm_small"),
+    "bench_linear": bench_linear_table,
+    "roofline": roofline_table,
+    "bench_train": lambda: bench_train_table("bench_train"),
+    "bench_train_compiled": lambda: bench_train_table("bench_train_compiled"),
+}
+
+
+def _fsdp(key: str, spec: str) -> Callable[[], str]:
+    def get() -> str:
+        x = load("fsdp")["data"][key]
+        return sci(x) if spec == "sci" else format(x, spec)
+
+    return get
+
+
+def _demo_gap(mode: str, which: str) -> Callable[[], str]:
+    def get() -> str:
+        s = load("demo")["data"]["summaries"]
+        return gap(s[mode][which], s["none"][which])
+
+    return get
+
+
+INLINE: dict[str, Callable[[], str]] = {
+    "fsdp.ag_ratio": lambda: "{:.3f}x".format(
+        load("fsdp")["data"]["all_gather_bytes_fp8"] / load("fsdp")["data"]["all_gather_bytes_bf16"]
+    ),
+    "fsdp.fp32_split": _fsdp("fp32_split_rel_diff", "sci"),
+    "fsdp.bf16_split": _fsdp("bf16_split_rel_diff", "sci"),
+    "fsdp.uneven_split": _fsdp("uneven_split_rel_diff", "sci"),
+    "fsdp.precompute_all_reduces": _fsdp("precompute_all_reduces", "d"),
+    "fsdp.fwd_bwd_all_reduces": _fsdp("fwd_bwd_all_reduces_after_precompute", "d"),
+    "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
+    "demo.train_gap": _demo_gap("tensorwise", "train_loss"),
+    "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
+    "demo.wall_min": lambda: f"{math.ceil(load('demo')['wall_s'] / 60)} min",
+    "numbers.total_min": lambda: "{} min".format(
+        math.ceil(
+            sum(json.loads(p.read_text()).get("wall_s", 0) for p in NUMBERS.glob("*.json")) / 60
+        )
+    ),
+}
+
+
+# ---------------------------------------------------------------------------- render / check
+
+
+def render(text: str) -> str:
+    """``text`` with every marked block and inline number re-rendered from numbers/."""
+
+    def block(m: re.Match) -> str:
+        name = m.group(2)
+        if name not in TABLES:
+            raise KeyError(f"<!-- table:{name} -->: no such table (known: {', '.join(TABLES)})")
+        return f"{m.group(1)}\n{TABLES[name]()}\n\n{m.group(4)}"
+
+    def inline(m: re.Match) -> str:
+        key = m.group(2)
+        if key not in INLINE:
+            raise KeyError(f"<!-- n:{key} -->: no such number (known: {', '.join(INLINE)})")
+        return f"{m.group(1)}{INLINE[key]()}{m.group(4)}"
+
+    return INLINE_RE.sub(inline, TABLE_RE.sub(block, text))
+
+
+def used(text: str) -> tuple[set[str], set[str]]:
+    """The table names and inline keys ``text`` uses."""
+    return (
+        {m.group(2) for m in TABLE_RE.finditer(text)},
+        {m.group(2) for m in INLINE_RE.finditer(text)},
+    )
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 on a difference")
+    args = p.parse_args()
+    stale = []
+    for name in DOCS:
+        path = REPO / name
+        text = path.read_text()
+        new = render(text)
+        if new != text:
+            stale.append(name)
+            if not args.check:
+                path.write_text(new)
+    verb = "differ from numbers/ (run python tools/publish.py)" if args.check else "rewritten"
+    print(f"{', '.join(stale)}: {verb}" if stale else "all published numbers match numbers/")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
