@@ -528,6 +528,7 @@ def train(args: argparse.Namespace) -> list[dict]:
                 "sha256": corpus.sha256,
             },
             "n_params": sum(p.numel() for p in model.parameters()),
+            "threads": torch.get_num_threads(),
         }
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         # On resume keep the steps up to the checkpoint and drop any logged after it.

@@ -57,6 +57,18 @@ def test_every_table_and_number_file_is_published():
     assert {p.stem for p in NUMBER_FILES} == publish.LOADED
 
 
+def test_demo_on_a_busy_machine_learns_the_same():
+    # The thread count is the only thing a loaded machine could change, and it is pinned:
+    # the busy run must reproduce the idle run's losses exactly.
+    idle, busy = (
+        json.loads((REPO / "numbers" / f"{n}.json").read_text()) for n in ("demo", "demo_busy")
+    )
+    assert busy["data"]["busy_processes"] == 2 and busy["threads"] == idle["threads"]
+    for mode, s in idle["data"]["summaries"].items():
+        got = busy["data"]["summaries"][mode]
+        assert (got["train_loss"], got["val_loss"]) == (s["train_loss"], s["val_loss"]), mode
+
+
 @needs_git
 @pytest.mark.parametrize("path", NUMBER_FILES, ids=[p.name for p in NUMBER_FILES])
 def test_number_file_names_a_clean_commit_that_has_its_scripts(path):

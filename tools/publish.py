@@ -231,6 +231,12 @@ def fsdp_table() -> str:
             "`torch.compile(block, fullgraph=True)` per FSDP2 block vs eager",
             f"{rel(d['compiled_vs_eager_rel_diff'])}, {d['compiled_graph_breaks']} graph breaks",
         ],
+        [
+            "compile + activation checkpointing (`compile(checkpoint_wrapper(block))` per block, "
+            "and the whole model compiled around checkpointed blocks), tensorwise and delayed, "
+            "same batch on every rank vs single-device eager",
+            f"{rel(d['compile_ac_rel_diff'])} (largest of the four)",
+        ],
     ]
     for policy, what in (
         ("delayed", "DELAYED weights (`delayed` recipe)"),
@@ -572,6 +578,8 @@ INLINE: dict[str, Callable[[], str]] = {
     "demo.train_gap": _demo_gap("tensorwise", "train_loss"),
     "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
     "demo.wall_min": lambda: f"{math.ceil(load('demo')['wall_s'] / 60)} min",
+    "demo_busy.wall_min": lambda: f"{math.ceil(load('demo_busy')['wall_s'] / 60)} min",
+    "demo.threads": lambda: str(load("demo")["threads"]),
     "numbers.total_min": lambda: "{} min".format(
         math.ceil(
             sum(json.loads(p.read_text()).get("wall_s", 0) for p in NUMBERS.glob("*.json")) / 60
