@@ -358,34 +358,34 @@ def _all_reduce_max(amax: torch.Tensor, mesh) -> torch.Tensor:
     return amax
 
 
-def _sharded_fp8_linears(module: nn.Module) -> dict[nn.Module, str]:
-    """Every Float8Linear in ``module`` whose weight FSDP2 sharded with float8 all-gather,
-    with its fqn."""
+def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(fqn, module) of every Float8Linear in ``module`` whose weight FSDP2 sharded with
+    float8 all-gather."""
     from torch.distributed.tensor import DTensor
 
     from float8kit.linear import Float8Linear
 
-    return {
-        mod: fqn or "<root>"
+    return [
+        (fqn or "<root>", mod)
         for fqn, mod in module.named_modules()
         if isinstance(mod, Float8Linear)
         and isinstance(mod.weight, DTensor)
         and isinstance(mod.weight._local_tensor, Float8AllGatherWeight)
-    }
+    ]
 
 
-def _report_stale_weights(mods: dict[nn.Module, str]) -> None:
+def _report_stale_weights(mods: list[tuple[str, nn.Module]]) -> None:
     """Warn (at the latest one call later on CUDA, with no host sync) about the weights whose
     last all-gather used a precomputed scale they had outgrown (see ``PrecomputedScale``)."""
-    from float8kit.precompute import _REPORT_CALLS, report_flags
-
-    used = [
-        (p, name)
-        for m, name in mods.items()
-        if (p := getattr(m, _SCALE_ATTR, None)) is not None and p.gathered_amax is not None
-    ]
+    used = []
+    for name, m in mods:
+        p = getattr(m, _SCALE_ATTR, None)
+        if p is not None and p.gathered_amax is not None:
+            used.append((p, name))
     if not used:
         return
+    from float8kit.precompute import _REPORT_CALLS, report_flags
+
     changed = torch.stack([p.gathered_amax != p.local_amax for p, _ in used])
     report_flags(_REPORT_CALLS, changed, "stale_weight", "\n".join(n for _, n in used))
 
@@ -407,8 +407,12 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     from float8kit.linear import operand_scale
 
     sharded = _sharded_fp8_linears(module)
+    if not sharded:
+        return []
     _report_stale_weights(sharded)
-    mods = [m for m in sharded if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC]
+    mods = [
+        m for _, m in sharded if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC
+    ]
     if not mods:
         return []
     # Group by scale computation (cast, power-of-2 rounding) and order the weights group by

@@ -142,29 +142,26 @@ class _HostReport:
             self._handle(host.tolist(), targets)
 
 
-def _warn_non_finite(bad: list[bool], names: list[str]) -> None:
-    layers = [name for name, b in zip(names, bad, strict=True) if b]
-    if layers:
-        warnings.warn(
-            f"float8kit: non-finite amax recorded for {', '.join(layers)}: not folded into "
-            "the amax history, the scale keeps its previous value (that step's float8 "
-            "outputs were already non-finite)",
-            UserWarning,
-            stacklevel=2,
-        )
+def _warning(message: str) -> Callable[[list[bool], list[str]], None]:
+    """A ``_HostReport`` handler: warns ``message`` (``{layers}``: the flagged names)."""
+
+    def handle(flags: list[bool], names: list[str]) -> None:
+        layers = [name for name, flagged in zip(names, flags, strict=True) if flagged]
+        if layers:
+            warnings.warn(message.format(layers=", ".join(layers)), UserWarning, stacklevel=2)
+
+    return handle
 
 
-def _warn_stale_weights(changed: list[bool], names: list[str]) -> None:
-    layers = [name for name, c in zip(names, changed, strict=True) if c]
-    if layers:
-        warnings.warn(
-            f"float8kit: the weight of {', '.join(layers)} changed after precompute_scales() "
-            "without a version bump (an update through param.data, e.g. an EMA or a custom "
-            "optimizer): its last float8 all-gather used a stale scale. Call "
-            "precompute_scales(model) after every such update.",
-            UserWarning,
-            stacklevel=2,
-        )
+_NON_FINITE_MESSAGE = (
+    "float8kit: non-finite amax recorded for {layers}: not folded into the amax history, the "
+    "scale keeps its previous value (that step's float8 outputs were already non-finite)"
+)
+_STALE_WEIGHT_MESSAGE = (
+    "float8kit: the weight of {layers} changed after precompute_scales() without a version "
+    "bump (an update through param.data, e.g. an EMA or a custom optimizer): its last float8 "
+    "all-gather used a stale scale. Call precompute_scales(model) after every such update."
+)
 
 
 def _mark_scales_set(is_set: list[bool], targets: list[tuple[nn.Module, str]]) -> None:
@@ -177,8 +174,8 @@ def _mark_scales_set(is_set: list[bool], targets: list[tuple[nn.Module, str]]) -
 _SCALES_SET = _HostReport(_mark_scales_set, wait=True)
 # Warnings raised from device flags, by kind (the ``kind`` argument of report_flags).
 _REPORTS = {
-    "non_finite": _HostReport(_warn_non_finite, wait=False),  # amax records that were inf/NaN
-    "stale_weight": _HostReport(_warn_stale_weights, wait=False),  # see fsdp.py
+    "non_finite": _HostReport(_warning(_NON_FINITE_MESSAGE), wait=False),  # inf/NaN records
+    "stale_weight": _HostReport(_warning(_STALE_WEIGHT_MESSAGE), wait=False),  # see fsdp.py
 }
 # Counts report_flags calls: a mutated input keeps the op in compiled graphs (an op with no
 # output and no mutated input would be dead code to inductor).
