@@ -5,8 +5,11 @@
 
 Every flag compare.py does not know is passed to train.py unchanged (--preset, --steps,
 --batch-size, --seq-len, --lr, --seed, --data, --compile, --device, ...); --float8 and --out
-are set per mode. The runs happen one after another in this process (train.main), each in
-OUT/MODE/ with its own config.json and metrics.jsonl. Then OUT/report.md (the table printed
+are set per mode. Each run is a train.py process writing OUT/MODE/ (its own config.json and
+metrics.jsonl); on CPU up to one run per core at a time (--jobs), each with train.py's one
+thread, so two modes on two cores take the time of the slower one. Runs are independent
+and single-threaded, so running them side by side changes no loss; tokens/s of runs that
+overlap share the machine's memory bandwidth. Then OUT/report.md (the table printed
 at the end) and OUT/loss.png (loss curves) are written from those metrics.jsonl files, so
 every number in the report can be recomputed from them:
 
@@ -20,7 +23,9 @@ every number in the report can be recomputed from them:
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,6 +111,27 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def run_modes(modes: list[str], train_argv: list[str], out: Path, jobs: int) -> None:
+    """train.py once per mode, as child processes, at most ``jobs`` at a time."""
+    script = str(Path(__file__).resolve().parent / "train.py")
+    pending = list(modes)
+    running: dict[str, subprocess.Popen] = {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            mode = pending.pop(0)
+            cmd = [sys.executable, script, *train_argv, "--float8", mode, "--out", str(out / mode)]
+            running[mode] = subprocess.Popen(cmd)
+        time.sleep(0.2)
+        for mode, proc in list(running.items()):
+            if proc.poll() is None:
+                continue
+            del running[mode]
+            if proc.returncode:
+                for other in running.values():
+                    other.terminate()
+                sys.exit(f"compare.py: the --float8 {mode} run failed (exit {proc.returncode})")
+
+
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     p = train._Parser(prog="compare.py", description=__doc__.split("\n")[0])
     # rowwise is opt-in: it is the slowest mode on CPU, and every mode is one more full run
@@ -116,6 +142,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         help="comma-separated --float8 modes to run; 'none' is the bf16 reference",
     )
     p.add_argument("--out", default=None, help="output folder (default runs/compare_PRESET)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="runs at a time (default 0 = one per CPU core on CPU, 1 on a GPU)",
+    )
     args, train_argv = p.parse_known_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in train.FLOAT8_MODES]
@@ -131,12 +163,18 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     out = Path(args.out or f"runs/compare_{base.preset}")
     out.mkdir(parents=True, exist_ok=True)
 
-    runs, t0 = {}, time.perf_counter()
+    if args.jobs < 0:
+        p.error("--jobs must be >= 0")
+    on_gpu = base.device == "cuda" or (base.device == "auto" and train.torch.cuda.is_available())
+    jobs = args.jobs or (1 if on_gpu else os.cpu_count() or 1)
+
+    t0 = time.perf_counter()
+    run_modes(modes, train_argv, out, jobs)
+    wall = time.perf_counter() - t0
+    runs = {}
     for mode in modes:
-        train.main([*train_argv, "--float8", mode, "--out", str(out / mode)])
         path = out / mode / "metrics.jsonl"
         runs[mode] = [json.loads(line) for line in path.read_text().splitlines()]
-    wall = time.perf_counter() - t0
 
     summaries = {m: summarize(r) for m, r in runs.items()}
     cfg = json.loads((out / modes[0] / "config.json").read_text())
