@@ -577,8 +577,8 @@ INLINE: dict[str, Callable[[], str]] = {
     "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
     "demo.train_gap": _demo_gap("tensorwise", "train_loss"),
     "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
-    "demo.wall_min": lambda: f"{math.ceil(load('demo')['wall_s'] / 60)} min",
-    "demo_busy.wall_min": lambda: f"{math.ceil(load('demo_busy')['wall_s'] / 60)} min",
+    "demo.wall_min": lambda: f"{load('demo')['wall_s'] / 60:.1f} min",
+    "demo_busy.wall_min": lambda: f"{load('demo_busy')['wall_s'] / 60:.1f} min",
     "demo.threads": lambda: str(load("demo")["threads"]),
     "numbers.total_min": lambda: "{} min".format(
         math.ceil(
