@@ -48,6 +48,18 @@ def run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     )
 
 
+def run_torchrun(*flags: str) -> subprocess.CompletedProcess:
+    """recipes/train.py under torchrun: 2 processes (gloo on CPU)."""
+    return run_script(
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(RECIPES / "train.py"),
+        *flags,
+    )
+
+
 # ----------------------------------------------------------------------------
 # tiny trains, and float8 tracks bf16
 
@@ -102,12 +114,7 @@ def test_torchrun_fsdp2_matches_single_process(tmp_path):
         "2",
         "--quiet",
     ]
-    r = run_script(
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(RECIPES / "train.py"),
+    r = run_torchrun(
         *flags,
         "--out",
         str(tmp_path / "fsdp"),
@@ -279,12 +286,7 @@ def test_help_shows_each_presets_defaults():
 
 @pytest.mark.slow
 def test_torchrun_usage_error_is_said_once(tmp_path):
-    r = run_script(
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(RECIPES / "train.py"),
+    r = run_torchrun(
         "--batch-size",
         "7",
         "--out",
