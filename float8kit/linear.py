@@ -139,6 +139,26 @@ def _reusable(first: CastConfig, second: CastConfig) -> bool:
     )
 
 
+def _weight_for_grad_input(
+    w_saved: torch.Tensor, config: Float8LinearConfig, state: tuple
+) -> Float8TrainingTensor:
+    """The weight as the grad_input gemm needs it: cast per ``cast_config_weight_for_grad_input``
+    with its scales along dim 0 (reducing N) or tensorwise.
+
+    A float8 weight saved by forward serves as is where one cast serves both gemms (the same
+    tensorwise cast). Otherwise (the row-scaled weight an FSDP2 float8 all-gather delivers)
+    it is re-cast from its dequantized fp32 values, which are exact. Between power-of-2
+    scales (the config requires them there) the re-cast only shifts exponents: it equals
+    casting the hp weight, except for values in float8's subnormal range. Never used with
+    the wrong axis: ``scaled_mm`` checks the scales' dim."""
+    cast = config.cast_config_weight_for_grad_input
+    if isinstance(w_saved, Float8TrainingTensor):
+        if _reusable(config.cast_config_weight, cast):
+            return w_saved
+        w_saved = w_saved.dequantize(torch.float32)
+    return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
+
+
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
     return t.dequantize() if isinstance(t, Float8TrainingTensor) else t
 
@@ -147,7 +167,8 @@ class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.T`` with every operand cast per ``config``; internal.
 
     Invariants: ``input_hp`` is 2-D (M, K) hp; ``weight`` is (N, K), hp or already a
-    tensorwise ``Float8TrainingTensor`` (FSDP2 float8 all-gather), and may have another hp
+    ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
+    or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may have another hp
     dtype than the input (autocast: an fp32 weight is cast to float8 directly, never copied
     to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves float8
     copies for backward where the backward gemm would cast the same tensor the same way
@@ -250,19 +271,7 @@ class _Float8Matmul(torch.autograd.Function):
         go_cast = c.cast_config_grad_output
         if go_cast.enabled:
             go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
-            w = (
-                w_saved
-                if isinstance(w_saved, Float8TrainingTensor)
-                else cast_to_float8(
-                    w_saved,
-                    c.cast_config_weight_for_grad_input,
-                    GemmRole.WEIGHT,
-                    0,
-                    c,
-                    *ctx.w_state,
-                )
-            )
-            grad_input = torch.mm(go, w)
+            grad_input = torch.mm(go, _weight_for_grad_input(w_saved, c, ctx.w_state))
         else:
             grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
 

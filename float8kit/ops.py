@@ -101,7 +101,21 @@ def _view(func, args, kwargs):
 def _as_strided(func, args, kwargs):
     t = args[0]
     if t._axiswise_dim is not None:
-        raise NotImplementedError("float8kit: as_strided is tensorwise-only")
+        size, stride = args[1], args[2]
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+        # The identity (FSDP2 applies it to a gathered rowwise weight) keeps every scale.
+        if (
+            tuple(size) != t.shape
+            or tuple(stride) != t.stride()
+            or offset
+            not in (
+                None,
+                t.storage_offset(),
+            )
+        ):
+            raise NotImplementedError(
+                "float8kit: as_strided of an axiswise tensor other than the identity"
+            )
     return t.with_data(func(t._data, *args[1:], **kwargs))
 
 

@@ -262,9 +262,13 @@ def build_model(
 
 
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
-    # float8 all-gather needs one scale per weight: the tensorwise-weight recipes. Rowwise
-    # weights are all-gathered in bf16 (float8kit refuses a rowwise float8 all-gather).
-    fp8_all_gather = world_size > 1 and args.float8 in ("tensorwise", "delayed")
+    # every named recipe's weights can be all-gathered in float8 (tensorwise and rowwise)
+    fp8_all_gather = world_size > 1 and args.float8 in (
+        "tensorwise",
+        "delayed",
+        "rowwise",
+        "rowwise_with_gw_hp",
+    )
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 

@@ -491,7 +491,7 @@ def _worker_compile(rank: int, world: int, tmp: str) -> dict:
 # ---------------------------------------------------------------------------- launcher
 
 
-def _entry(rank: int, name: str, world: int, tmp: str) -> None:
+def _entry(rank: int, name, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -501,7 +501,9 @@ def _entry(rank: int, name: str, world: int, tmp: str) -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        result = globals()[name](rank, world, tmp)
+        # a worker of this module by name, or any module-level function (other test files)
+        worker = globals()[name] if isinstance(name, str) else name
+        result = worker(rank, world, tmp)
         torch.save(result, f"{tmp}/rank{rank}.pt")
         dist.barrier()  # no rank tears the group down while another still uses it
     finally:
@@ -518,7 +520,7 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _spawn(name: str, world: int, tmp: Path) -> list[dict]:
+def _spawn(name, world: int, tmp: Path) -> list[dict]:
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's torch at import
     try:
@@ -801,14 +803,12 @@ def test_precompute_without_fp8_all_gather_weights_issues_no_collective():
     assert ar.calls == 0
 
 
-def test_rowwise_with_fp8_all_gather_is_a_config_error():
-    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+def test_tensorwise_fp8_all_gather_needs_one_cast_for_both_gemms():
+    # One tensorwise cast is gathered for both gemms (rowwise: tests/test_fsdp_rowwise.py).
+    e5m2 = CastConfig(target_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="cast_config_weight_for_grad_input must equal"):
         Float8LinearConfig(
-            cast_config_input=rowwise.cast_config_input,
-            cast_config_weight=rowwise.cast_config_weight,
-            cast_config_grad_output=rowwise.cast_config_grad_output,
-            enable_fsdp_float8_all_gather=True,
+            cast_config_weight_for_grad_input=e5m2, enable_fsdp_float8_all_gather=True
         )
 
 
