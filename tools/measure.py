@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -262,7 +263,9 @@ def _fsdp_rowwise(tr, row2: list[dict], row3: list[dict], rowc2: list[dict]) -> 
         for reshard in (True, False):
             got, ref = r[f"{recipe}_grads_reshard_{reshard}"], r[f"{recipe}_grads_ref"]
             grads = zip(got, ref, strict=True)
-            d[f"grad_sqnr_min_reshard_{reshard}"] = min(tr.sqnr(b, a) for a, b in grads)
+            lowest = min(tr.sqnr(b, a) for a, b in grads)
+            # JSON has no inf: None = every gradient bitwise equal (infinite SQNR)
+            d[f"grad_sqnr_min_reshard_{reshard}"] = None if math.isinf(lowest) else lowest
             fp8, bf16 = f"{recipe}_reshard_{reshard}_fp8", f"{recipe}_reshard_{reshard}_bf16"
             d[f"reshard_{reshard}_all_gather_bytes"] = r[f"{fp8}_all_gather_bytes"]
             d[f"reshard_{reshard}_scale_bytes"] = r[f"{fp8}_precompute_bytes"]

@@ -264,8 +264,9 @@ def _rowwise_bytes(d: dict, reshard: bool) -> str:
     )
 
 
-def _sqnr(x: float) -> str:
-    return "**bitwise equal** (inf dB)" if math.isinf(x) else f"{x:.1f} dB"
+def _sqnr(x: float | None) -> str:
+    """An SQNR; None: infinite (bitwise equal; JSON has no inf)."""
+    return "**bitwise equal** (inf dB)" if x is None else f"{x:.1f} dB"
 
 
 def rowwise_ratio(reshard: bool = True) -> float:
