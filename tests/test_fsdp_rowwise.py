@@ -433,24 +433,33 @@ def test_hooks_gather_the_forward_cast_bitwise(recipe):
         torch.as_strided(weight, (3, 16), (16, 1))
 
 
+def recast_sqnr(recipe: str, spread: bool, pow2: bool = True) -> float:
+    """SQNR (dB) of the grad_input gemm's weight re-cast from the gathered row-scaled float8
+    weight against the same cast of the hp weight: a (1040, 64) weight, its rows' ranges
+    spread over 5 decades when ``spread``; ``pow2=False`` turns power-of-2 scales off."""
+    config = dataclasses.replace(_plain(recipe), round_scales_to_power_of_2=pow2)
+    hp = torch.randn(1040, 64, generator=torch.Generator().manual_seed(0)) * 0.1
+    if spread:
+        hp = hp * torch.logspace(-4, 1, 1040)[:, None]
+    gathered = cast_to_float8(hp, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
+    got = _weight_for_grad_input(gathered, config, (None, None, False))
+    ref = _weight_for_grad_input(hp, config, (None, None, False))
+    assert got._axiswise_dim == ref._axiswise_dim
+    return sqnr(ref.dequantize(torch.float32), got.dequantize(torch.float32))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_grad_input_recast_of_the_gathered_weight(recipe):
-    # The grad_input gemm's weight, re-cast from the gathered row-scaled float8 weight vs
-    # cast from hp: rowwise, bitwise for a normal-range weight (tensorwise: the few values
-    # the smaller tensor scale pushes into the subnormal range differ); with rows spread over
-    # 5 decades (values in the subnormal range of their row's scale) still >= 90 dB.
-    config = _plain(recipe)
-    torch.manual_seed(0)
-    normal = math.inf if recipe == "rowwise" else 120
-    for spread, bound in ((1.0, normal), (torch.logspace(-4, 1, 1040)[:, None], 90)):
-        hp = torch.randn(1040, 64) * 0.1 * spread
-        gathered = cast_to_float8(hp, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
-        got = _weight_for_grad_input(gathered, config, (None, None, False))
-        ref = _weight_for_grad_input(hp, config, (None, None, False))
-        assert got._axiswise_dim == ref._axiswise_dim
-        value = sqnr(ref.dequantize(torch.float32), got.dequantize(torch.float32))
-        print(f"{recipe}: re-cast vs direct cast SQNR {value:.1f} dB")
-        assert value >= bound
+    # rowwise: bitwise for a normal-range weight (tensorwise: the few values the smaller
+    # tensor scale pushes into the subnormal range differ); with rows spread over 5 decades
+    # (values in the subnormal range of their row's scale) still >= 90 dB. Without
+    # power-of-2 scales the re-cast is a second rounding: why the config refuses it.
+    normal, spread = recast_sqnr(recipe, False), recast_sqnr(recipe, True)
+    no_pow2 = recast_sqnr(recipe, False, pow2=False)
+    print(f"{recipe}: re-cast vs direct cast SQNR {normal} / {spread} / no pow2 {no_pow2} dB")
+    assert normal == math.inf if recipe == "rowwise" else normal >= 120
+    assert spread >= 90
+    assert no_pow2 < 35
 
 
 def test_config_accepts_rowwise_recipes_and_refuses_what_it_cannot_gather():

@@ -229,6 +229,15 @@ def fsdp() -> None:
         data[f"{policy}_precompute_all_reduces"] = r[f"{policy}_precompute_all_reduces"]
         data[f"{policy}_fwd_bwd_all_reduces"] = r[f"{policy}_fwd_bwd_all_reduces"]
     data["rowwise"] = _fsdp_rowwise(tr, row2, row3, rowc2)
+    # the grad_input re-cast of the gathered weight vs casting hp (one process)
+    for recipe in tr.RECIPES:
+        for name, kwargs in (
+            ("normal", {"spread": False}),
+            ("spread", {"spread": True}),
+            ("no_pow2", {"spread": False, "pow2": False}),
+        ):
+            value = tr.recast_sqnr(recipe, **kwargs)
+            data["rowwise"][recipe][f"recast_sqnr_{name}"] = None if math.isinf(value) else value
     data["rowwise"]["tensorwise_reshard_True_ratio"] = (
         r["all_gather_bytes_fp8"] / r["all_gather_bytes_bf16"]
     )

@@ -276,6 +276,12 @@ def rowwise_ratio(reshard: bool = True) -> float:
     return (d[f"{key}_all_gather_bytes"] + d[f"{key}_scale_bytes"]) / d[f"{key}_bf16_bytes"]
 
 
+def _rowwise_recast(kind: str) -> dict[str, float]:
+    """recipe -> the grad_input re-cast SQNR of ``kind`` (see the fsdp_rowwise table)."""
+    rowwise = load("fsdp")["data"]["rowwise"]
+    return {r: rowwise[r][f"recast_sqnr_{kind}"] for r in ("rowwise", "rowwise_with_gw_hp")}
+
+
 def fsdp_rowwise_table() -> str:
     data = load("fsdp")["data"]["rowwise"]
     recipes = ("rowwise", "rowwise_with_gw_hp")
@@ -307,6 +313,14 @@ def fsdp_rowwise_table() -> str:
                 _sqnr(x["grad_sqnr_min_reshard_True"])
                 + " / "
                 + _sqnr(x["grad_sqnr_min_reshard_False"])
+            ),
+        ),
+        row(
+            "the grad_input gemm's weight re-cast from the gathered row-scaled weight vs cast "
+            "from hp, SQNR: a (1040, 64) weight / its rows spread over 5 decades / without "
+            "power-of-2 scales (refused by the config)",
+            lambda x: " / ".join(
+                _sqnr(x[f"recast_sqnr_{k}"]) for k in ("normal", "spread", "no_pow2")
             ),
         ),
         row(
@@ -666,6 +680,10 @@ INLINE: dict[str, Callable[[], str]] = {
     ),
     "fsdp.fp32_split": _fsdp("fp32_split_rel_diff", "sci"),
     "fsdp.rowwise_ag_ratio": lambda: f"{rowwise_ratio():.3f}x",
+    "fsdp.recast_spread_sqnr": lambda: "{:.0f} dB".format(min(_rowwise_recast("spread").values())),
+    "fsdp.recast_no_pow2_sqnr": lambda: "{:.0f} dB".format(
+        max(_rowwise_recast("no_pow2").values())
+    ),
     "fsdp.bf16_split": _fsdp("bf16_split_rel_diff", "sci"),
     "fsdp.uneven_split": _fsdp("uneven_split_rel_diff", "sci"),
     "fsdp.precompute_all_reduces": _fsdp("precompute_all_reduces", "d"),
