@@ -176,6 +176,23 @@ def scaling() -> None:
     )
 
 
+def outliers() -> None:
+    """tensorwise, rowwise and blockwise on outlier channels and an outlier weight block."""
+    from tests import test_numerics
+
+    t0 = time.perf_counter()
+    write(
+        "outliers",
+        ["tests/test_numerics.py", "tests/helpers.py"],
+        {
+            "rows": test_numerics.outlier_sqnrs(),
+            "outlier_channels": test_numerics.OUTLIER_CHANNELS,
+            "blockwise_floor_db": test_numerics.BLOCKWISE_FLOOR_DB,
+        },
+        time.perf_counter() - t0,
+    )
+
+
 def fsdp() -> None:
     """tests/test_fsdp.py's multi-process runs (2 and 3 gloo ranks); rank 0's numbers."""
     from tests import test_fsdp as t
@@ -309,6 +326,7 @@ def bench_train() -> None:
 NAMES: dict[str, Callable[[], None]] = {
     "numerics": numerics,
     "scaling": scaling,
+    "outliers": outliers,
     "fsdp": fsdp,
     "tiny": tiny,
     "demo": demo,

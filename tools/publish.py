@@ -177,6 +177,15 @@ def scaling_table() -> str:
     return caption("scaling") + "\n\n" + table(["situation", "SQNR (dB)"], rows)
 
 
+def outliers_table() -> str:
+    d = load("outliers")["data"]
+    db = {(r["recipe"], r["gemm"]): r["float8kit_vs_fp32"] for r in d["rows"]}
+    recipes = list(dict.fromkeys(r["recipe"] for r in d["rows"]))
+    gemms = list(dict.fromkeys(r["gemm"] for r in d["rows"]))
+    rows = [[g, *(f(db[r, g]) for r in recipes)] for g in gemms]
+    return caption("outliers") + "\n\n" + table(["gemm output", *recipes], rows)
+
+
 # ---------------------------------------------------------------------------- FSDP2
 
 
@@ -536,6 +545,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "tiny": lambda: compare_table("tiny"),
     "numerics": numerics_table,
     "scaling": scaling_table,
+    "outliers": outliers_table,
     "fsdp": fsdp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
