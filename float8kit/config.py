@@ -316,11 +316,12 @@ class Float8LinearConfig:
                 )
         if self.enable_fsdp_float8_all_gather:
             w = self.cast_config_weight
-            if not w.enabled or w.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            if not w.enabled or w.scaling_granularity is ScalingGranularity.AXISWISE:
                 raise ValueError(
                     "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 "
-                    "tensorwise weight (cast_config_weight); rowwise weights with float8 "
-                    "all-gather are not supported yet: set enable_fsdp_float8_all_gather=False"
+                    "tensorwise or blockwise weight (cast_config_weight); rowwise weights "
+                    "with float8 all-gather are not supported yet: set "
+                    "enable_fsdp_float8_all_gather=False"
                 )
             if self.cast_config_weight_for_grad_input != w:
                 raise ValueError(

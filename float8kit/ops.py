@@ -121,9 +121,32 @@ def _view(func, args, kwargs):
 @implements([aten.as_strided.default])
 def _as_strided(func, args, kwargs):
     t = args[0]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if t._block is not None and _leading_rows(t, args[1], args[2], offset):
+        # FSDP2's view of the unsharded weight inside its padded all-gather buffer: the
+        # first rows, which keep their blocks (and the first rows of the scale grid).
+        rows = -(-args[1][0] // t._block[0])
+        return t.with_data(func(t._data, *args[1:], **kwargs), t._scale[:rows])
     if t._axiswise_dim is not None or t._block is not None:
-        raise NotImplementedError("float8kit: as_strided is tensorwise-only")
+        raise NotImplementedError(
+            "float8kit: as_strided is tensorwise-only (blockwise: only a 2-D tensor's leading rows)"
+        )
     return t.with_data(func(t._data, *args[1:], **kwargs))
+
+
+def _leading_rows(t: Float8TrainingTensor, size, stride, storage_offset=None) -> bool:
+    """Whether ``as_strided(size, stride, storage_offset)`` of a contiguous 2-D tensor
+    selects its first ``size[0]`` rows, whole."""
+    d = t._data
+    return (
+        d.dim() == 2
+        and d.is_contiguous()
+        and len(size) == 2
+        and size[0] <= d.shape[0]
+        and size[1] == d.shape[1]
+        and tuple(stride) == (d.shape[1], 1)
+        and (storage_offset or 0) == d.storage_offset()
+    )
 
 
 def _scale_slice(t: Float8TrainingTensor, dim: int, fn: Callable):

@@ -1,0 +1,115 @@
+"""FSDP2 float8 all-gather of blockwise (128x128-block) weights, on real gloo ranks (2 and 3):
+losses against single-device blockwise training, all-gathered bytes against the bf16
+all-gather, no amax collective, and the error for shards that would cut a block. Uses
+tests/test_fsdp.py's launcher and helpers (one module-scoped spawn per rank count)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from float8kit import Float8LinearConfig, precompute_scales
+from tests.test_fsdp import _bitwise, _Count, _data, _net, _rel_diff, _shard, _spawn, _train
+
+BLOCK = Float8LinearConfig.from_recipe_name("blockwise")
+BLOCK_AG = dataclasses.replace(BLOCK, enable_fsdp_float8_all_gather=True)
+STEPS = 3
+
+
+def _block_net(config: Float8LinearConfig, world: int, hidden_blocks: int | None = None):
+    """One block, dim 128 x world, hidden 256 x world: every rank's dim-0 shard of both
+    weights is whole 128-row blocks (``hidden_blocks`` overrides the hidden size)."""
+    hidden = 128 * (hidden_blocks or 2 * world)
+    return _net(config, dim=128 * world, hidden=hidden, n_blocks=1)
+
+
+def _worker_blockwise(rank: int, world: int, tmp: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world,))
+    batch, dim = 4, 128 * world
+    xs, ys = _data(STEPS, batch * world, dim, 16)
+    local = slice(rank * batch, (rank + 1) * batch)
+    res: dict = {}
+
+    def fsdp_net(config=BLOCK_AG, **fsdp_kwargs):
+        model = _block_net(config, world)
+        _shard(model, mesh, model.layers, **fsdp_kwargs)
+        return model
+
+    model = fsdp_net()
+    res["local_rows"] = [b.fc1.weight.to_local().shape[0] for b in model.layers]
+    res["split"], _ = _train(model, xs[:, local], ys[:, local], STEPS)
+    with _Count("all_reduce") as ar:
+        precompute_scales(model)
+    res["precompute_all_reduces"] = ar.calls
+    with _Count("all_reduce") as ar:
+        model(xs[0, local]).sum().backward()
+    res["fwd_bwd_all_reduces"] = ar.calls
+    # Every rank on the whole global batch: only the sharding differs from one device.
+    res["replicated"], _ = _train(fsdp_net(), xs, ys, STEPS)
+
+    # Bytes all-gathered in one forward + backward, bf16 parameters: float8 vs bf16.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name, config in (("fp8", BLOCK_AG), ("bf16", BLOCK)):
+        model = fsdp_net(config, mp_policy=mp_policy, reshard_after_forward=True)
+        with _Count("all_gather_single") as ag:
+            model(xs[0, local]).sum().backward()
+        res[f"all_gather_bytes_{name}"] = ag.bytes
+
+    # A hidden size whose shards cut 128-row blocks: every rank raises before any collective.
+    model = _block_net(BLOCK_AG, world, hidden_blocks=world + 1)
+    _shard(model, mesh, model.layers)
+    try:
+        model(xs[0, local])
+        res["misaligned_error"] = None
+    except ValueError as e:
+        res["misaligned_error"] = str(e)
+
+    if rank == 0:
+        ref = _block_net(BLOCK, world)
+        res["ref"], _ = _train(ref, xs, ys, STEPS, precompute=False, sharded=False)
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def blockwise_ranks(request, tmp_path_factory):
+    world = request.param
+    name = "tests.test_fsdp_blockwise:_worker_blockwise"
+    return world, _spawn(name, world, tmp_path_factory.mktemp(f"blockwise{world}"))
+
+
+@pytest.mark.slow
+def test_blockwise_float8_all_gather_trains_like_one_device(blockwise_ranks):
+    world, results = blockwise_ranks
+    ref = results[0]["ref"]
+    for r in results:
+        assert r["local_rows"] == [256]  # hidden 256 x world rows, whole blocks per rank
+        diff = _rel_diff(r["split"], ref)
+        print(f"{world} ranks, blockwise float8 all-gather vs one device: rel diff {diff:.2e}")
+        assert diff < 0.02
+        # Same batch on every rank: the gathered weight is exactly the single-device cast.
+        assert _bitwise(r["replicated"], ref)
+        # Block scales are local to each shard: no amax collective, ever.
+        assert r["precompute_all_reduces"] == 0 and r["fwd_bwd_all_reduces"] == 0
+
+
+@pytest.mark.slow
+def test_blockwise_all_gather_bytes_about_half_of_bf16(blockwise_ranks):
+    world, results = blockwise_ranks
+    r = results[0]
+    ratio = r["all_gather_bytes_fp8"] / r["all_gather_bytes_bf16"]
+    print(f"{world} ranks, blockwise fp8 / bf16 all-gathered bytes: {ratio:.3f}")
+    assert ratio <= 0.55
+
+
+@pytest.mark.slow
+def test_blockwise_shards_that_cut_blocks_raise_naming_the_fix(blockwise_ranks):
+    world, results = blockwise_ranks
+    for r in results:
+        msg = r["misaligned_error"]
+        assert msg is not None and "cut its 128x128 scale blocks" in msg
+        assert f"a multiple of 128 x {world}" in msg and "enable_fsdp_float8_all_gather" in msg
