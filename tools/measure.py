@@ -242,6 +242,36 @@ def fsdp() -> None:
     write("fsdp", ["tests/test_fsdp.py"], data, time.perf_counter() - t0)
 
 
+def fsdp_blockwise() -> None:
+    """tests/test_fsdp_blockwise.py's runs (2 and 3 gloo ranks); rank 0's numbers."""
+    from tests import test_fsdp as t
+
+    t0 = time.perf_counter()
+    data = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 3):
+            (Path(tmp) / str(world)).mkdir()
+            ranks = t._spawn(
+                "tests.test_fsdp_blockwise:_worker_blockwise", world, Path(tmp) / str(world)
+            )
+            r = ranks[0]
+            data[f"ranks{world}"] = {
+                "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
+                "all_gather_bytes_bf16": r["all_gather_bytes_bf16"],
+                "split_rel_diff": t._rel_diff(r["split"], r["ref"]),
+                "same_batch_bitwise": all(x["replicated"] == r["ref"] for x in ranks),
+                "precompute_all_reduces": r["precompute_all_reduces"],
+                "fwd_bwd_all_reduces": r["fwd_bwd_all_reduces"],
+                "steps": len(r["split"]),
+            }
+    write(
+        "fsdp_blockwise",
+        ["tests/test_fsdp_blockwise.py", "tests/test_fsdp.py"],
+        data,
+        time.perf_counter() - t0,
+    )
+
+
 # ---------------------------------------------------------------------------- benchmarks
 
 
@@ -328,6 +358,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "scaling": scaling,
     "outliers": outliers,
     "fsdp": fsdp,
+    "fsdp_blockwise": fsdp_blockwise,
     "tiny": tiny,
     "demo": demo,
     "demo_busy": demo_busy,
