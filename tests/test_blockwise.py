@@ -225,3 +225,13 @@ def test_state_dict_is_plain_and_loads_weights_only():
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
     for name, g in before[2].items():
         assert torch.equal(g, after[2][name]), name
+
+
+def test_blockwise_tensor_pickles_under_weights_only():
+    w = cast(torch.randn(256, 200), GemmRole.WEIGHT, -1)
+    buf = io.BytesIO()
+    torch.save(w, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert type(loaded) is type(w) and loaded._block == (128, 128)
+    assert torch.equal(loaded.dequantize(), w.dequantize())
