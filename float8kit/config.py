@@ -186,7 +186,8 @@ class CastConfig:
 class GemmConfig:
     """Settings of one of the three gemms of a linear layer."""
 
-    # accumulate in the tensor cores' faster, lower-precision mode (CUDA only; CPU ignores it)
+    # accumulate in the tensor cores' faster, lower-precision mode (CUDA only; CPU ignores it,
+    # and so do blockwise gemms, whose kernel promotes to fp32 every 128 products anyway)
     use_fast_accum: bool = False
 
     def __post_init__(self):

@@ -5,6 +5,7 @@ one weight cast for both gemms, and checkpoints. Numerics against fp32 with outl
 test_numerics.py, compile in test_compile.py, the CUDA kernel itself in test_gpu.py."""
 
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -79,6 +80,13 @@ def test_block_scales_match_a_per_block_loop(role, reduce_dim, block):
     deq = t.dequantize(torch.float64)
     step = scaling_mod.expand_block_scale(t._scale.double(), block, hp.shape).reciprocal()
     assert torch.all((deq - hp).abs() <= hp.abs() * 2.0**-4 + step * 2.0**-10)
+
+
+def test_power_of_2_block_scales_are_the_floored_scales():
+    pow2 = dataclasses.replace(BW, round_scales_to_power_of_2=True)
+    hp = torch.randn(256, 384) * 3
+    exact, floored = cast(hp, GemmRole.WEIGHT, -1), cast(hp, GemmRole.WEIGHT, -1, pow2)
+    assert torch.equal(floored._scale, torch.exp2(torch.floor(torch.log2(exact._scale))))
 
 
 def test_non_finite_input_stays_visible_in_its_tile():
