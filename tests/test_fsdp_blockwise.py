@@ -113,3 +113,49 @@ def test_blockwise_shards_that_cut_blocks_raise_naming_the_fix(blockwise_ranks):
         msg = r["misaligned_error"]
         assert msg is not None and "cut its 128x128 scale blocks" in msg
         assert f"a multiple of 128 x {world}" in msg and "enable_fsdp_float8_all_gather" in msg
+
+
+class _Ranks:
+    """A stand-in for the FSDP mesh: the hooks only ask its size."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_hooks_gather_a_partial_last_block_like_one_device_cast():
+    # The two hooks on both shards of a 255-row weight over 2 "ranks" (128 + 127 rows: the
+    # second shard is padded to 128 rows and one block row of scales), then FSDP2's
+    # as_strided of the gathered buffer to 255 rows: bitwise the single-device cast.
+    from float8kit import GemmRole
+    from float8kit.linear import Float8Linear, cast_to_float8
+
+    hp = torch.randn(255, 256)
+    module = Float8Linear(256, 255, bias=False, config=BLOCK_AG)
+    shards = []
+    for rows in (slice(0, 128), slice(128, 255)):
+        w = type(module.weight)(hp[rows].clone(), BLOCK_AG)
+        (data, scale), meta = w.fsdp_pre_all_gather(_Ranks(2), hp.shape, (256, 1), module, None)
+        assert data.shape == (128, 256) and scale.shape == (1, 2 * 4) and meta == ()
+        shards.append((data, scale))
+    gathered = [torch.cat(parts) for parts in zip(*shards, strict=True)]
+    weight, inner = w.fsdp_post_all_gather(tuple(gathered), (), torch.bfloat16)
+    assert len(inner) == 2 and weight._block == (128, 128)
+    weight = torch.as_strided(weight, (255, 256), (256, 1), storage_offset=0)
+    ref = cast_to_float8(hp, BLOCK.cast_config_weight, GemmRole.WEIGHT, -1, BLOCK)
+    assert weight.shape == (255, 256) and weight.dtype == torch.bfloat16
+    assert torch.equal(weight._data.view(torch.uint8), ref._data.view(torch.uint8))
+    assert torch.equal(weight._scale, ref._scale)
+    # Later all-gathers refill the buffers the weight views: nothing to rebuild.
+    assert w.fsdp_post_all_gather(tuple(gathered), (), torch.bfloat16, out=weight) is None
+
+
+def test_hook_refuses_a_shard_that_cuts_blocks():
+    from float8kit.linear import Float8Linear
+
+    module = Float8Linear(256, 384, bias=False, config=BLOCK_AG)
+    w = type(module.weight)(torch.randn(192, 256), BLOCK_AG)
+    with pytest.raises(ValueError, match="shards of 192 rows cut its 128x128 scale blocks"):
+        w.fsdp_pre_all_gather(_Ranks(2), torch.Size([384, 256]), (256, 1), module, None)
