@@ -16,6 +16,12 @@ a fresh precomputed scale (first step, ``precompute_scales`` not called, or the 
 since) ``fsdp_pre_all_gather`` still computes the right scale itself, at the cost of one small
 all-reduce per weight per all-gather.
 
+Blockwise weights (``blockwise`` recipe) need none of this: each 128x128 block's scale is
+computed from the block itself, so when every rank's shard holds whole 128-row blocks (FSDP2
+shards dim 0 in chunks of ceil(rows / ranks): a multiple of 128 rows), each rank casts its
+shard alone, with no amax collective, and the block scales are all-gathered with the bytes
+(a second, tiny all-gather input). A shard that would cut a block raises, naming the fix.
+
 Every rank must make the same choice between the two (the fallback is a collective: one rank
 taking it alone hangs the job), so freshness is judged only by signals that change alike on
 every rank: the identity and version counter of the sharded weight parameter (bumped by the
@@ -91,8 +97,8 @@ class Float8AllGatherWeight(torch.Tensor):
         - ``_tensor`` is the plain hp tensor this stands for: same shape, strides, dtype,
           device. Every aten op runs on ``_tensor``; results of ``_KEEP_SUBCLASS`` ops are
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
-        - ``_config`` is the owning layer's config (a float8 weight gatherable in float8,
-          validated by ``Float8LinearConfig``).
+        - ``_config`` is the owning layer's config (a tensorwise, rowwise or blockwise float8
+          weight, validated by ``Float8LinearConfig``).
         - It holds no scale state: FSDP2 may replace the local shard object (it re-pads
           uneven shards at lazy init and after ``load_state_dict``), so the precomputed scale
           lives on the module (``PrecomputedScale``).
@@ -180,6 +186,8 @@ class Float8AllGatherWeight(torch.Tensor):
             padding), and the scale the gathered weight needs (the full weight's: shape ()
             tensorwise, (N, 1) rowwise; the same on every rank).
         """
+        if self._block_size is not None:
+            return self._pre_all_gather_blocks(mesh, outer_size, module)
         where = ShardSpec.of(self.shape, outer_size, _mesh_rank(mesh), mesh.size())
         scale = weight_scale_for_all_gather(self, mesh, module, where)
         shard_scale = shard_groups.layout(self._config.cast_config_weight).shard_scale(
@@ -195,6 +203,51 @@ class Float8AllGatherWeight(torch.Tensor):
             padded[: data.size(0)].copy_(data)
             data = padded
         return (data,), (scale,)
+
+    @property
+    def _block_size(self) -> int | None:
+        cast = self._config.cast_config_weight
+        if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+            return cast.block_size
+        return None
+
+    def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size, module: nn.Module):
+        """The blockwise ``fsdp_pre_all_gather``: ``((data_uint8, scales_uint8), ())``, both
+        padded to FSDP2's padded shard size; every scale is local to its shard."""
+        from float8kit.linear import cast_to_float8
+
+        b, world = self._block_size, mesh.size()
+        chunk = _padded_shard_size(self.shape, outer_size, world)
+        if self.shape[1:] != outer_size[1:] or (world > 1 and chunk[0] % b):
+            raise ValueError(
+                f"float8kit: blockwise float8 all-gather of a {tuple(outer_size)} weight "
+                f"({module.extra_repr()}) over {world} ranks: FSDP2's dim-0 shards of "
+                f"{chunk[0]} rows cut its {b}x{b} scale blocks. Use out_features that give "
+                f"every rank whole blocks (a multiple of {b} x {world}), or keep this layer's "
+                "weight gathered in hp (enable_fsdp_float8_all_gather=False)"
+            )
+        config = self._config
+        fp8 = cast_to_float8(self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
+        data, scale = fp8._data.view(torch.uint8), fp8._scale
+        rows = chunk[0] - data.shape[0]
+        if rows:  # uneven: the last ranks' shards are padded (an empty one entirely)
+            data = torch.nn.functional.pad(data, (0, 0, 0, rows))
+            scale = torch.nn.functional.pad(
+                scale, (0, 0, 0, chunk[0] // b - scale.shape[0]), value=1.0
+            )
+        # fp32 scales travel as bytes next to the fp8 bytes (one uint8 all-gather buffer)
+        return (data, scale.contiguous().view(torch.uint8)), ()
+
+    def _post_all_gather_blocks(self, data, scale_bytes, param_dtype, out):
+        if out is not None:
+            # the data and scales view the all-gather buffers, which FSDP2 refilled
+            return None
+        data, scale = data.view(self._fp8_dtype), scale_bytes.view(torch.float32)
+        b = self._block_size
+        weight = Float8TrainingTensor(
+            data, scale, param_dtype, GemmRole.WEIGHT, None, self._config, (b, b)
+        )
+        return weight, (data, scale)
 
     def fsdp_post_all_gather(
         self,
@@ -219,6 +272,8 @@ class Float8AllGatherWeight(torch.Tensor):
             ``(weight, (data,))`` the first time (FSDP2 frees ``data``'s storage when it
             reshards and refills it before the next use); None when ``out`` is given.
         """
+        if self._block_size is not None:
+            return self._post_all_gather_blocks(*all_gather_outputs, param_dtype, out)
         (data,) = all_gather_outputs
         (scale,) = metadata
         if out is not None:
@@ -461,12 +516,16 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     _report_stale_weights(sharded)
     # Tensorwise weights: group by scale computation (cast, power-of-2 rounding) and order
     # the weights group by group, so each group is one slice of the amaxes: no index tensor
-    # to copy to the device. Other granularities follow, one slice per weight.
+    # to copy to the device. Rowwise weights follow, one slice per weight. A blockwise
+    # weight's scales are local to its shard: nothing to reduce.
     groups: dict[tuple, list[nn.Module]] = {}
     others: list[tuple[str, nn.Module]] = []
     for name, m in sharded:
         cast = m.config.cast_config_weight
-        if cast.scaling_type is not ScalingType.DYNAMIC:
+        if (
+            cast.scaling_type is not ScalingType.DYNAMIC
+            or cast.scaling_granularity is ScalingGranularity.BLOCKWISE
+        ):
             continue
         if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
             groups.setdefault((cast, m.config.round_scales_to_power_of_2), []).append(m)

@@ -9,11 +9,11 @@ rank that does not touch a group contributes 0 (amaxes are never negative). So t
 weight's group amaxes are one all-reduce(MAX) of tensors of the same shape on every rank:
 the hook's fallback, or a slice of ``precompute_scales``' single collective.
 
-This is the one place a weight granularity plugs into the float8 all-gather
-(float8kit/fsdp.py): a ``Layout`` says how a shard's group amaxes fill the full weight's
-scale shape, which part of the full scale casts the shard, and the granularity of the
-gathered ``Float8TrainingTensor``. A new granularity (e.g. 128x128 blocks) is one more
-``Layout`` in ``_LAYOUTS``.
+This is where a weight granularity whose scales span shards plugs into the float8
+all-gather (float8kit/fsdp.py): a ``Layout`` says how a shard's group amaxes fill the full
+weight's scale shape, which part of the full scale casts the shard, and the granularity of
+the gathered ``Float8TrainingTensor``. Blockwise weights need none of it (each block-aligned
+shard's block scales are its own; fsdp.py gathers them with the bytes).
 
 Internal.
 """

@@ -60,7 +60,7 @@ from model import PRESETS, ModelArgs, Transformer  # noqa: E402
 
 import float8kit  # noqa: E402  # float8
 
-FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"]
 # Per-preset defaults for the flags left unset: tiny steps in ~0.1 s on one CPU core, small
 # makes compare.py a few-minute demo on 2 cores; 1b and llama3-8b-4l are for GPUs.
 PRESET_DEFAULTS = {
@@ -262,7 +262,9 @@ def build_model(
 
 
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
-    # every named recipe's weights can be all-gathered in float8 (tensorwise and rowwise)
+    # float8 all-gather for the tensorwise and rowwise recipes. Blockwise weights are
+    # all-gathered in bf16 here: their float8 all-gather needs every rank's shard to be
+    # whole 128-row blocks, which the small presets' dims on a few ranks are not.
     fp8_all_gather = world_size > 1 and args.float8 in (
         "tensorwise",
         "delayed",

@@ -285,17 +285,25 @@ def _worker_compile_rowwise(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def rowwise2(tmp_path_factory):
-    return _spawn(_worker_rowwise, 2, tmp_path_factory.mktemp("rowwise2"))
+    return _spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp_path_factory.mktemp("rowwise2"))
 
 
 @pytest.fixture(scope="module")
 def uneven_rowwise3(tmp_path_factory):
-    return _spawn(_worker_uneven_rowwise, 3, tmp_path_factory.mktemp("uneven_rowwise3"))
+    return _spawn(
+        "tests.test_fsdp_rowwise:_worker_uneven_rowwise",
+        3,
+        tmp_path_factory.mktemp("uneven_rowwise3"),
+    )
 
 
 @pytest.fixture(scope="module")
 def compile_rowwise2(tmp_path_factory):
-    return _spawn(_worker_compile_rowwise, 2, tmp_path_factory.mktemp("compile_rowwise2"))
+    return _spawn(
+        "tests.test_fsdp_rowwise:_worker_compile_rowwise",
+        2,
+        tmp_path_factory.mktemp("compile_rowwise2"),
+    )
 
 
 # ---------------------------------------------------------------------------- 2 ranks
@@ -429,8 +437,10 @@ def test_hooks_gather_the_forward_cast_bitwise(recipe):
     assert weight._axiswise_dim == 1 and weight._scale.shape == (6, 1)
     assert torch.equal(weight._data.view(torch.uint8), ref._data.view(torch.uint8))
     assert torch.equal(weight._scale, ref._scale)
+    # FSDP2's view of the leading rows keeps their scales; any other as_strided raises
+    assert torch.equal(torch.as_strided(weight, (3, 16), (16, 1))._scale, ref._scale[:3])
     with pytest.raises(NotImplementedError, match="as_strided"):
-        torch.as_strided(weight, (3, 16), (16, 1))
+        torch.as_strided(weight, (3, 16), (16, 1), storage_offset=16)
 
 
 def recast_sqnr(recipe: str, spread: bool, pow2: bool = True) -> float:

@@ -177,6 +177,23 @@ def scaling() -> None:
     )
 
 
+def outliers() -> None:
+    """tensorwise, rowwise and blockwise on outlier channels and an outlier weight block."""
+    from tests import test_numerics
+
+    t0 = time.perf_counter()
+    write(
+        "outliers",
+        ["tests/test_numerics.py", "tests/helpers.py"],
+        {
+            "rows": test_numerics.outlier_sqnrs(),
+            "outlier_channels": test_numerics.OUTLIER_CHANNELS,
+            "blockwise_floor_db": test_numerics.BLOCKWISE_FLOOR_DB,
+        },
+        time.perf_counter() - t0,
+    )
+
+
 def fsdp() -> None:
     """tests/test_fsdp.py's and tests/test_fsdp_rowwise.py's multi-process runs (2 and 3 gloo
     ranks); rank 0's numbers."""
@@ -191,9 +208,9 @@ def fsdp() -> None:
         train2 = t._spawn("_worker_train", 2, tmp / "train2")
         uneven3 = t._spawn("_worker_uneven", 3, tmp / "uneven3")
         compile2 = t._spawn("_worker_compile", 2, tmp / "compile2")
-        row2 = t._spawn(tr._worker_rowwise, 2, tmp / "row2")
-        row3 = t._spawn(tr._worker_uneven_rowwise, 3, tmp / "row3")
-        rowc2 = t._spawn(tr._worker_compile_rowwise, 2, tmp / "rowc2")
+        row2 = t._spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp / "row2")
+        row3 = t._spawn("tests.test_fsdp_rowwise:_worker_uneven_rowwise", 3, tmp / "row3")
+        rowc2 = t._spawn("tests.test_fsdp_rowwise:_worker_compile_rowwise", 2, tmp / "rowc2")
     r, u, c = train2[0], uneven3[0], compile2[0]
     data = {
         "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
@@ -283,6 +300,36 @@ def _fsdp_rowwise(tr, row2: list[dict], row3: list[dict], rowc2: list[dict]) -> 
     return data
 
 
+def fsdp_blockwise() -> None:
+    """tests/test_fsdp_blockwise.py's runs (2 and 3 gloo ranks); rank 0's numbers."""
+    from tests import test_fsdp as t
+
+    t0 = time.perf_counter()
+    data = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 3):
+            (Path(tmp) / str(world)).mkdir()
+            ranks = t._spawn(
+                "tests.test_fsdp_blockwise:_worker_blockwise", world, Path(tmp) / str(world)
+            )
+            r = ranks[0]
+            data[f"ranks{world}"] = {
+                "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
+                "all_gather_bytes_bf16": r["all_gather_bytes_bf16"],
+                "split_rel_diff": t._rel_diff(r["split"], r["ref"]),
+                "same_batch_bitwise": all(x["replicated"] == r["ref"] for x in ranks),
+                "precompute_all_reduces": r["precompute_all_reduces"],
+                "fwd_bwd_all_reduces": r["fwd_bwd_all_reduces"],
+                "steps": len(r["split"]),
+            }
+    write(
+        "fsdp_blockwise",
+        ["tests/test_fsdp_blockwise.py", "tests/test_fsdp.py"],
+        data,
+        time.perf_counter() - t0,
+    )
+
+
 # ---------------------------------------------------------------------------- benchmarks
 
 
@@ -367,7 +414,9 @@ def bench_train() -> None:
 NAMES: dict[str, Callable[[], None]] = {
     "numerics": numerics,
     "scaling": scaling,
+    "outliers": outliers,
     "fsdp": fsdp,
+    "fsdp_blockwise": fsdp_blockwise,
     "tiny": tiny,
     "demo": demo,
     "demo_busy": demo_busy,
