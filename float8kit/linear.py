@@ -167,8 +167,9 @@ def _weight_for_grad_input(
     with its scales along dim 0 (reducing N) or tensorwise.
 
     A float8 weight saved by forward serves as is where one cast serves both gemms (the same
-    tensorwise or blockwise cast). Otherwise (the row-scaled weight an FSDP2 float8 all-gather delivers)
-    it is re-cast from its dequantized fp32 values, which are exact. Between power-of-2
+    tensorwise or blockwise cast). Otherwise (the row-scaled weight an FSDP2 float8
+    all-gather delivers) it is re-cast from its dequantized fp32 values, which are exact.
+    Between power-of-2
     scales (the config requires them there) the re-cast only shifts exponents: it equals
     casting the hp weight, except for values in float8's subnormal range. Never used with
     the wrong axis: ``scaled_mm`` checks the scales' dim."""

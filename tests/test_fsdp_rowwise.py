@@ -17,34 +17,32 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training, precompute_scales
-from float8kit.fsdp import Float8AllGatherWeight
 from float8kit.linear import Float8Linear, _weight_for_grad_input, cast_to_float8
 from float8kit.scaling import amax_to_scale
 from tests.helpers import sqnr
 from tests.test_fsdp import (
     DELAYED_AG,
     FP8_AG,
-    LR,
     STEPS,
     Net,
     _bitwise,
+    _checkpoint_resume,
     _Count,
     _data,
     _fp8_weights,
     _net,
+    _nonfinite_shard,
     _OneRank,
     _rel_diff,
     _shard,
     _spawn,
     _train,
-    _train_continue,
     _types,
     _uneven_net,
 )
@@ -155,16 +153,7 @@ def _worker_rowwise(rank: int, world: int, tmp: str) -> dict:
                 res[f"{key}_precompute_bytes"] = ar.bytes
 
         # inf / NaN in one rank's shard: every rank's output is non-finite, on both paths.
-        for bad in (math.inf, math.nan):
-            for path in ("hook", "precompute"):
-                model = fsdp_net(reshard_after_forward=True)
-                if rank == world - 1:
-                    with torch.no_grad():
-                        model.layers[0].fc1.weight._local_tensor._tensor[0, 0] = bad
-                if path == "precompute":
-                    precompute_scales(model)
-                out = model(xs[0, local])
-                res[f"{recipe}_finite_{bad}_{path}"] = bool(torch.isfinite(out).all())
+        res.update(_nonfinite_shard(fsdp_net, xs[0, local], rank == world - 1, f"{recipe}_"))
 
     # A mix of recipes and policies in one model: still one collective in precompute_scales.
     torch.manual_seed(0)
@@ -196,8 +185,6 @@ def _worker_rowwise(rank: int, world: int, tmp: str) -> dict:
 def _worker_uneven_rowwise(rank: int, world: int, tmp: str) -> dict:
     """3 ranks, only float8 weights, 1040/16/2 rows (uneven and empty shards); DCP round
     trip and bitwise resume (rowwise)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -226,34 +213,7 @@ def _worker_uneven_rowwise(rank: int, world: int, tmp: str) -> dict:
                 _uneven_net(_plain(recipe)), xs[:STEPS], ys[:STEPS], STEPS, sharded=False
             )
 
-    # Checkpoint after STEPS steps, train STEPS more; a fresh model (other init) loads it and
-    # trains the same STEPS: the losses must match bitwise.
-    model = fsdp_net("rowwise")
-    _, opt = _train(model, xs[:STEPS, local], ys[:STEPS, local], STEPS)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    res["state_dict_types"] = _types(model_sd.values())
-    saved_full = {k: v.full_tensor() for k, v in model_sd.items()}
-    ckpt = os.path.join(tmp, "ckpt")
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
-    res["after"], _ = _train_continue(model, opt, xs[STEPS:, local], ys[STEPS:, local])
-    resumed = fsdp_net("rowwise", seed=1)
-    opt2 = torch.optim.AdamW(resumed.parameters(), lr=LR)
-    model_sd2, optim_sd2 = get_state_dict(resumed, opt2)
-    res["before_load_max_diff"] = max(
-        (v.full_tensor() - saved_full[k]).abs().max().item() for k, v in model_sd2.items()
-    )
-    state = {"model": model_sd2, "optim": optim_sd2}
-    dcp.load(state, checkpoint_id=ckpt)
-    set_state_dict(resumed, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    res["loaded_max_diff"] = max(
-        (v.full_tensor() - saved_full[k]).abs().max().item()
-        for k, v in resumed.state_dict().items()
-    )
-    res["weights_still_subclass"] = all(
-        isinstance(m.weight._local_tensor, Float8AllGatherWeight) for m in _fp8_weights(resumed)
-    )
-    precompute_scales(resumed)
-    res["resumed"], _ = _train_continue(resumed, opt2, xs[STEPS:, local], ys[STEPS:, local])
+    res.update(_checkpoint_resume(lambda seed=0: fsdp_net("rowwise", seed), xs, ys, local, tmp))
     return res
 
 
