@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from float8kit import scale_state, scaling
+from float8kit.checkpointing import is_recomputing
 from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
@@ -421,7 +422,13 @@ class Float8Linear(nn.Linear):
                 "float8kit.calibrate(model, batches) first, or set CastConfig.static_scale"
             )
         record = self.training
-        if record and c.stale_delayed_warn_after and scale_state.has_delayed(c):
+        # A forward that activation checkpointing recomputes in backward is not a new one.
+        if (
+            record
+            and c.stale_delayed_warn_after
+            and scale_state.has_delayed(c)
+            and not is_recomputing()
+        ):
             scale_state.count_delayed_forward(self._fp8_forward_count, c.stale_delayed_warn_after)
         weight = self.weight
         device_type = input.device.type
