@@ -176,6 +176,23 @@ def scaling() -> None:
     )
 
 
+def memory() -> None:
+    """Bytes kept for backward: per layer and token for every recipe, and one
+    recipes/train.py step at the small preset per --float8 mode (tests/test_memory.py)."""
+    from tests import test_memory
+
+    t0 = time.perf_counter()
+    write(
+        "memory",
+        ["tests/test_memory.py", "tests/helpers.py", "recipes/train.py", "recipes/model.py"],
+        {
+            "per_layer": test_memory.saved_bytes_table(),
+            "train_step": test_memory.train_step_saved_bytes("small"),
+        },
+        time.perf_counter() - t0,
+    )
+
+
 def fsdp() -> None:
     """tests/test_fsdp.py's multi-process runs (2 and 3 gloo ranks); rank 0's numbers."""
     from tests import test_fsdp as t
@@ -310,6 +327,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "numerics": numerics,
     "scaling": scaling,
     "fsdp": fsdp,
+    "memory": memory,
     "tiny": tiny,
     "demo": demo,
     "demo_busy": demo_busy,
