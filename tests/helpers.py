@@ -45,38 +45,3 @@ def count_scaled_mm():
         yield calls
     finally:
         torch._scaled_mm = real
-
-
-def _storages(t: torch.Tensor):
-    """The plain tensors holding ``t``'s memory (a subclass's inner tensors, recursively)."""
-    if hasattr(t, "__tensor_flatten__") and type(t) is not nn.Parameter:
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            yield from _storages(getattr(t, name))
-    else:
-        yield t
-
-
-@contextlib.contextmanager
-def saved_bytes(exclude: nn.Module | None = None):
-    """Yields a dict whose ``"bytes"`` becomes the memory that autograd keeps for backward
-    from what runs in the context: every saved tensor's storage (a float8 tensor's fp8 data
-    and scale, not the hp size it reports), each storage counted once, less the storages of
-    ``exclude``'s parameters (kept anyway). Also ``"tensors"``: how many were saved."""
-    skip = set()
-    if exclude is not None:
-        skip = {p.untyped_storage().data_ptr() for p in exclude.parameters()}
-    seen: dict[int, int] = {}
-    result = {"bytes": 0, "tensors": 0}
-
-    def pack(t):
-        result["tensors"] += 1
-        for inner in _storages(t):
-            storage = inner.untyped_storage()
-            if storage.data_ptr() not in skip:
-                seen[storage.data_ptr()] = storage.nbytes()
-        result["bytes"] = sum(seen.values())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result

@@ -1,19 +1,65 @@
 """Activation memory: the bytes a Float8Linear keeps for backward per token, against a bf16
 nn.Linear, and the rowwise float8 save against 0.1.0's hp save (bitwise-equal gradients)."""
 
+import contextlib
+import functools
+import gc
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+import float8kit
 from float8kit import CastConfig, Float8Linear, Float8LinearConfig, GemmRole, ScalingType
 from float8kit.linear import cast_to_float8
-from tests.helpers import saved_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import train  # noqa: E402
+
+# ---------------------------------------------------------------------------- the counter
+
+
+def _storages(t: torch.Tensor):
+    """The plain tensors holding ``t``'s memory (a subclass's inner tensors, recursively)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not nn.Parameter:
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _storages(getattr(t, name))
+    else:
+        yield t
+
+
+@contextlib.contextmanager
+def saved_bytes(exclude: nn.Module | None = None):
+    """Yields a dict whose ``"bytes"`` becomes the memory that autograd keeps for backward
+    from what runs in the context: every saved tensor's storage (a float8 tensor's fp8 data
+    and scale, not the hp size it reports), each storage counted once, less the storages of
+    ``exclude``'s parameters (kept anyway). Also ``"tensors"``: how many were saved."""
+    skip = set()
+    if exclude is not None:
+        skip = {p.untyped_storage().data_ptr() for p in exclude.parameters()}
+    seen: dict[int, int] = {}
+    result = {"bytes": 0, "tensors": 0}
+
+    def pack(t):
+        result["tensors"] += 1
+        for inner in _storages(t):
+            storage = inner.untyped_storage()
+            if storage.data_ptr() not in skip:
+                seen[storage.data_ptr()] = storage.nbytes()
+        result["bytes"] = sum(seen.values())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+
 
 # What the issue asks: per token, at most this fraction of a bf16 nn.Linear's saved bytes.
 MAX_RATIO = 0.55
@@ -21,6 +67,35 @@ MAX_RATIO = 0.55
 HP_GRAD_WEIGHT = {"rowwise_with_gw_hp"}
 TOKENS = (64, 128)  # the slope is taken between these token counts
 K, N = 256, 128
+
+
+class LiveTensors(TorchDispatchMode):
+    """Remembers (weakly) every tensor the ops run under it return; ``live_bytes()`` is then
+    the memory of those still alive: what a forward leaves for backward, including what no
+    saved-tensor hook sees (a selective-checkpointing policy's cache)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.refs += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+    def live_bytes(self, exclude: nn.Module) -> int:
+        """Bytes of the storages still alive, each once, less ``exclude``'s parameters and
+        buffers."""
+        gc.collect()
+        skip = {t.untyped_storage().data_ptr() for t in (*exclude.parameters(), *exclude.buffers())}
+        seen = {}
+        for ref in self.refs:
+            if (t := ref()) is not None:
+                for inner in _storages(t):
+                    storage = inner.untyped_storage()
+                    if storage.data_ptr() not in skip:
+                        seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
 
 
 def config(recipe: str) -> Float8LinearConfig:
@@ -124,35 +199,76 @@ def test_saved_bytes_counts_float8_storage_not_the_hp_size_it_reports():
 
 # ---------------------------------------------------------------------------- a training step
 
-TRAIN_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+# --float8 modes, and "MODE/AC": the same with each block under activation checkpointing
+TRAIN_MODES = [
+    "none",
+    "tensorwise",
+    "rowwise",
+    "rowwise_with_gw_hp",
+    "delayed",
+    "tensorwise/selective",
+    "tensorwise/full",
+]
+
+
+def checkpoint_blocks(model: nn.Module, ac: str) -> None:
+    """Each block of a recipes/model.py Transformer under ``checkpoint_wrapper``: ``full``
+    or ``selective`` (``float8kit.checkpoint_policy``)."""
+    kwargs = {}
+    if ac == "selective":
+        policy = float8kit.checkpoint_policy()
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, **kwargs)
 
 
 def train_step_saved_bytes(preset: str, modes=TRAIN_MODES) -> dict:
     """Bytes kept for backward by one recipes/train.py forward (its model, conversion and
     bf16 autocast; the preset's batch of random tokens: the bytes depend on shapes only),
-    parameters excluded, per ``--float8`` mode. On CPU the saved tensors are the activation
-    memory a step holds at its peak, between forward and backward."""
+    per ``--float8`` mode (``MODE/AC``: blocks checkpointed): ``bytes``, those of the saved
+    tensors (parameters excluded), and ``live_bytes``, those of every tensor the forward
+    made that is still alive after it (parameters and buffers excluded; this also counts a
+    selective-checkpointing cache). On CPU that is the activation memory a step holds at
+    its peak, between forward and backward."""
     rows = {}
-    for mode in modes:
+    for name in modes:
+        mode, _, ac = name.partition("/")
         args = train.parse_args(["--preset", preset, "--float8", mode])
         model, _ = train.setup_model(args, torch.device("cpu"), 1)
+        if ac:
+            checkpoint_blocks(model, ac)
         g = torch.Generator().manual_seed(0)
         x, y = (torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g) for _ in "xy")
-        with saved_bytes(exclude=model) as s, train.autocast(torch.device("cpu")):
+        with (
+            LiveTensors() as live,
+            saved_bytes(exclude=model) as s,
+            train.autocast(torch.device("cpu")),
+        ):
             loss = model(x, y)
+        rows[name] = {
+            "bytes": s["bytes"],
+            "tensors": s["tensors"],
+            "live_bytes": live.live_bytes(model),
+        }
         loss.backward()
-        rows[mode] = {"bytes": s["bytes"], "tensors": s["tensors"]}
     return {"preset": preset, "batch_size": args.batch_size, "seq_len": args.seq_len, "modes": rows}
 
 
 def test_train_step_saves_fewer_bytes_with_float8():
-    t = train_step_saved_bytes("tiny", ["none", "rowwise", "rowwise_with_gw_hp"])
-    bf16, rowwise, gw_hp = (t["modes"][m] for m in ("none", "rowwise", "rowwise_with_gw_hp"))
+    names = ["none", "rowwise", "rowwise_with_gw_hp", "rowwise/selective", "rowwise/full"]
+    t = train_step_saved_bytes("tiny", names)
+    bf16, rowwise, gw_hp, sac, full = (t["modes"][m] for m in names)
     assert bf16["tensors"] == rowwise["tensors"] == gw_hp["tensors"]  # the same graph
     # measured 0.86x: the block Linears' inputs halve; attention, norms and logits do not
     assert rowwise["bytes"] < 0.9 * bf16["bytes"]
     # hp inputs as in bf16; only the bf16 weight copies autocast saves are gone
     assert rowwise["bytes"] < gw_hp["bytes"] < bf16["bytes"]
+    # selective checkpointing keeps the float8 casts and gemm outputs (not saved tensors:
+    # live ones), full checkpointing keeps the block inputs only
+    assert full["live_bytes"] < sac["live_bytes"] < rowwise["live_bytes"]
+    assert full["bytes"] == sac["bytes"] < rowwise["bytes"]
+    for m in (bf16, rowwise, gw_hp):  # without checkpointing, what lives is what is saved
+        assert m["live_bytes"] <= m["bytes"] < 1.05 * m["live_bytes"]
 
 
 # ---------------------------------------------------------------------------- rowwise vs 0.1.0

@@ -184,7 +184,7 @@ def memory() -> None:
     t0 = time.perf_counter()
     write(
         "memory",
-        ["tests/test_memory.py", "tests/helpers.py", "recipes/train.py", "recipes/model.py"],
+        ["tests/test_memory.py", "recipes/train.py", "recipes/model.py"],
         {
             "per_layer": test_memory.saved_bytes_table(),
             "train_step": test_memory.train_step_saved_bytes("small"),

@@ -271,16 +271,20 @@ def memory_table() -> str:
             ]
         )
     tokens = step["batch_size"] * step["seq_len"]
-    ref = step["modes"]["none"]["bytes"]
-    step_rows = [
-        [
-            "none (bf16)" if mode == "none" else mode,
-            f"{m['bytes'] / 2**20:.1f}",
-            f(m["bytes"] / tokens, ".0f"),
-            f"{m['bytes'] / ref:.2f}x",
-        ]
-        for mode, m in step["modes"].items()
-    ]
+    ref = step["modes"]["none"]["live_bytes"]
+    step_rows = []
+    for name, m in step["modes"].items():
+        mode, _, ac = name.partition("/")
+        step_rows.append(
+            [
+                "none (bf16)" if mode == "none" else mode,
+                {"": "-", "full": "full", "selective": "selective (`checkpoint_policy`)"}[ac],
+                f"{m['bytes'] / 2**20:.1f}",
+                f"{m['live_bytes'] / 2**20:.1f}",
+                f(m["live_bytes"] / tokens, ".0f"),
+                f"**{m['live_bytes'] / ref:.2f}x**",
+            ]
+        )
     t1, t2 = layer["tokens"]
     return (
         f"{caption('memory')}\n\n"
@@ -288,10 +292,22 @@ def memory_table() -> str:
         f"backward per token (slope between {t1} and {t2} tokens, parameters excluded; "
         f"the target is {layer['max_ratio']:.2f}x)\n\n"
         + table(["layer", "bytes / token", "vs bf16", "what backward keeps"], rows)
-        + f"\n\nOne `recipes/train.py` step, {step['preset']} preset, batch "
-        f"{step['batch_size']} x {step['seq_len']} tokens, bf16 autocast: every tensor kept "
-        "for backward (parameters excluded)\n\n"
-        + table(["--float8", "MiB", "bytes / token", "vs bf16"], step_rows)
+        + f"\n\nOne `recipes/train.py` forward, {step['preset']} preset, batch "
+        f"{step['batch_size']} x {step['seq_len']} tokens, bf16 autocast, each block "
+        "checkpointed or not: the saved tensors' bytes, and the bytes of every tensor the "
+        "forward made that is alive when backward starts (parameters and buffers excluded; "
+        "a selective policy's cache is alive but not a saved tensor)\n\n"
+        + table(
+            [
+                "--float8",
+                "checkpointing",
+                "saved MiB",
+                "alive MiB",
+                "alive bytes / token",
+                "vs bf16",
+            ],
+            step_rows,
+        )
     )
 
 
