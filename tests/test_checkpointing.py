@@ -168,8 +168,9 @@ def test_compiled_checkpointing_is_bitwise_eager_without_checkpointing():
     # checkpointing, step by step (DELAYED recompiles once, when precompute_scales first sets
     # its scales). fp32 and no biases: compiled and eager then agree bitwise without
     # checkpointing too (a bias grad is a sum whose order inductor may change), and
-    # inductor's CPU code for a bf16 DELAYED backward is wrong in torch 2.13 (NaN amax
-    # records after the first precompute_scales, checkpointing or not): not ours to test.
+    # inductor's vectorized CPU code for a bf16 DELAYED backward is wrong in torch 2.13 (NaN
+    # amax records after the first precompute_scales, checkpointing or not; simdlen=1 is
+    # right): see the README's Limitations.
     torch._dynamo.reset()
     layout = [(r, "full") for r in RECIPES] + [("delayed", "selective"), ("rowwise", "selective")]
     ref = nn.Sequential(
