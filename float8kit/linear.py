@@ -249,7 +249,9 @@ class _Float8Matmul(torch.autograd.Function):
         keep_w = weight_is_fp8 or _reusable(
             c.cast_config_weight, c.cast_config_weight_for_grad_input
         )
-        ctx.save_for_backward(input_for_backward(input_hp, x, c, x_state), w if keep_w else weight)
+        # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
+        x_saved = input_for_backward(input_hp, x, c, x_state) if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(x_saved, w if keep_w else weight)
         ctx.config = c
         ctx.w_state = (
             w_scale,
@@ -299,7 +301,9 @@ class _Float8Matmul(torch.autograd.Function):
 
         # grad_weight = grad_output.T @ input, reducing M
         go_gw_cast = c.cast_config_grad_output_for_grad_weight
-        if go_gw_cast.enabled:
+        if x_saved is None:
+            grad_weight = None
+        elif go_gw_cast.enabled:
             go_scale, go_amax, go_set = ctx.go_state
             go_gw_state = (go_scale, None if go_cast.scaling_type.stateful else go_amax, go_set)
             go_t = (

@@ -171,6 +171,30 @@ def test_saved_bytes_per_token_vs_bf16_linear():
             assert row["ratio_vs_bf16"] <= MAX_RATIO, row
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_frozen_weight_keeps_no_input_and_the_same_grad_input(recipe):
+    # No grad_weight gemm runs for a frozen weight (fine-tuning adapters around frozen
+    # layers): nothing of the input is kept, and grad_input is bitwise the trainable layer's.
+    def frozen():
+        layer = Float8Linear(K, N, config=config(recipe)).bfloat16()
+        layer.weight.requires_grad_(False)
+        return layer
+
+    assert saved_bytes_per_token(frozen) == 0
+    torch.manual_seed(0)
+    trainable = Float8Linear(K, N, config=config(recipe)).bfloat16()
+    layer = frozen()
+    layer.load_state_dict(trainable.state_dict())
+    x, grad = torch.randn(64, K, dtype=torch.bfloat16), torch.randn(64, N, dtype=torch.bfloat16)
+    grads = []
+    for m in (trainable, layer):
+        xi = x.clone().requires_grad_()
+        m(xi).backward(grad)
+        grads.append(xi.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+    assert layer.weight.grad is None and trainable.weight.grad is not None
+
+
 def test_saved_bytes_counts_float8_storage_not_the_hp_size_it_reports():
     # the counter itself: a float8 tensor reports bf16 (2 bytes) but holds 1 byte per element
     x = torch.randn(32, 64, dtype=torch.bfloat16)
