@@ -65,7 +65,9 @@ def saved_bytes(exclude: nn.Module | None = None):
 MAX_RATIO = 0.55
 # rowwise_with_gw_hp runs its grad_weight gemm in hp: it keeps the hp input (documented).
 HP_GRAD_WEIGHT = {"rowwise_with_gw_hp"}
-TOKENS = (64, 128)  # the slope is taken between these token counts
+# The slope is taken between these token counts: whole 128-token tiles, so that the
+# blockwise input's fp32 scales (one per 128 tokens and column) count in it.
+TOKENS = (128, 256)
 K, N = 256, 128
 
 
@@ -114,7 +116,7 @@ def config(recipe: str) -> Float8LinearConfig:
     )
 
 
-RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "static"]
+RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "static", "blockwise"]
 
 
 def saved_bytes_per_token(make_layer, k: int = K, dtype=torch.bfloat16) -> float:
@@ -165,6 +167,10 @@ def test_saved_bytes_per_token_vs_bf16_linear():
         if row["hp_grad_weight"]:
             # the hp input, as bf16 nn.Linear: 1.0x (no float8 copy is kept as well)
             assert row["bytes_per_token"] == 2 * K, row
+        elif row["recipe"] == "blockwise":
+            # 1 byte per element, plus an fp32 scale per column per 128-token tile
+            assert row["bytes_per_token"] == K + 4 * K / 128, row
+            assert row["ratio_vs_bf16"] <= MAX_RATIO, row
         else:
             # 1 byte per input element (the scales are per tensor or per column of K)
             assert row["bytes_per_token"] == K, row
