@@ -7,6 +7,7 @@ import torch
 
 from float8kit import ops as _ops  # noqa: F401  (registers the op table)
 from float8kit.calibrate import calibrate
+from float8kit.checkpointing import checkpoint_policy
 from float8kit.config import (
     E4M3,
     E5M2,
@@ -47,6 +48,8 @@ __all__ = [
     "calibrate",
     # checkpoints: a DELAYED/STATIC model's state_dict for the plain model
     "strip_float8_state",
+    # activation checkpointing: a selective policy that keeps the float8 work
+    "checkpoint_policy",
     # internals users may meet (FSDP2 all-gathered weights, debugging)
     "Float8TrainingTensor",
 ]

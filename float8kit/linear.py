@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from float8kit import scale_state, scaling
+from float8kit.checkpointing import is_recomputing
 from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
@@ -169,16 +170,48 @@ def _weight_for_grad_input(
     A float8 weight saved by forward serves as is where one cast serves both gemms (the same
     tensorwise or blockwise cast). Otherwise (the row-scaled weight an FSDP2 float8
     all-gather delivers) it is re-cast from its dequantized fp32 values, which are exact.
-    Between power-of-2
-    scales (the config requires them there) the re-cast only shifts exponents: it equals
-    casting the hp weight, except for values in float8's subnormal range. Never used with
-    the wrong axis: ``scaled_mm`` checks the scales' dim."""
+    Between power-of-2 scales (the config requires them there) the re-cast only shifts
+    exponents: it equals casting the hp weight, except for values in float8's subnormal
+    range. Never used with the wrong axis: ``scaled_mm`` checks the scales' dim."""
     cast = config.cast_config_weight_for_grad_input
     if isinstance(w_saved, Float8TrainingTensor):
         if _reusable(config.cast_config_weight, cast, weight=True):
             return w_saved
         w_saved = w_saved.dequantize(torch.float32)
     return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
+
+
+def input_for_backward(
+    input_hp: torch.Tensor,
+    x: torch.Tensor,
+    config: Float8LinearConfig,
+    x_state: tuple[torch.Tensor | None, torch.Tensor | None, bool],
+) -> torch.Tensor:
+    """What ``_Float8Matmul`` saves of the input for its grad_weight gemm (which reduces M,
+    the input's dim 0): the one save decision for the input, so that a new granularity
+    plugs in here.
+
+    - The same tensorwise cast in both gemms: the output gemm's float8 ``x`` (no new cast).
+    - A float8 grad_weight gemm with another cast (rowwise: scales along dim 0): that cast,
+      done now, in forward, so that 1 byte per element is kept for backward instead of
+      the hp input. It is the cast backward would otherwise do on the saved hp input (same
+      function, same tensor, same scale state), so the gradients do not change; under
+      activation checkpointing the recomputed forward repeats it bit for bit.
+    - An hp grad_weight gemm (``rowwise_with_gw_hp``): the hp input itself.
+
+    Args:
+        input_hp: the (M, K) hp input.
+        x: what the output gemm used: the float8 input, or ``input_hp`` when that gemm is hp.
+        config: the layer's config.
+        x_state: the input's DELAYED/STATIC state for its second use (``operand_scale``'s
+            ``state_scale``, ``amax_record``, ``scale_set``).
+    """
+    first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
+    if _reusable(first, second):
+        return x
+    if not second.enabled:
+        return input_hp
+    return cast_to_float8(input_hp, second, GemmRole.INPUT, 0, config, *x_state)
 
 
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
@@ -192,12 +225,14 @@ class _Float8Matmul(torch.autograd.Function):
     ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
     or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may have another hp
     dtype than the input (autocast: an fp32 weight is cast to float8 directly, never copied
-    to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves float8
-    copies for backward where the backward gemm would cast the same tensor the same way
-    (half the bytes of saving hp), hp otherwise. Returns grad_input (M, K) in the input's
-    dtype and grad_weight (N, K) in the weight's dtype. M == 0 (no tokens) gives an empty
-    output and a zero grad_weight, like ``nn.Linear``, without casting or recording an amax
-    (an empty batch says nothing about the range of the next ones).
+    to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves the input
+    for backward as its grad_weight gemm uses it (``input_for_backward``: float8, cast in
+    forward, unless that gemm runs in hp), and the weight float8 where the grad_input gemm
+    casts it as the output gemm did, hp (the parameter) otherwise. Returns grad_input
+    (M, K) in the input's dtype and grad_weight (N, K) in the weight's dtype. M == 0 (no
+    tokens) gives an empty output and a zero grad_weight, like ``nn.Linear``, without
+    casting or recording an amax (an empty batch says nothing about the range of the next
+    ones).
 
     DELAYED/STATIC state: ``*_scale`` is the operand's ``fp8_scale_<op>`` buffer (None when
     the operand keeps no state), ``*_amax`` its ``fp8_amax_<op>`` buffer when amaxes are
@@ -250,19 +285,16 @@ class _Float8Matmul(torch.autograd.Function):
             x, w = input_hp, weight
             output = torch.mm(input_hp, _as_hp(weight).to(input_hp.dtype).t())
 
-        keep_x = _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight)
+        # The second uses of input and weight record their amax only when the first use
+        # did not (see _reusable / the stateful_cast validation).
+        x_state = (x_scale, None if c.cast_config_input.scaling_type.stateful else x_amax, x_set)
         keep_w = weight_is_fp8 or _reusable(
             c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
         )
-        ctx.save_for_backward(x if keep_x else input_hp, w if keep_w else weight)
+        # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
+        x_saved = input_for_backward(input_hp, x, c, x_state) if ctx.needs_input_grad[1] else None
+        ctx.save_for_backward(x_saved, w if keep_w else weight)
         ctx.config = c
-        # The second uses of input and weight record their amax only when the first use
-        # did not (see _reusable / the stateful_cast validation).
-        ctx.x_state = (
-            x_scale,
-            None if c.cast_config_input.scaling_type.stateful else x_amax,
-            x_set,
-        )
         ctx.w_state = (
             w_scale,
             None if c.cast_config_weight.scaling_type.stateful else w_amax,
@@ -299,7 +331,9 @@ class _Float8Matmul(torch.autograd.Function):
 
         # grad_weight = grad_output.T @ input, reducing M
         go_gw_cast = c.cast_config_grad_output_for_grad_weight
-        if go_gw_cast.enabled:
+        if x_saved is None:
+            grad_weight = None
+        elif go_gw_cast.enabled:
             go_scale, go_amax, go_set = ctx.go_state
             go_gw_state = (go_scale, None if go_cast.scaling_type.stateful else go_amax, go_set)
             go_t = (
@@ -309,16 +343,10 @@ class _Float8Matmul(torch.autograd.Function):
                     grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
                 )
             )
-            x = (
-                x_saved
-                if isinstance(x_saved, Float8TrainingTensor)
-                else cast_to_float8(
-                    x_saved, c.cast_config_input_for_grad_weight, GemmRole.INPUT, 0, c, *ctx.x_state
-                )
-            )
-            # .to() on a float8 tensor only changes the hp dtype it stands for: the gemm
-            # writes the weight's dtype directly (fp32 master weights under autocast).
-            grad_weight = torch.mm(go_t.t().to(ctx.w_dtype), x)
+            # x_saved is float8, cast for this gemm in forward (input_for_backward). .to() on
+            # a float8 tensor only changes the hp dtype it stands for: the gemm writes the
+            # weight's dtype directly (fp32 master weights under autocast).
+            grad_weight = torch.mm(go_t.t().to(ctx.w_dtype), x_saved)
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
             grad_weight = grad_weight.to(ctx.w_dtype)
@@ -428,7 +456,13 @@ class Float8Linear(nn.Linear):
                 "float8kit.calibrate(model, batches) first, or set CastConfig.static_scale"
             )
         record = self.training
-        if record and c.stale_delayed_warn_after and scale_state.has_delayed(c):
+        # A forward that activation checkpointing recomputes in backward is not a new one.
+        if (
+            record
+            and c.stale_delayed_warn_after
+            and scale_state.has_delayed(c)
+            and not is_recomputing()
+        ):
             scale_state.count_delayed_forward(self._fp8_forward_count, c.stale_delayed_warn_after)
         weight = self.weight
         device_type = input.device.type

@@ -194,6 +194,23 @@ def outliers() -> None:
     )
 
 
+def memory() -> None:
+    """Bytes kept for backward: per layer and token for every recipe, and one
+    recipes/train.py step at the small preset per --float8 mode (tests/test_memory.py)."""
+    from tests import test_memory
+
+    t0 = time.perf_counter()
+    write(
+        "memory",
+        ["tests/test_memory.py", "recipes/train.py", "recipes/model.py"],
+        {
+            "per_layer": test_memory.saved_bytes_table(),
+            "train_step": test_memory.train_step_saved_bytes("small"),
+        },
+        time.perf_counter() - t0,
+    )
+
+
 def fsdp() -> None:
     """tests/test_fsdp.py's and tests/test_fsdp_rowwise.py's multi-process runs (2 and 3 gloo
     ranks); rank 0's numbers."""
@@ -417,6 +434,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "outliers": outliers,
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
+    "memory": memory,
     "tiny": tiny,
     "demo": demo,
     "demo_busy": demo_busy,

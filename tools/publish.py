@@ -371,6 +371,63 @@ def fsdp_rowwise_table() -> str:
     return caption("fsdp") + "\n\n" + table(header, rows) + "\n\n" + notes
 
 
+# ---------------------------------------------------------------------------- memory
+
+
+def memory_table() -> str:
+    d = load("memory")["data"]
+    layer, step = d["per_layer"], d["train_step"]
+    rows = [["bf16 `nn.Linear`", f(layer["bf16_bytes_per_token"], ".0f"), "1.00x", "hp input"]]
+    for r in layer["rows"]:
+        rows.append(
+            [
+                r["recipe"],
+                f(r["bytes_per_token"], ".0f"),
+                f"**{r['ratio_vs_bf16']:.2f}x**",
+                "hp input (grad_weight gemm in hp)" if r["hp_grad_weight"] else "float8 input",
+            ]
+        )
+    tokens = step["batch_size"] * step["seq_len"]
+    ref = step["modes"]["none"]["live_bytes"]
+    step_rows = []
+    for name, m in step["modes"].items():
+        mode, _, ac = name.partition("/")
+        step_rows.append(
+            [
+                "none (bf16)" if mode == "none" else mode,
+                {"": "-", "full": "full", "selective": "selective (`checkpoint_policy`)"}[ac],
+                f"{m['bytes'] / 2**20:.1f}",
+                f"{m['live_bytes'] / 2**20:.1f}",
+                f(m["live_bytes"] / tokens, ".0f"),
+                f"**{m['live_bytes'] / ref:.2f}x**",
+            ]
+        )
+    t1, t2 = layer["tokens"]
+    return (
+        f"{caption('memory')}\n\n"
+        f"One layer, {layer['in_features']} -> {layer['out_features']}, bf16: bytes kept for "
+        f"backward per token (slope between {t1} and {t2} tokens, parameters excluded; "
+        f"the target is {layer['max_ratio']:.2f}x)\n\n"
+        + table(["layer", "bytes / token", "vs bf16", "what backward keeps"], rows)
+        + f"\n\nOne `recipes/train.py` forward, {step['preset']} preset, batch "
+        f"{step['batch_size']} x {step['seq_len']} tokens, bf16 autocast, each block "
+        "checkpointed or not: the saved tensors' bytes, and the bytes of every tensor the "
+        "forward made that is alive when backward starts (parameters and buffers excluded; "
+        "a selective policy's cache is alive but not a saved tensor)\n\n"
+        + table(
+            [
+                "--float8",
+                "checkpointing",
+                "saved MiB",
+                "alive MiB",
+                "alive bytes / token",
+                "vs bf16",
+            ],
+            step_rows,
+        )
+    )
+
+
 # ---------------------------------------------------------------------------- benchmarks
 
 
@@ -656,6 +713,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "outliers": outliers_table,
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
+    "memory": memory_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
     "overhead_profile": overhead_profile_table,
