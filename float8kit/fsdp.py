@@ -226,14 +226,16 @@ class Float8AllGatherWeight(torch.Tensor):
         return weight, (data,)
 
 
-def _mutated_weights(func, args, kwargs) -> Iterator[Float8AllGatherWeight]:
-    """The Float8AllGatherWeight arguments ``func`` writes to (per its schema)."""
+def _mutated_weights(func, args, kwargs, cls: type | None = None) -> Iterator[torch.Tensor]:
+    """The ``cls`` (default Float8AllGatherWeight) arguments ``func`` writes to (per its
+    schema)."""
+    cls = cls or Float8AllGatherWeight
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, Float8AllGatherWeight):
+            if isinstance(t, cls):
                 yield t
 
 

@@ -1,0 +1,214 @@
+"""float8 MoE expert weights (float8kit/experts.py, gemm.scaled_grouped_mm): SQNR vs fp32 of
+two grouped gemms with SiLU between, an expert with no tokens, the emulated kernel against
+per-group torch._scaled_mm, compiled vs eager bitwise, plain state_dicts and checkpoints."""
+
+import io
+
+import pytest
+import torch
+import torch._inductor.config as inductor_config
+import torch.nn.functional as F
+from helpers import sqnr
+from torch import nn
+
+from float8kit import (
+    E4M3,
+    Float8ExpertsConfig,
+    Float8ExpertWeight,
+    Float8LinearConfig,
+    convert_experts_to_float8_training,
+    convert_to_float8_training,
+)
+from float8kit.experts import group_amax, token_groups
+from float8kit.gemm import scaled_grouped_mm
+
+# 4 experts; expert 1 gets no tokens; rows past offs[-1] (60..63) belong to no expert.
+OFFS = torch.tensor([16, 16, 40, 60], dtype=torch.int32)
+TOKENS, DIM, HIDDEN = 64, 32, 64
+
+
+class Experts(nn.Module):
+    """Two grouped gemms with SiLU between: (experts, in, out) weights, tokens sorted by
+    expert. ``torch._grouped_mm`` first, ``F.grouped_mm`` second (both are converted)."""
+
+    def __init__(self, n_experts=4, dim=DIM, hidden=HIDDEN):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(n_experts, dim, hidden) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(n_experts, hidden, dim) / hidden**0.5)
+
+    def forward(self, x, offs):
+        h = F.silu(torch._grouped_mm(x, self.w1, offs=offs))
+        return F.grouped_mm(h, self.w2, offs=offs)
+
+
+def run(model, x, grad, offs=OFFS):
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    out = model(x, offs)
+    out.backward(grad)
+    return out.detach(), x.grad, model.w1.grad, model.w2.grad
+
+
+def test_sqnr_vs_fp32_and_an_expert_without_tokens_gets_exact_zero_grads():
+    ref = Experts()
+    f8 = convert_experts_to_float8_training(Experts())
+    f8.load_state_dict(ref.state_dict())
+    assert isinstance(f8.w1, Float8ExpertWeight) and isinstance(f8.w2, Float8ExpertWeight)
+    x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    want, got = run(ref, x, grad), run(f8, x, grad)
+    n = int(OFFS[-1])  # rows past offs[-1] are no expert's: compare the routed tokens
+    scores = {
+        "output": sqnr(want[0][:n], got[0][:n]),
+        "grad_input": sqnr(want[1][:n], got[1][:n]),
+        "grad_w1": sqnr(want[2], got[2]),
+        "grad_w2": sqnr(want[3], got[3]),
+    }
+    assert min(scores.values()) >= 20, scores
+    for g in (got[2], got[3]):
+        assert g[1].abs().max() == 0  # expert 1: no tokens, exactly zero gradient
+        assert g[0].abs().max() > 0 and g[3].abs().max() > 0
+
+
+def assert_same_up_to_sum_order(got, want):
+    """Both are fp32 sums of exact float8 products rounded to bf16: equal, except where the
+    order of the fp32 additions moved a rounding (one bf16 ulp, rarely)."""
+    assert torch.allclose(got, want, rtol=2**-7, atol=0)
+    assert (got != want).sum() <= 0.01 * got.numel()
+
+
+def test_emulated_grouped_gemm_is_the_kernel_definition_per_group():
+    # Reference: per group, torch._scaled_mm (native on CPU), bf16 out, rowwise scales.
+    a = (torch.randn(TOKENS, DIM) * 3).to(E4M3)
+    b = torch.randn(4, DIM, HIDDEN).to(E4M3)
+    sa = torch.rand(TOKENS) + 0.5
+    sb = torch.rand(4, HIDDEN) + 0.5
+    got = scaled_grouped_mm(a, sa, b, sb, OFFS, out_dtype=torch.bfloat16, emulate=True)
+    start = 0
+    for g, end in enumerate(OFFS.tolist()):
+        want = torch._scaled_mm(
+            a[start:end],
+            b[g].t().contiguous().t(),
+            scale_a=sa[start:end, None].reciprocal(),
+            scale_b=sb[g][None].reciprocal(),
+            out_dtype=torch.bfloat16,
+        )
+        assert_same_up_to_sum_order(got[start:end], want)
+        start = end
+    assert torch.equal(got[start:], torch.zeros_like(got[start:]))  # no expert's rows
+
+    # 2-D x 2-D (weight gradient): per group scales; the empty group gives exact zeros.
+    x, go = torch.randn(TOKENS, DIM).to(E4M3), torch.randn(TOKENS, HIDDEN).to(E4M3)
+    sx, sgo = torch.rand(4, DIM) + 0.5, torch.rand(4, HIDDEN) + 0.5
+    got = scaled_grouped_mm(
+        x.t(), sx.reshape(-1), go, sgo.reshape(-1), OFFS, out_dtype=torch.float32, emulate=True
+    )
+    start = 0
+    for g, end in enumerate(OFFS.tolist()):
+        want = torch._scaled_mm(
+            x[start:end].t().contiguous(),
+            go[start:end].t().contiguous().t(),
+            scale_a=sx[g][:, None].reciprocal(),
+            scale_b=sgo[g][None].reciprocal(),
+            out_dtype=torch.bfloat16,
+        ).float()
+        if end == start:
+            assert torch.equal(got[g], torch.zeros_like(got[g]))
+        assert_same_up_to_sum_order(got[g], want)
+        start = end
+
+
+def test_group_amax_per_token_group():
+    hp = torch.randn(TOKENS, 8)
+    hp[20, 3] = -50.0
+    groups = token_groups(OFFS, TOKENS)
+    got = group_amax(hp, groups, 4)
+    bounds = [0, *OFFS.tolist()]
+    for g in range(4):
+        rows = hp[bounds[g] : bounds[g + 1]]
+        want = rows.abs().amax(0) if len(rows) else torch.zeros(8)
+        assert torch.equal(got[g], want), g
+    assert got[2, 3] == 50.0
+    hp[30, 0] = float("nan")
+    assert torch.isnan(group_amax(hp, groups, 4)[2, 0])  # NaN stays visible
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@inductor_config.patch(emulate_precision_casts=True)
+def test_compiled_fullgraph_is_bitwise_eager(dtype):
+    torch._dynamo.reset()
+    model = convert_experts_to_float8_training(Experts().to(dtype))
+    x, grad = torch.randn(TOKENS, DIM, dtype=dtype), torch.randn(TOKENS, DIM, dtype=dtype)
+    eager = [t.clone() for t in run(model, x, grad)]
+    compiled = run(torch.compile(model, fullgraph=True), x, grad)
+    names = ("output", "grad_input", "grad_w1", "grad_w2")
+    for name, e, c in zip(names, eager, compiled, strict=True):
+        assert torch.equal(e, c), name
+
+
+def test_grouped_mm_below_autograd_raises_instead_of_running_hp():
+    model = convert_experts_to_float8_training(Experts())
+    with torch._C.DisableTorchFunctionSubclass(), pytest.raises(NotImplementedError, match="hp"):
+        torch._grouped_mm(torch.randn(TOKENS, DIM), model.w1, offs=OFFS)
+
+
+def test_state_dict_is_plain_and_checkpoints_round_trip():
+    model = convert_experts_to_float8_training(Experts())
+    sd = model.state_dict()
+    assert all(type(v) is torch.Tensor for v in sd.values())
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    other = convert_experts_to_float8_training(Experts())
+    other.load_state_dict(loaded)
+    assert isinstance(other.w1, Float8ExpertWeight)
+    for key, value in sd.items():
+        assert torch.equal(other.state_dict()[key], value)
+    # the loaded model computes what the saved one does, and its optimizer steps the hp data
+    x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    for got, want in zip(run(other, x, grad), run(model, x, grad), strict=True):
+        assert torch.equal(got, want)
+    opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    before = other.w1.detach().clone()
+    opt.step()
+    assert isinstance(other.w1, Float8ExpertWeight)
+    assert (other.state_dict()["w1"] - before).abs().max() > 0  # the step updated the hp data
+
+
+def test_converts_next_to_float8_linears_and_filters():
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Linear(DIM, 4, bias=False)
+            self.proj = nn.Linear(DIM, DIM, bias=False)
+            self.experts = Experts()
+            self.odd = nn.Parameter(torch.randn(4, 24, 32))  # 24: not a multiple of 16
+
+    m = MoE()
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    convert_experts_to_float8_training(m)
+    assert isinstance(m.experts.w1, Float8ExpertWeight)
+    assert type(m.odd) is nn.Parameter and type(m.router.weight) is nn.Parameter
+    # again with the same config: a no-op; with another: refused
+    convert_experts_to_float8_training(m)
+    with pytest.raises(ValueError, match="another config"):
+        convert_experts_to_float8_training(m, config=Float8ExpertsConfig(emulate=True))
+    with pytest.raises(ValueError, match="3-D"):
+        convert_experts_to_float8_training(m, param_filter_fn=lambda p, fqn: fqn == "proj.weight")
+
+
+def test_unsupported_grouped_mm_forms_raise():
+    model = convert_experts_to_float8_training(Experts())
+    x = torch.randn(TOKENS, DIM)
+    with pytest.raises(NotImplementedError, match="offs"):
+        torch._grouped_mm(x.unsqueeze(0).expand(4, -1, -1).contiguous(), model.w1)
+    with pytest.raises(NotImplementedError, match="out_dtype"):
+        torch._grouped_mm(x, model.w1, offs=OFFS, out_dtype=torch.bfloat16)
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(ValueError, match="Float8ExpertsConfig.emulate"):
+        Float8ExpertsConfig(emulate=1)
+    with pytest.raises(ValueError, match="Float8ExpertsConfig"):
+        convert_experts_to_float8_training(Experts(), config=Float8LinearConfig())
