@@ -213,8 +213,18 @@ def scaled_mm(
 def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``torch._grouped_mm`` of fp32 operands, an opaque op to ``torch.compile``: the eager
     kernel takes fp32 (the emulation's exact products of float8 values, fp32 sums), but its
-    meta function accepts bf16 only, so a compiled graph could not trace it directly."""
-    return torch._grouped_mm(a, b, offs=offs)
+    meta function accepts bf16 only, so a compiled graph could not trace it directly. CUDA's
+    grouped kernel takes bf16 only: there, one matmul per group (emulation is for debugging)."""
+    if a.device.type == "cpu":
+        return torch._grouped_mm(a, b, offs=offs)
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        out = a.new_zeros((a.size(0), b.size(-1)))
+        for g, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
+            out[lo:hi] = a[lo:hi] @ b[g]
+        return out
+    return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in zip(starts, ends, strict=True)])
 
 
 @_grouped_mm_fp32.register_fake

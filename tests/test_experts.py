@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
-from helpers import sqnr
 from torch import nn
 
 from float8kit import (
@@ -21,6 +20,7 @@ from float8kit import (
 )
 from float8kit.experts import group_amax, token_groups
 from float8kit.gemm import scaled_grouped_mm
+from tests.helpers import sqnr
 
 # 4 experts; expert 1 gets no tokens; rows past offs[-1] (60..63) belong to no expert.
 OFFS = torch.tensor([16, 16, 40, 60], dtype=torch.int32)
@@ -49,11 +49,16 @@ def run(model, x, grad, offs=OFFS):
     return out.detach(), x.grad, model.w1.grad, model.w2.grad
 
 
-def test_sqnr_vs_fp32_and_an_expert_without_tokens_gets_exact_zero_grads():
+ACCURACY_DB = 20  # the issue's floor for every gemm result
+
+
+def experts_sqnrs() -> tuple[dict[str, float], list[torch.Tensor]]:
+    """SQNR (dB) vs fp32 of the float8 experts' output, grad_input and weight grads (what
+    tools/measure.py publishes), and the float8 weight grads."""
+    torch.manual_seed(0)
     ref = Experts()
     f8 = convert_experts_to_float8_training(Experts())
     f8.load_state_dict(ref.state_dict())
-    assert isinstance(f8.w1, Float8ExpertWeight) and isinstance(f8.w2, Float8ExpertWeight)
     x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
     want, got = run(ref, x, grad), run(f8, x, grad)
     n = int(OFFS[-1])  # rows past offs[-1] are no expert's: compare the routed tokens
@@ -63,8 +68,13 @@ def test_sqnr_vs_fp32_and_an_expert_without_tokens_gets_exact_zero_grads():
         "grad_w1": sqnr(want[2], got[2]),
         "grad_w2": sqnr(want[3], got[3]),
     }
-    assert min(scores.values()) >= 20, scores
-    for g in (got[2], got[3]):
+    return scores, [got[2], got[3]]
+
+
+def test_sqnr_vs_fp32_and_an_expert_without_tokens_gets_exact_zero_grads():
+    scores, grads = experts_sqnrs()
+    assert min(scores.values()) >= ACCURACY_DB, scores  # observed: 24.8 to 25.3 dB
+    for g in grads:
         assert g[1].abs().max() == 0  # expert 1: no tokens, exactly zero gradient
         assert g[0].abs().max() > 0 and g[3].abs().max() > 0
 
