@@ -108,12 +108,18 @@ class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
         groups, _, n = weight.shape
-        fp8 = _fp8_payload(weight)
-        if fp8 is not None:
-            w_data, w_scale = fp8
+        gathered = isinstance(weight, Float8ExpertWeight) and weight._scale is not None
+        if gathered and weight._scale.size(1) == 1:
+            # float8 from the all-gather, scaled along K as this gemm needs: use it as is
+            w_data, w_scale = weight._tensor, weight._scale
             ctx.save_for_backward(x, offs, w_data, w_scale)
         else:
-            w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
+            if gathered:  # scaled along the other dim (a transposed weight): recast
+                w_hp = weight._tensor.to(torch.float32) / weight._scale
+            elif isinstance(weight, Float8ExpertWeight):
+                w_hp = weight._tensor
+            else:
+                w_hp = weight
             w_data, w_scale = _cast(w_hp, 1, config)
             ctx.save_for_backward(x, offs, w_hp)
         x_data, x_scale = _cast(x, -1, config)
@@ -166,17 +172,6 @@ class _Float8GroupedMM(torch.autograd.Function):
                 emulate=c.emulate,
             )
         return grad_input, grad_weight, None, None
-
-
-def _fp8_payload(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A gathered float8 weight's ``(data, scale)`` when its scales span K (dim 1), which is
-    what the output gemm needs; None for an hp weight. A transposed float8 weight (scales
-    along the other dim) is dequantized and recast by the caller instead."""
-    if not isinstance(weight, Float8ExpertWeight) or weight._scale is None:
-        return None
-    if weight._scale.size(1) == 1:
-        return weight._tensor, weight._scale
-    return None
 
 
 def float8_grouped_mm(

@@ -79,6 +79,25 @@ def test_sqnr_vs_fp32_and_an_expert_without_tokens_gets_exact_zero_grads():
         assert g[0].abs().max() > 0 and g[3].abs().max() > 0
 
 
+def test_transposed_weight_layout_gives_the_same_numbers():
+    # torchtitan's layout: weights stored (experts, out, in), passed as w.transpose(-2, -1)
+    class Transposed(Experts):
+        def forward(self, x, offs):
+            h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+
+    plain = convert_experts_to_float8_training(Experts())
+    flipped = convert_experts_to_float8_training(Transposed())
+    with torch.no_grad():
+        flipped.w1 = nn.Parameter(plain.w1._tensor.transpose(-2, -1).contiguous())
+        flipped.w2 = nn.Parameter(plain.w2._tensor.transpose(-2, -1).contiguous())
+    convert_experts_to_float8_training(flipped)
+    x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    a, b = run(plain, x, grad), run(flipped, x, grad)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert torch.equal(a[2], b[2].transpose(-2, -1)) and torch.equal(a[3], b[3].transpose(-2, -1))
+
+
 def assert_same_up_to_sum_order(got, want):
     """Both are fp32 sums of exact float8 products rounded to bf16: equal, except where the
     order of the fp32 additions moved a rounding (one bf16 ulp, rarely)."""
