@@ -33,7 +33,12 @@ from torch import nn
 
 from float8kit import scaling
 from float8kit.config import E4M3, Float8ExpertsConfig
-from float8kit.fsdp import _KEEP_SUBCLASS, _mutated_weights, _padded_shard_size
+from float8kit.fsdp import (
+    _KEEP_SUBCLASS,
+    _mutated_weights,
+    _padded_shard_size,
+    store_plain_weight,
+)
 from float8kit.gemm import scaled_grouped_mm
 
 aten = torch.ops.aten
@@ -368,24 +373,8 @@ def default_expert_filter(param: nn.Parameter, fqn: str) -> bool:
 def _store_plain_experts(module, state_dict, prefix, local_metadata) -> None:
     """state_dict post hook: expert weights as plain hp tensors (DTensors of them under
     FSDP2), sharing storage with the parameters."""
-    from torch.distributed.tensor import DTensor
-
     for name in getattr(module, _EXPERT_PARAMS, ()):
-        key = prefix + name
-        value = state_dict.get(key)
-        if value is None or isinstance(value, nn.Parameter):
-            continue  # keep_vars=True keeps the parameter itself
-        if isinstance(value, Float8ExpertWeight):
-            state_dict[key] = value._tensor
-        elif isinstance(value, DTensor) and isinstance(value._local_tensor, Float8ExpertWeight):
-            state_dict[key] = DTensor.from_local(
-                value._local_tensor._tensor,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+        store_plain_weight(state_dict, prefix, name, Float8ExpertWeight)
 
 
 _EXPERT_PARAMS = "_float8_expert_params"

@@ -474,9 +474,12 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
     return wrapped
 
 
-def store_plain_weight(state_dict: dict, prefix: str) -> None:
+def store_plain_weight(
+    state_dict: dict, prefix: str, name: str = "weight", cls: type | None = None
+) -> None:
     """In a Float8Linear's freshly saved ``state_dict``: the weight as plain hp values, not
-    the subclass.
+    the subclass (``name`` and ``cls``: another parameter and wrapper subclass with an hp
+    ``_tensor``, e.g. float8kit/experts.py's).
 
     Unsharded: the hp tensor. Under FSDP2: a DTensor of the same mesh, placements and global
     shape around the hp shard. Both share storage with the parameter, so in-place loads into
@@ -487,13 +490,14 @@ def store_plain_weight(state_dict: dict, prefix: str) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    key = prefix + "weight"
+    cls = cls or Float8AllGatherWeight
+    key = prefix + name
     value = state_dict.get(key)
     if value is None or isinstance(value, nn.Parameter):
         return
-    if isinstance(value, Float8AllGatherWeight):
+    if isinstance(value, cls):
         state_dict[key] = value._tensor
-    elif isinstance(value, DTensor) and isinstance(value._local_tensor, Float8AllGatherWeight):
+    elif isinstance(value, DTensor) and isinstance(value._local_tensor, cls):
         state_dict[key] = DTensor.from_local(
             value._local_tensor._tensor,
             value.device_mesh,

@@ -205,6 +205,21 @@ def test_state_dict_is_plain_and_checkpoints_round_trip():
     assert (other.state_dict()["w1"] - before).abs().max() > 0  # the step updated the hp data
 
 
+def test_distributed_checkpoint_round_trip(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = convert_experts_to_float8_training(Experts())
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path)
+    torch.manual_seed(1)
+    other = convert_experts_to_float8_training(Experts())
+    sd = other.state_dict()
+    dcp.load(sd, checkpoint_id=tmp_path)  # in place, into tensors sharing the parameters
+    other.load_state_dict(sd)
+    assert isinstance(other.w2, Float8ExpertWeight)
+    for key, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[key], value), key
+
+
 def test_converts_next_to_float8_linears_and_filters():
     class MoE(nn.Module):
         def __init__(self):
