@@ -291,15 +291,15 @@ def _fsdp_train(model, xs, ys, ranks) -> list[float]:
 
 def _worker_experts(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh("cpu", (world,))
     xs, ys = _fsdp_data()
     res = {}
     for fp8_ag in (True, False):
-        torch.manual_seed(0)
         config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=fp8_ag)
+        torch.manual_seed(0)
         model = convert_experts_to_float8_training(Experts(), config=config)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         res[f"fsdp_{fp8_ag}"] = _fsdp_train(model, xs, ys, [rank])
@@ -309,6 +309,11 @@ def _worker_experts(rank: int, world: int, tmp: str) -> dict:
         model.reshard()
         sd = model.state_dict()
         res[f"state_dict_{fp8_ag}"] = sorted({type(v._local_tensor).__name__ for v in sd.values()})
+        # bf16 compute weights (mixed precision), resharded after forward
+        torch.manual_seed(0)
+        bf16 = convert_experts_to_float8_training(Experts(), config=config)
+        fully_shard(bf16, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        res[f"fsdp_bf16_{fp8_ag}"] = _fsdp_train(bf16, xs, ys, [rank])
     torch.manual_seed(0)
     single = convert_experts_to_float8_training(Experts())
     res["single"] = _fsdp_train(single, xs, ys, [0, 1])
@@ -363,6 +368,9 @@ def test_fsdp2_experts_sharded_on_dim0_match_single_device(experts2, fp8_all_gat
         rel = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
         assert rel < 0.02, (got, want)  # observed: bitwise equal (power-of-2 scales)
         assert got[-1] < got[0]  # it trains
+        mixed = res[f"fsdp_bf16_{fp8_all_gather}"]  # bf16 compute weights
+        rel = max(abs(a - b) / abs(b) for a, b in zip(mixed, want, strict=True))
+        assert rel < 0.02, (mixed, want)
         # float8 all-gather: the gathered weight holds e4m3 bytes; otherwise the hp weight
         fp8_dtype = "torch.float8_e4m3fn" if fp8_all_gather else "torch.float32"
         assert res[f"gathered_{fp8_all_gather}"] == ("Float8ExpertWeight", fp8_dtype)
