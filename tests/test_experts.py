@@ -79,6 +79,23 @@ def test_sqnr_vs_fp32_and_an_expert_without_tokens_gets_exact_zero_grads():
         assert g[0].abs().max() > 0 and g[3].abs().max() > 0
 
 
+def test_inf_stays_visible_and_stays_in_its_token_and_expert():
+    model = convert_experts_to_float8_training(Experts())
+    x = torch.randn(TOKENS, DIM)
+    x[20, 3] = float("inf")  # token 20: expert 2
+    out, _, grad_w1, _ = run(model, x, torch.randn(TOKENS, DIM))
+    assert torch.isnan(out).any(1).nonzero().flatten().tolist() == [20]
+    assert torch.isnan(grad_w1[2]).any() and not torch.isnan(grad_w1[[0, 1, 3]]).any()
+
+
+def test_no_tokens_at_all_gives_empty_outputs_and_zero_grads():
+    model = convert_experts_to_float8_training(Experts())
+    empty = torch.zeros(0, DIM)
+    out, grad_input, grad_w1, grad_w2 = run(model, empty, empty, torch.zeros(4, dtype=torch.int32))
+    assert out.shape == grad_input.shape == (0, DIM)
+    assert grad_w1.abs().max() == 0 and grad_w2.abs().max() == 0
+
+
 def test_transposed_weight_layout_gives_the_same_numbers():
     # torchtitan's layout: weights stored (experts, out, in), passed as w.transpose(-2, -1)
     class Transposed(Experts):
@@ -205,6 +222,7 @@ def test_state_dict_is_plain_and_checkpoints_round_trip():
     assert (other.state_dict()["w1"] - before).abs().max() > 0  # the step updated the hp data
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
 def test_distributed_checkpoint_round_trip(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -213,7 +231,7 @@ def test_distributed_checkpoint_round_trip(tmp_path):
     torch.manual_seed(1)
     other = convert_experts_to_float8_training(Experts())
     sd = other.state_dict()
-    dcp.load(sd, checkpoint_id=tmp_path)  # in place, into tensors sharing the parameters
+    dcp.load(sd, checkpoint_id=tmp_path)  # in place, into the parameters
     other.load_state_dict(sd)
     assert isinstance(other.w2, Float8ExpertWeight)
     for key, value in model.state_dict().items():
