@@ -1,4 +1,4 @@
-"""The one place that calls ``torch._scaled_mm``.
+"""The one place that calls ``torch._scaled_mm`` (and ``torch._scaled_grouped_mm``).
 
 ``scaled_mm(a, b)`` multiplies two float8 training tensors, ``a`` (M, K) and ``b`` (K, N):
 it puts A row-major and B column-major, turns our multiplying scales into the reciprocals
@@ -6,6 +6,7 @@ it puts A row-major and B column-major, turns our multiplying scales into the re
 zero-pads the inner dim where asked or needed, and either calls the kernel or (``emulate``)
 does the same math in fp32. ``kernel_plan`` holds the device rules (alignment, padding,
 kernel output dtype) as a pure function of shapes, testable without a GPU.
+``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups.
 """
 
 from __future__ import annotations
