@@ -57,10 +57,14 @@ def build(variant: str, recipe: str | None, margs: ModelArgs, device, ao_float8)
     if variant == "float8kit":
         import float8kit
 
+        config = float8kit.Float8LinearConfig.from_recipe_name(recipe)
         float8kit.convert_to_float8_training(
             model,
-            config=float8kit.Float8LinearConfig.from_recipe_name(recipe),
-            module_filter_fn=keep_head,
+            config=config,
+            # keep_head, plus the recipe's own dims rule (blockwise: multiples of 128)
+            module_filter_fn=lambda mod, fqn: (
+                keep_head(mod, fqn) and float8kit.default_module_filter(mod, fqn, config)
+            ),
         )
         return model, float8kit.precompute_scales
     if variant == "torchao":

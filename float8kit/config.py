@@ -38,6 +38,9 @@ class ScalingGranularity(enum.Enum):
 
     TENSORWISE = "tensorwise"  # one scale for the whole tensor
     AXISWISE = "axiswise"  # one scale per row of the left operand / column of the right one
+    # DeepSeek-V3 style: the weight in block_size x block_size blocks, input and grad_output
+    # in 1 x block_size tiles along the inner dim of each gemm
+    BLOCKWISE = "blockwise"
 
 
 class GemmRole(enum.Enum):
@@ -80,6 +83,8 @@ class CastConfig:
             history (robust to a shrinking range), ``"most_recent"`` from the last step's.
         static_scale: STATIC only: the fixed scale (``fp8 = saturate(hp * static_scale)``);
             None = set per layer by ``float8kit.calibrate``. Required for grad_output.
+        block_size: BLOCKWISE only: the side of a weight block and the length of an
+            input/grad_output tile (the CUDA kernel takes 128 only).
     """
 
     # where the scale comes from
@@ -94,6 +99,8 @@ class CastConfig:
     delayed_scale_from: str = "max"
     # STATIC: the fixed scale; None = per layer from float8kit.calibrate
     static_scale: float | None = None
+    # BLOCKWISE: weight blocks are block_size x block_size, activation tiles 1 x block_size
+    block_size: int = 128
 
     def __post_init__(self):
         _coerce_enum(self, "scaling_type", ScalingType)
@@ -110,7 +117,7 @@ class CastConfig:
                 f"CastConfig.scaling_granularity={self.scaling_granularity.value!r} is not "
                 f"supported with scaling_type={self.scaling_type.value!r}: delayed and static "
                 "scaling are tensorwise only; use ScalingGranularity.TENSORWISE (or DYNAMIC "
-                "scaling for axiswise)"
+                "scaling for axiswise and blockwise)"
             )
         n = self.amax_history_len
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -136,6 +143,17 @@ class CastConfig:
                     "(fp8 = saturate(hp * static_scale)); e.g. fp8_max / expected_amax"
                 )
             object.__setattr__(self, "static_scale", float(s))
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(
+                f"CastConfig.block_size={b!r} must be an int >= 1 (128 for the CUDA kernel)"
+            )
+        if b != 128 and self.scaling_granularity is not ScalingGranularity.BLOCKWISE:
+            raise ValueError(
+                f"CastConfig.block_size={b!r} is only used with ScalingGranularity.BLOCKWISE, "
+                f"but scaling_granularity={self.scaling_granularity.value!r}: set "
+                "scaling_granularity=ScalingGranularity.BLOCKWISE or drop block_size"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -156,7 +174,11 @@ class CastConfig:
         if not self.enabled:
             return "hp"
         dtype = "e4m3" if self.dtype_for(role) == E4M3 else "e5m2"
-        gran = "tensor" if self.scaling_granularity is ScalingGranularity.TENSORWISE else "axis"
+        gran = {
+            ScalingGranularity.TENSORWISE: "tensor",
+            ScalingGranularity.AXISWISE: "axis",
+            ScalingGranularity.BLOCKWISE: f"block{self.block_size}",
+        }[self.scaling_granularity]
         return f"{self.scaling_type.value[:3]}_{gran}_{dtype}"
 
 
@@ -164,7 +186,8 @@ class CastConfig:
 class GemmConfig:
     """Settings of one of the three gemms of a linear layer."""
 
-    # accumulate in the tensor cores' faster, lower-precision mode (CUDA only; CPU ignores it)
+    # accumulate in the tensor cores' faster, lower-precision mode (CUDA only; CPU ignores it,
+    # and so do blockwise gemms, whose kernel promotes to fp32 every 128 products anyway)
     use_fast_accum: bool = False
 
     def __post_init__(self):
@@ -280,13 +303,26 @@ class Float8LinearConfig:
                     f"{'enabled' if rcfg.enabled else 'DISABLED'}; set both to "
                     "ScalingType.DISABLED or neither"
                 )
+            # A block-scaled kernel multiplies block-scaled operands only, with one block
+            # length along the inner dim K.
+            block = ScalingGranularity.BLOCKWISE
+            lblock, rblock = lcfg.scaling_granularity is block, rcfg.scaling_granularity is block
+            if lcfg.enabled and (lblock != rblock or lcfg.block_size != rcfg.block_size):
+                raise ValueError(
+                    f"Float8LinearConfig: the {gemm} gemm has {left} "
+                    f"{lcfg.scaling_granularity.value} (block_size={lcfg.block_size}) but "
+                    f"{right} {rcfg.scaling_granularity.value} (block_size={rcfg.block_size}); "
+                    "a block-scaled gemm needs both operands ScalingGranularity.BLOCKWISE "
+                    "with the same block_size, or neither"
+                )
         if self.enable_fsdp_float8_all_gather:
             w = self.cast_config_weight
-            if not w.enabled or w.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            if not w.enabled or w.scaling_granularity is ScalingGranularity.AXISWISE:
                 raise ValueError(
                     "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 "
-                    "tensorwise weight (cast_config_weight); rowwise weights with float8 "
-                    "all-gather are not supported yet: set enable_fsdp_float8_all_gather=False"
+                    "tensorwise or blockwise weight (cast_config_weight); rowwise weights "
+                    "with float8 all-gather are not supported yet: set "
+                    "enable_fsdp_float8_all_gather=False"
                 )
             if self.cast_config_weight_for_grad_input != w:
                 raise ValueError(
@@ -329,7 +365,8 @@ class Float8LinearConfig:
 
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8LinearConfig:
-        """A named preset: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp`` or ``delayed``."""
+        """A named preset: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``delayed``
+        or ``blockwise``."""
         if isinstance(name, str):
             try:
                 name = Float8Recipe(name)
@@ -374,6 +411,7 @@ class Float8Recipe(enum.Enum):
     ROWWISE = "rowwise"  # dynamic rowwise, e4m3 everywhere, power-of-2 scales: more accurate
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"  # rowwise, but the grad_weight gemm in hp
     DELAYED = "delayed"  # tensorwise delayed scaling everywhere (call precompute_scales)
+    BLOCKWISE = "blockwise"  # DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks
 
 
 def _tensorwise() -> Float8LinearConfig:
@@ -417,9 +455,24 @@ def _delayed() -> Float8LinearConfig:
     )
 
 
+def _blockwise() -> Float8LinearConfig:
+    # One 128x128 weight cast serves the output and grad_input gemms (a block is its own
+    # transpose); input and grad_output are cast in 1x128 tiles along each gemm's inner
+    # dim. Block-scaled kernels promote to fp32 every 128 products, so fast accumulation
+    # has nothing to trade: all gemms run without it.
+    block = CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E4M3)
+    return Float8LinearConfig(
+        cast_config_input=block,
+        cast_config_weight=block,
+        cast_config_grad_output=block,
+        gemm_config_output=GemmConfig(),
+    )
+
+
 _RECIPES = {
     Float8Recipe.TENSORWISE: _tensorwise,
     Float8Recipe.ROWWISE: _rowwise,
     Float8Recipe.ROWWISE_WITH_GW_HP: _rowwise_with_gw_hp,
     Float8Recipe.DELAYED: _delayed,
+    Float8Recipe.BLOCKWISE: _blockwise,
 }

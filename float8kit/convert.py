@@ -2,20 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from collections.abc import Callable
 
 from torch import nn
 
-from float8kit.config import Float8LinearConfig
+from float8kit.config import CastConfig, Float8LinearConfig, ScalingGranularity
 from float8kit.linear import Float8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
 
 
-def default_module_filter(module: nn.Module, fqn: str) -> bool:
+def default_module_filter(
+    module: nn.Module, fqn: str, config: Float8LinearConfig | None = None
+) -> bool:
     """Convert a Linear only when both its dims are multiples of 16: the CUDA float8 gemm
-    needs that, and layers that small gain nothing from float8 anyway."""
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    needs that, and layers that small gain nothing from float8 anyway. With a ``config``
+    that casts blockwise (the ``blockwise`` recipe), multiples of its block size (128): the
+    block-scaled kernel tiles both dims of the weight in whole blocks."""
+    multiple = 16
+    if config is not None:
+        for field in dataclasses.fields(config):
+            cast = getattr(config, field.name)
+            if (
+                isinstance(cast, CastConfig)
+                and cast.scaling_granularity is ScalingGranularity.BLOCKWISE
+            ):
+                multiple = math.lcm(multiple, cast.block_size)
+    return module.in_features % multiple == 0 and module.out_features % multiple == 0
 
 
 def _refuse_sharded(linear: nn.Module, fqn: str) -> None:
@@ -55,8 +71,9 @@ def convert_to_float8_training(
             ``nn.Linear`` has its class swapped in place, so the returned object is ``module``.
         config: how the new layers cast and multiply; default: dynamic tensorwise.
         module_filter_fn: ``fn(linear, fqn) -> bool``; False keeps that layer in hp. It
-            replaces the default filter (dims divisible by 16), so a custom filter that wants
-            that rule too should call ``default_module_filter``. It also sees layers that are
+            replaces the default filter (dims divisible by 16, by 128 for blockwise casts),
+            so a custom filter that wants that rule too should call
+            ``default_module_filter(linear, fqn, config)``. It also sees layers that are
             already ``Float8Linear``.
 
     Returns:
@@ -73,7 +90,7 @@ def convert_to_float8_training(
     config = config if config is not None else Float8LinearConfig()
     if not isinstance(config, Float8LinearConfig):
         raise TypeError(f"config must be a Float8LinearConfig, got {type(config).__name__}")
-    keep = module_filter_fn if module_filter_fn is not None else default_module_filter
+    keep = module_filter_fn or functools.partial(default_module_filter, config=config)
 
     # Plan the whole tree first, so that an error leaves the model untouched.
     plan: list[tuple[nn.Module | None, str, nn.Linear]] = []  # (parent, name, linear)

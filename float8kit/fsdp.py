@@ -16,6 +16,12 @@ a fresh precomputed scale (first step, ``precompute_scales`` not called, or the 
 since) ``fsdp_pre_all_gather`` still computes the right scale itself, at the cost of one small
 all-reduce per weight per all-gather.
 
+Blockwise weights (``blockwise`` recipe) need none of this: each 128x128 block's scale is
+computed from the block itself, so when every rank's shard holds whole 128-row blocks (FSDP2
+shards dim 0 in chunks of ceil(rows / ranks): a multiple of 128 rows), each rank casts its
+shard alone, with no amax collective, and the block scales are all-gathered with the bytes
+(a second, tiny all-gather input). A shard that would cut a block raises, naming the fix.
+
 Every rank must make the same choice between the two (the fallback is a collective: one rank
 taking it alone hangs the job), so freshness is judged only by signals that change alike on
 every rank: the identity and version counter of the sharded weight parameter (bumped by the
@@ -41,7 +47,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import scaling
-from float8kit.config import Float8LinearConfig, GemmRole, ScalingType
+from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
 from float8kit.tensor import Float8TrainingTensor
 
 if TYPE_CHECKING:
@@ -78,7 +84,8 @@ class Float8AllGatherWeight(torch.Tensor):
         - ``_tensor`` is the plain hp tensor this stands for: same shape, strides, dtype,
           device. Every aten op runs on ``_tensor``; results of ``_KEEP_SUBCLASS`` ops are
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
-        - ``_config`` is the owning layer's config (tensorwise float8 weight, validated).
+        - ``_config`` is the owning layer's config (tensorwise or blockwise float8 weight,
+          validated).
         - It holds no scale state: FSDP2 may replace the local shard object (it re-pads
           uneven shards at lazy init and after ``load_state_dict``), so the precomputed scale
           lives on the module (``PrecomputedScale``).
@@ -165,6 +172,8 @@ class Float8AllGatherWeight(torch.Tensor):
             sharded size (uneven sharding pads the last ranks' shards, an empty shard is all
             padding), and the scale the gathered weight needs.
         """
+        if self._block_size is not None:
+            return self._pre_all_gather_blocks(mesh, outer_size, module)
         scale = weight_scale_for_all_gather(self, mesh, module)
         data = scaling.to_fp8_saturated(self._tensor, scale, self._fp8_dtype)
         # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
@@ -176,6 +185,51 @@ class Float8AllGatherWeight(torch.Tensor):
             padded[: data.size(0)].copy_(data)
             data = padded
         return (data,), (scale,)
+
+    @property
+    def _block_size(self) -> int | None:
+        cast = self._config.cast_config_weight
+        if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+            return cast.block_size
+        return None
+
+    def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size, module: nn.Module):
+        """The blockwise ``fsdp_pre_all_gather``: ``((data_uint8, scales_uint8), ())``, both
+        padded to FSDP2's padded shard size; every scale is local to its shard."""
+        from float8kit.linear import cast_to_float8
+
+        b, world = self._block_size, mesh.size()
+        chunk = _padded_shard_size(self.shape, outer_size, world)
+        if self.shape[1:] != outer_size[1:] or (world > 1 and chunk[0] % b):
+            raise ValueError(
+                f"float8kit: blockwise float8 all-gather of a {tuple(outer_size)} weight "
+                f"({module.extra_repr()}) over {world} ranks: FSDP2's dim-0 shards of "
+                f"{chunk[0]} rows cut its {b}x{b} scale blocks. Use out_features that give "
+                f"every rank whole blocks (a multiple of {b} x {world}), or keep this layer's "
+                "weight gathered in hp (enable_fsdp_float8_all_gather=False)"
+            )
+        config = self._config
+        fp8 = cast_to_float8(self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
+        data, scale = fp8._data.view(torch.uint8), fp8._scale
+        rows = chunk[0] - data.shape[0]
+        if rows:  # uneven: the last ranks' shards are padded (an empty one entirely)
+            data = torch.nn.functional.pad(data, (0, 0, 0, rows))
+            scale = torch.nn.functional.pad(
+                scale, (0, 0, 0, chunk[0] // b - scale.shape[0]), value=1.0
+            )
+        # fp32 scales travel as bytes next to the fp8 bytes (one uint8 all-gather buffer)
+        return (data, scale.contiguous().view(torch.uint8)), ()
+
+    def _post_all_gather_blocks(self, data, scale_bytes, param_dtype, out):
+        if out is not None:
+            # the data and scales view the all-gather buffers, which FSDP2 refilled
+            return None
+        data, scale = data.view(self._fp8_dtype), scale_bytes.view(torch.float32)
+        b = self._block_size
+        weight = Float8TrainingTensor(
+            data, scale, param_dtype, GemmRole.WEIGHT, None, self._config, (b, b)
+        )
+        return weight, (data, scale)
 
     def fsdp_post_all_gather(
         self,
@@ -200,6 +254,8 @@ class Float8AllGatherWeight(torch.Tensor):
             ``(weight, (data,))`` the first time (FSDP2 frees ``data``'s storage when it
             reshards and refills it before the next use); None when ``out`` is given.
         """
+        if self._block_size is not None:
+            return self._post_all_gather_blocks(*all_gather_outputs, param_dtype, out)
         (data,) = all_gather_outputs
         (scale,) = metadata
         if out is not None:
@@ -412,8 +468,12 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     if not sharded:
         return []
     _report_stale_weights(sharded)
+    # DYNAMIC tensorwise weights only: a blockwise weight's scales are local to its shard.
     mods = [
-        m for _, m in sharded if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC
+        m
+        for _, m in sharded
+        if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC
+        and m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
     ]
     if not mods:
         return []

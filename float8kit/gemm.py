@@ -1,4 +1,5 @@
-"""The one place that calls ``torch._scaled_mm`` (and ``torch._scaled_grouped_mm``).
+"""The one place that calls ``torch._scaled_mm`` (and, for block scales, its successor
+``torch.nn.functional.scaled_mm``; for MoE experts, ``torch._scaled_grouped_mm``).
 
 ``scaled_mm(a, b)`` multiplies two float8 training tensors, ``a`` (M, K) and ``b`` (K, N):
 it puts A row-major and B column-major, turns our multiplying scales into the reciprocals
@@ -6,6 +7,13 @@ it puts A row-major and B column-major, turns our multiplying scales into the re
 zero-pads the inner dim where asked or needed, and either calls the kernel or (``emulate``)
 does the same math in fp32. ``kernel_plan`` holds the device rules (alignment, padding,
 kernel output dtype) as a pure function of shapes, testable without a GPU.
+
+Blockwise operands (1x128 tiles times 128x128 or 128x1 blocks) go to ``block_scaled_mm``:
+on CUDA the cuBLAS block-scaled fp8 gemm that ``torch.nn.functional.scaled_mm`` runs with
+``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` (sm90+); elsewhere (``torch._scaled_mm``
+on CPU takes no block scales) its definition in fp32: for every 128-long block of the inner
+dim, the fp32 sum of the fp8 products, times both operands' block scales, summed.
+
 ``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups.
 """
 
@@ -126,6 +134,145 @@ def kernel_plan(
     return KernelPlan(pad, kernel_out)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockKernelPlan:
+    """How the CUDA block-scaled gemm runs one (M, K) @ (K, N) gemm: zero rows appended to
+    the left operand (``pad_m``: its scales are M-major, and cuBLAS wants their columns
+    16-byte aligned), zeros appended to the inner dim (``pad_k``: whole 128-blocks), the
+    scaling types of both operands (``torch.nn.functional.ScalingType`` member names)."""
+
+    pad_m: int
+    pad_k: int
+    recipe_a: str
+    recipe_b: str
+
+
+def block_kernel_plan(
+    m: int,
+    k: int,
+    n: int,
+    block_a: tuple[int, int],
+    block_b: tuple[int, int],
+    gemm: str | None = None,
+) -> BlockKernelPlan:
+    """Padding and scaling types of a block-scaled CUDA gemm; raises when the kernel cannot
+    run it. The kernel takes a left operand in 1x128 tiles and a right one in 128x128
+    blocks or 128x1 tiles (per column), N a multiple of 128 for 128x128 blocks, of 16
+    otherwise. A partial last block of K (a token count in the grad_weight gemm) is padded."""
+    bk = 128
+    where = f" in the {gemm} gemm" if gemm else ""
+    if block_a != (1, bk) or block_b not in ((bk, bk), (bk, 1)):
+        raise ValueError(
+            f"block-scaled float8 gemm on CUDA needs a left operand in 1x{bk} tiles and a "
+            f"right one in {bk}x{bk} blocks or {bk}x1 tiles; got {block_a[0]}x{block_a[1]} "
+            f"and {block_b[0]}x{block_b[1]}{where}: use CastConfig.block_size={bk}"
+        )
+    n_align = bk if block_b == (bk, bk) else _CUDA_ALIGN
+    if n % n_align:
+        _, out_name = _GEMM_DIMS.get(gemm, ("", "the output dim N"))
+        raise ValueError(
+            f"block-scaled float8 gemm on CUDA needs {out_name} (here {n}) to be a multiple "
+            f"of {n_align}{where}: keep this layer in hp (the blockwise recipe's default "
+            "module filter does)"
+        )
+    recipe_b = "BlockWise128x128" if block_b == (bk, bk) else "BlockWise1x128"
+    return BlockKernelPlan(-m % 4, -k % bk, "BlockWise1x128", recipe_b)
+
+
+def _check_blocks(a: Float8TrainingTensor, b: Float8TrainingTensor) -> None:
+    """Both operands blockwise, with blocks of one length along the inner dim K."""
+    if a._block is None or b._block is None or a._block[1] != b._block[0]:
+        raise ValueError(
+            f"scaled_mm: a block-scaled gemm needs both operands blockwise with one block "
+            f"length along the inner dim; got {a._role.value} blocks {a._block} and "
+            f"{b._role.value} blocks {b._block} (CastConfig.scaling_granularity and "
+            "block_size of both operands of a gemm must match)"
+        )
+
+
+def _rows_per_element(inv: torch.Tensor, rows: int, count: int) -> torch.Tensor:
+    # one entry per row of the operand from one per block of rows
+    return inv.repeat_interleave(rows, dim=0)[:count] if rows > 1 else inv
+
+
+def _emulated_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b) -> torch.Tensor:
+    """The block-scaled gemm's definition in fp32 (see the module docstring)."""
+    (m, k), n, bk = a_data.shape, b_data.shape[1], block_a[1]
+    pad_k = -k % bk
+    kb = (k + pad_k) // bk
+    a32 = F.pad(a_data.to(torch.float32), (0, pad_k)).reshape(m, kb, bk).transpose(0, 1)
+    b32 = F.pad(b_data.to(torch.float32), (0, 0, 0, pad_k)).reshape(kb, bk, n)
+    partial = torch.bmm(a32, b32)  # (KB, M, N): each K-block's sum in fp32
+    sa = _rows_per_element(inv_a, block_a[0], m).t()  # (KB, M)
+    sb = _rows_per_element(inv_b.t(), block_b[1], n).t()  # (KB, N)
+    return (partial * (sa[:, :, None] * sb[:, None, :])).sum(dim=0)
+
+
+def cuda_block_scales(
+    inv_a: torch.Tensor, inv_b: torch.Tensor, plan: BlockKernelPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reciprocal block scales laid out as cuBLAS wants them: the left operand's (M, KB)
+    M-major; a right operand's 128x128 (KB, NB) with KB padded to a multiple of 4 (padding
+    1.0), K-major; its 128x1 (KB, N) as (N, KB), N-major."""
+    inv_a = F.pad(inv_a, (0, 0, 0, plan.pad_m), value=1.0).t().contiguous().t()
+    if plan.recipe_b == "BlockWise128x128":
+        kb = inv_b.shape[0]
+        inv_b = F.pad(inv_b.t(), (0, -kb % 4), value=1.0).contiguous().t()
+    else:
+        inv_b = inv_b.contiguous().t()
+    return inv_a, inv_b
+
+
+def block_scaled_mm(
+    a: Float8TrainingTensor,
+    b: Float8TrainingTensor,
+    *,
+    emulate: bool = False,
+    out_dtype: torch.dtype,
+    gemm: str | None = None,
+) -> torch.Tensor:
+    """``a @ b`` for blockwise float8 tensors (see the module docstring); use ``scaled_mm``.
+    Fast accumulation does not apply: the kernel promotes every 128-block to fp32."""
+    _check_blocks(a, b)
+    inv_a = a._scale.to(torch.float32).reciprocal()
+    inv_b = b._scale.to(torch.float32).reciprocal()
+    if emulate or not a._data.is_cuda:
+        out = _emulated_block_mm(a._data, b._data, inv_a, inv_b, a._block, b._block)
+    else:
+        out = _kernel_block_mm(a._data, b._data, inv_a, inv_b, a._block, b._block, gemm)
+    return out.to(out_dtype)
+
+
+def _kernel_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b, gemm) -> torch.Tensor:
+    """The CUDA kernel call (bf16 out); on the meta device it checks the layouts without a
+    GPU (torch's meta function mirrors the kernel's checks)."""
+    if not hasattr(F, "scaled_mm"):
+        raise RuntimeError(
+            f"blockwise float8 gemms on CUDA need torch.nn.functional.scaled_mm (torch "
+            f">= 2.10; this is {torch.__version__}): upgrade torch, or set "
+            "Float8LinearConfig.emulate=True to run their fp32 definition"
+        )
+    (m, k), n = a_data.shape, b_data.shape[1]
+    plan = block_kernel_plan(m, k, n, block_a, block_b, gemm)
+    inv_a, inv_b = cuda_block_scales(inv_a, inv_b, plan)
+    if not _is_row_major(a_data):
+        a_data = a_data.contiguous()
+    if not _is_col_major(b_data):
+        b_data = b_data.t().contiguous().t()
+    a_data = _pad_to(_pad_to(a_data, 1, 128), 0, 4)
+    b_data = _pad_to(b_data.t(), 1, 128).t()
+    out = F.scaled_mm(
+        a_data,
+        b_data,
+        inv_a,
+        getattr(F.ScalingType, plan.recipe_a),
+        inv_b,
+        getattr(F.ScalingType, plan.recipe_b),
+        output_dtype=torch.bfloat16,
+    )
+    return out[:m]
+
+
 def _check_axes(a: Float8TrainingTensor, b: Float8TrainingTensor) -> None:
     """Axiswise scales must span the inner dim K: one per row of ``a``, per column of ``b``.
     Scales along the other dim have the same shape when M == K or K == N and would be
@@ -169,13 +316,17 @@ def scaled_mm(
         raise ValueError(
             f"scaled_mm needs (M, K) @ (K, N); got {tuple(a.shape)} @ {tuple(b.shape)}"
         )
-    _check_axes(a, b)
     out_dtype = out_dtype or a._orig_dtype
+    blockwise = a._block is not None or b._block is not None
+    if not blockwise:
+        _check_axes(a, b)
     a_data, b_data = a._data, b._data
     m, k, n = a.shape[0], a.shape[1], b.shape[1]
     if m == 0 or k == 0 or n == 0:
         # A sum over nothing is 0; cuBLAS has no business with empty operands.
         return torch.zeros((m, n), dtype=out_dtype, device=a_data.device)
+    if blockwise:
+        return block_scaled_mm(a, b, emulate=emulate, out_dtype=out_dtype, gemm=gemm)
     inv_a, inv_b = _operand_scales(a, b)
 
     if emulate:

@@ -107,8 +107,11 @@ def cast_to_float8(
     DELAYED in train mode (to record it) or before its scale is set."""
     fp8_dtype = cast.dtype_for(role)
     axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+    block = operand_block(cast, role, reduce_dim)
     amax = None
-    if needs_amax(cast, amax_record is not None, scale_set):
+    if block is not None:
+        amax = scaling.block_amax(hp, block)  # blockwise is DYNAMIC only (CastConfig)
+    elif needs_amax(cast, amax_record is not None, scale_set):
         if scale_set and hp.numel() > 0:
             # Only recorded (DELAYED, scale set): one reduction op, in hp. max(|hp|) is exact
             # in any float dtype, and the fp32 record's clamp_ promotes it: the same value
@@ -126,16 +129,34 @@ def cast_to_float8(
         reduce_dim if axiswise else None,
         config,
         guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
+        block=block,
     )
 
 
-def _reusable(first: CastConfig, second: CastConfig) -> bool:
+def operand_block(cast: CastConfig, role: GemmRole, reduce_dim: int) -> tuple[int, int] | None:
+    """The (rows, cols) scale block of a 2-D operand cast blockwise (None otherwise): a
+    weight in square blocks, which serve both of its gemms; an activation in 1 x block_size
+    tiles along the gemm's inner dim ``reduce_dim`` (128 x 1 when that is dim 0)."""
+    if cast.scaling_granularity is not ScalingGranularity.BLOCKWISE:
+        return None
+    b = cast.block_size
+    if role is GemmRole.WEIGHT:
+        return (b, b)
+    return (1, b) if reduce_dim in (1, -1) else (b, 1)
+
+
+def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
     """A tensor cast for one gemm can serve the other only when both casts are the same
-    tensorwise cast (axiswise scales span a different dim in each gemm)."""
+    tensorwise cast (axiswise scales span a different dim in each gemm), or the same
+    blockwise cast of the weight (a square block is its own transpose)."""
+    gran = first.scaling_granularity
     return (
         first == second
         and first.enabled
-        and first.scaling_granularity is ScalingGranularity.TENSORWISE
+        and (
+            gran is ScalingGranularity.TENSORWISE
+            or (weight and gran is ScalingGranularity.BLOCKWISE)
+        )
     )
 
 
@@ -209,7 +230,7 @@ class _Float8Matmul(torch.autograd.Function):
 
         keep_x = _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight)
         keep_w = weight_is_fp8 or _reusable(
-            c.cast_config_weight, c.cast_config_weight_for_grad_input
+            c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
         )
         ctx.save_for_backward(x if keep_x else input_hp, w if keep_w else weight)
         ctx.config = c

@@ -5,7 +5,9 @@ An op is registered with ``@implements([aten.op.overload, ...])``. ``dispatch`` 
 
 Metadata ops (view, transpose, slice, ...) act on the fp8 data and keep the scale; with
 axiswise scales they transform the scale tensor the same way, and raise where the result
-would no longer have one scale per slice of the gemm's inner dim.
+would no longer have one scale per slice of the gemm's inner dim. Blockwise tensors take
+transposes (the scale grid and the block shape transpose with the data) and same-shape
+views; ops that would cut through a block (slice, split, cat, other views) raise.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from float8kit.config import FP8_DTYPES, Float8LinearConfig, GemmConfig, GemmRole
 from float8kit.gemm import scaled_mm
-from float8kit.scaling import to_fp8_saturated
+from float8kit.scaling import to_fp8_blocks, to_fp8_saturated
 from float8kit.tensor import Float8TrainingTensor
 
 aten = torch.ops.aten
@@ -52,6 +54,19 @@ def supported_ops() -> list:
 # ---------------------------------------------------------------------------- metadata ops
 
 
+def _refuse_blockwise(t: Float8TrainingTensor, func) -> None:
+    if t._block is not None:
+        raise NotImplementedError(
+            f"float8kit: {func} on a blockwise Float8TrainingTensor {tuple(t.shape)} (blocks "
+            f"{t._block[0]}x{t._block[1]}) would cut through its scale blocks; call "
+            ".dequantize() first if hp math is really meant"
+        )
+
+
+def _transposed_block(t: Float8TrainingTensor, data: torch.Tensor) -> Float8TrainingTensor:
+    return t.with_data(data, t._scale.t(), block=t._block[::-1])
+
+
 @implements([aten.detach.default, aten.alias.default, aten.clone.default])
 def _same_scale(func, args, kwargs):
     t = args[0]
@@ -62,6 +77,8 @@ def _same_scale(func, args, kwargs):
 @implements([aten.t.default])
 def _t(func, args, kwargs):
     t = args[0]
+    if t._block is not None:
+        return _transposed_block(t, t._data.t())
     if t._axiswise_dim is None:
         return t.with_data(t._data.t())
     return t.with_data(t._data.t(), t._scale.t(), axiswise_dim=t.dim() - 1 - t._axiswise_dim)
@@ -71,6 +88,8 @@ def _t(func, args, kwargs):
 def _transpose(func, args, kwargs):
     t, d0, d1 = args[0], args[1] % args[0].dim(), args[2] % args[0].dim()
     data = t._data.transpose(d0, d1)
+    if t._block is not None:
+        return t.with_data(data) if d0 == d1 else _transposed_block(t, data)
     if t._axiswise_dim is None:
         return t.with_data(data)
     dim = {d0: d1, d1: d0}.get(t._axiswise_dim, t._axiswise_dim)
@@ -81,6 +100,8 @@ def _transpose(func, args, kwargs):
 def _view(func, args, kwargs):
     t, shape = args[0], list(args[1])
     data = func(t._data, shape)
+    if t._block is not None and data.shape != t.shape:
+        _refuse_blockwise(t, func)
     if t._axiswise_dim is None:
         return t.with_data(data)
     # Axiswise: only views that keep the scaled-along dim at the same end with the same size
@@ -100,9 +121,32 @@ def _view(func, args, kwargs):
 @implements([aten.as_strided.default])
 def _as_strided(func, args, kwargs):
     t = args[0]
-    if t._axiswise_dim is not None:
-        raise NotImplementedError("float8kit: as_strided is tensorwise-only")
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    if t._block is not None and _leading_rows(t, args[1], args[2], offset):
+        # FSDP2's view of the unsharded weight inside its padded all-gather buffer: the
+        # first rows, which keep their blocks (and the first rows of the scale grid).
+        rows = -(-args[1][0] // t._block[0])
+        return t.with_data(func(t._data, *args[1:], **kwargs), t._scale[:rows])
+    if t._axiswise_dim is not None or t._block is not None:
+        raise NotImplementedError(
+            "float8kit: as_strided is tensorwise-only (blockwise: only a 2-D tensor's leading rows)"
+        )
     return t.with_data(func(t._data, *args[1:], **kwargs))
+
+
+def _leading_rows(t: Float8TrainingTensor, size, stride, storage_offset=None) -> bool:
+    """Whether ``as_strided(size, stride, storage_offset)`` of a contiguous 2-D tensor
+    selects its first ``size[0]`` rows, whole."""
+    d = t._data
+    return (
+        d.dim() == 2
+        and d.is_contiguous()
+        and len(size) == 2
+        and size[0] <= d.shape[0]
+        and size[1] == d.shape[1]
+        and tuple(stride) == (d.shape[1], 1)
+        and (storage_offset or 0) == d.storage_offset()
+    )
 
 
 def _scale_slice(t: Float8TrainingTensor, dim: int, fn: Callable):
@@ -115,6 +159,7 @@ def _scale_slice(t: Float8TrainingTensor, dim: int, fn: Callable):
 @implements([aten.slice.Tensor])
 def _slice(func, args, kwargs):
     t = args[0]
+    _refuse_blockwise(t, func)
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % t.dim()
     scale = _scale_slice(t, dim, lambda s: func(s, *args[1:], **kwargs))
     return t.with_data(func(t._data, *args[1:], **kwargs), scale)
@@ -123,6 +168,7 @@ def _slice(func, args, kwargs):
 @implements([aten.split.Tensor])
 def _split(func, args, kwargs):
     t, size = args[0], args[1]
+    _refuse_blockwise(t, func)
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % t.dim()
     datas = func(t._data, size, dim)
     scales = (
@@ -140,6 +186,7 @@ def _cat(func, args, kwargs):
     first = tensors[0]
     if not all(isinstance(t, Float8TrainingTensor) for t in tensors):
         raise NotImplementedError("float8kit: cat of float8 and hp tensors; dequantize first")
+    _refuse_blockwise(first, func)
     same = first._axiswise_dim is None or first._axiswise_dim == dim
     for t in tensors[1:]:
         if t._data.dtype != first._data.dtype or t._axiswise_dim != first._axiswise_dim:
@@ -195,10 +242,16 @@ def _copy_(func, args, kwargs):
     scale; hp <- Float8 dequantizes."""
     dst, src = args[0], args[1]
     if isinstance(dst, Float8TrainingTensor) and isinstance(src, Float8TrainingTensor):
-        if dst._data.dtype != src._data.dtype or dst._axiswise_dim != src._axiswise_dim:
+        if (
+            dst._data.dtype != src._data.dtype
+            or dst._axiswise_dim != src._axiswise_dim
+            or dst._block != src._block
+        ):
             raise ValueError("float8kit: copy_ between float8 tensors of different formats")
         dst._data.copy_(src._data)
         dst._scale.copy_(src._scale)
+    elif isinstance(dst, Float8TrainingTensor) and dst._block is not None:
+        dst._data.copy_(to_fp8_blocks(src, dst._scale, dst._block, dst._data.dtype))
     elif isinstance(dst, Float8TrainingTensor):
         dst._data.copy_(to_fp8_saturated(src, dst._scale, dst._data.dtype))
     else:

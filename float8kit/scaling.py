@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from float8kit.config import E4M3, E5M2
 
@@ -111,6 +112,53 @@ def to_fp8_saturated(
     if fp8_dtype == E4M3:
         return (clamped + (scaled - scaled)).to(fp8_dtype)
     return torch.where(torch.isfinite(scaled), clamped, scaled).to(fp8_dtype)
+
+
+def _blocked(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``hp`` (R, C) zero-padded to whole blocks and shaped (R/br, br, C/bc, bc): a partial
+    block at the end (e.g. a token count that is not a multiple of 128) is padded with
+    zeros, which change neither its amax nor the sums of a gemm."""
+    (r, c), (br, bc) = hp.shape, block
+    pad_r, pad_c = -r % br, -c % bc
+    if pad_r or pad_c:
+        hp = F.pad(hp, (0, pad_c, 0, pad_r))
+    return hp.reshape((r + pad_r) // br, br, (c + pad_c) // bc, bc)
+
+
+def block_amax(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """max(|hp|) in fp32 per ``block`` = (rows, cols) block of a 2-D ``hp``: shape
+    (ceil(R / rows), ceil(C / cols)). NaN propagates; an empty block has amax 0."""
+    (r, c), (br, bc) = hp.shape, block
+    if hp.numel() == 0:
+        return torch.zeros((-(-r // br), -(-c // bc)), dtype=torch.float32, device=hp.device)
+    return torch.amax(torch.abs(_blocked(hp, block)), dim=(1, 3)).to(torch.float32)
+
+
+def to_fp8_blocks(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    fp8_dtype: torch.dtype,
+    *,
+    guard_non_finite: bool = True,
+) -> torch.Tensor:
+    """``to_fp8_saturated`` of a 2-D ``hp`` with one scale per ``block`` (``scale`` has
+    ``block_amax``'s shape). Same shape as ``hp``, contiguous."""
+    r, c = hp.shape
+    blocked = _blocked(hp, block)
+    data = to_fp8_saturated(
+        blocked, scale[:, None, :, None], fp8_dtype, guard_non_finite=guard_non_finite
+    )
+    data = data.reshape(blocked.shape[0] * blocked.shape[1], -1)
+    if data.shape != (r, c):
+        data = data[:r, :c].contiguous()
+    return data
+
+
+def expand_block_scale(scale: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
+    """Per-block ``scale`` repeated to one scale per element of a tensor of ``shape``."""
+    full = scale.repeat_interleave(block[0], dim=0).repeat_interleave(block[1], dim=1)
+    return full[: shape[0], : shape[1]]
 
 
 def update_amax_history(history: torch.Tensor, new_amax: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ from model import PRESETS, ModelArgs, Transformer  # noqa: E402
 
 import float8kit  # noqa: E402  # float8
 
-FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"]
 # Per-preset defaults for the flags left unset: tiny steps in ~0.1 s on one CPU core, small
 # makes compare.py a few-minute demo on 2 cores; 1b and llama3-8b-4l are for GPUs.
 PRESET_DEFAULTS = {
@@ -268,7 +268,9 @@ def build_model(
 
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
     # float8 all-gather needs one scale per weight: the tensorwise-weight recipes. Rowwise
-    # weights are all-gathered in bf16 (float8kit refuses a rowwise float8 all-gather).
+    # weights are all-gathered in bf16 (float8kit refuses a rowwise float8 all-gather), and
+    # so are blockwise ones here: their float8 all-gather needs every rank's shard to be
+    # whole 128-row blocks, which the small presets' dims on a few ranks are not.
     fp8_all_gather = world_size > 1 and args.float8 in ("tensorwise", "delayed")
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 

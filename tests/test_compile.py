@@ -19,6 +19,17 @@ def model(recipe):
     return convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
+def _square_loss_step(module, m, x):
+    """Output, input grad and ``m``'s parameter grads of one step of ``module`` (``m`` or
+    its compiled self) on ``x``; the grads are reset after."""
+    xi = x.clone().requires_grad_()
+    out = module(xi)
+    out.float().square().sum().backward()
+    grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    return out.detach(), xi.grad, grads
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
 @inductor_config.patch(emulate_precision_casts=True)
 def test_fullgraph_forward_backward_bitwise_vs_eager(recipe):
@@ -27,12 +38,7 @@ def test_fullgraph_forward_backward_bitwise_vs_eager(recipe):
     x = torch.randn(4, 16, 64, dtype=torch.bfloat16)
 
     def step(module):
-        xi = x.clone().requires_grad_()
-        out = module(xi)
-        out.float().square().sum().backward()
-        grads = [p.grad.clone() for p in m.parameters()]
-        m.zero_grad(set_to_none=True)
-        return out.detach(), xi.grad, grads
+        return _square_loss_step(module, m, x)
 
     eager = step(m)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
@@ -80,3 +86,21 @@ def test_compiled_empty_batch_matches_eager_and_records_nothing(recipe):
         assert torch.equal(e, c) and torch.equal(c, torch.zeros_like(c))
     for key, value in m.state_dict().items():
         assert torch.equal(value, state[key]), key
+
+
+@inductor_config.patch(emulate_precision_casts=True)
+def test_blockwise_fullgraph_forward_backward_bitwise_vs_eager():
+    # 128-multiple dims (the blockwise default filter), 144 tokens: a partial 128-tile in
+    # the grad_weight gemm's inner dim.
+    torch._dynamo.reset()
+    m = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 128)).bfloat16()
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("blockwise"))
+    assert all(type(m[i]).__name__ == "Float8Linear" for i in (0, 2))
+    x = torch.randn(2, 72, 128, dtype=torch.bfloat16)
+    eager = _square_loss_step(m, m, x)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = _square_loss_step(torch.compile(m, backend=counter, fullgraph=True), m, x)
+    assert counter.frame_count == 1
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    for e, c in zip(eager[2], compiled[2], strict=True):
+        assert torch.equal(e, c)

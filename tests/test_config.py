@@ -24,7 +24,9 @@ def test_cast_config_accepts_enum_values_as_strings():
     "kwargs, field",
     [
         ({"scaling_type": "fastest"}, "CastConfig.scaling_type"),
-        ({"scaling_granularity": "blockwise"}, "CastConfig.scaling_granularity"),
+        ({"scaling_granularity": "blocky"}, "CastConfig.scaling_granularity"),
+        ({"block_size": 0}, "CastConfig.block_size"),
+        ({"block_size": 64}, "CastConfig.block_size"),
         ({"target_dtype": torch.bfloat16}, "CastConfig.target_dtype"),
     ],
 )

@@ -146,6 +146,54 @@ def test_cuda_empty_batch_calls_no_kernel(recipe):
     assert torch.equal(g["weight"], torch.zeros_like(g["weight"]))
 
 
+def block_mlp():
+    # dims that are multiples of 128 (the blockwise default filter); see tests/test_blockwise
+    return nn.Sequential(nn.Linear(1024, 2048), nn.SiLU(), nn.Linear(2048, 1024))
+
+
+@pytest.mark.parametrize("tokens", [1024, 998])  # 998: padded to whole 128-blocks and to 4s
+def test_cuda_blockwise_kernel_matches_emulation_and_fp32(tokens):
+    base = block_mlp()
+    config = Float8LinearConfig.from_recipe_name("blockwise")
+    cuda = convert_to_float8_training(copy.deepcopy(base).cuda().bfloat16(), config=config)
+    emu = convert_to_float8_training(
+        copy.deepcopy(base).cuda().bfloat16(),
+        config=Float8LinearConfig(**{**config.__dict__, "emulate": True}),
+    )
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    x[:, [5, 17, 40]] *= 100
+    grad = torch.randn(tokens, 1024, device="cuda")
+    ref = fwd_bwd(copy.deepcopy(base).cuda(), x.float(), grad)
+    got, emulated = fwd_bwd(cuda, x, grad), fwd_bwd(emu, x, grad)
+
+    def gemms(r):
+        return r[0], r[1], r[2]["0.weight"]
+
+    for i, (r, g, e) in enumerate(zip(gemms(ref), gemms(got), gemms(emulated), strict=True)):
+        assert sqnr(r, g) >= 22, i
+        assert sqnr(e, g) >= 35, i  # the kernel is the emulated definition, to bf16 output
+
+
+def test_cuda_blockwise_agrees_with_torchao_prototype():
+    proto = pytest.importorskip("torchao.prototype.blockwise_fp8_training.linear")
+    from float8kit import Float8Linear
+
+    torch.manual_seed(0)
+    layer = nn.Linear(1024, 2048, bias=False).cuda().bfloat16()
+    ours = Float8Linear.from_float(
+        copy.deepcopy(layer), config=Float8LinearConfig.from_recipe_name("blockwise")
+    )
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    a = fwd_bwd(ours, x, grad)
+    xp = x.clone().requires_grad_()
+    w = layer.weight.detach().clone().requires_grad_()
+    out = proto.fp8_blockwise_mm.apply(xp, w, 128, torch.bfloat16, False)
+    out.backward(grad)
+    for mine, theirs in ((a[0], out), (a[1], xp.grad), (a[2]["weight"], w.grad)):
+        assert sqnr(theirs, mine) >= 30
+
+
 def test_cuda_scaled_grouped_mm_matches_emulation_and_fp32():
     # MoE experts through torch._scaled_grouped_mm (sm90); groups of 16-multiples, one empty
     from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training

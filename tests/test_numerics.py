@@ -2,8 +2,9 @@
 peer: same algorithm, so the two agree to rounding: bitwise for rowwise, >= 60 dB for
 tensorwise); and what each scaling policy does when the range of the input moves.
 
-The functions that measure (``sqnr_table``, ``scaling_policy_sqnrs``) also make the published
-tables: ``python tools/numbers.py numerics scaling`` writes them to numbers/*.json.
+The functions that measure (``sqnr_table``, ``scaling_policy_sqnrs``, ``outlier_sqnrs``)
+also make the published tables: ``python tools/measure.py numerics scaling outliers`` writes
+them to numbers/*.json.
 """
 
 import copy
@@ -110,6 +111,45 @@ def test_accuracy_against_fp32(recipe):
     for i, gemm in enumerate(GEMMS):
         got = sqnr(r["fp32"][i], r["float8kit"][i])
         assert got >= ACCURACY_DB[recipe][i], f"{recipe} {gemm}: {got:.2f} dB"
+
+
+# ---------------------------------------------------------------------------- outliers
+
+OUTLIER_RECIPES = ["tensorwise", "rowwise", "blockwise"]
+OUTLIER_CHANNELS = [5, 17, 40]  # all in the first 128-tile of the input's 512 channels
+BLOCKWISE_FLOOR_DB = 22.0
+
+
+def outlier_sqnrs(seed: int = 0) -> list[dict]:
+    """SQNR (dB) against fp32 of each gemm of one 512 -> 256 layer per recipe, on 1024 bf16
+    tokens whose magnitudes vary (log-normal per token, as real activations and gradients
+    do), with three 100x outlier input channels and one 100x outlier 128x128 weight block."""
+    torch.manual_seed(seed)
+    base = nn.Linear(512, 256)
+    with torch.no_grad():
+        base.weight[128:256, 256:384] *= 100
+    x = torch.randn(8, 128, 512) * torch.exp(torch.randn(8, 128, 1))
+    x[..., OUTLIER_CHANNELS] *= 100
+    grad = torch.randn(8, 128, 256) * torch.exp(torch.randn(8, 128, 1))
+    ref = fwd_bwd(base, x, grad)
+    rows = []
+    for recipe in OUTLIER_RECIPES:
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        layer = convert_to_float8_training(copy.deepcopy(base).bfloat16(), config=config)
+        out, gx, g = fwd_bwd(layer, x.bfloat16(), grad)
+        for gemm, r, got in zip(
+            GEMMS, (ref[0], ref[1], ref[2]["weight"]), (out, gx, g["weight"]), strict=True
+        ):
+            rows.append({"recipe": recipe, "gemm": gemm, "float8kit_vs_fp32": sqnr(r, got)})
+    return rows
+
+
+def test_blockwise_with_outliers_beats_the_floor_and_rowwise():
+    db = {(r["recipe"], r["gemm"]): r["float8kit_vs_fp32"] for r in outlier_sqnrs()}
+    for gemm in GEMMS:
+        block, row = db["blockwise", gemm], db["rowwise", gemm]
+        assert block >= BLOCKWISE_FLOOR_DB, f"{gemm}: {block:.2f} dB"
+        assert block >= row, f"{gemm}: blockwise {block:.2f} dB < rowwise {row:.2f} dB"
 
 
 # ---------------------------------------------------------------------------- scaling policies

@@ -176,6 +176,23 @@ def scaling() -> None:
     )
 
 
+def outliers() -> None:
+    """tensorwise, rowwise and blockwise on outlier channels and an outlier weight block."""
+    from tests import test_numerics
+
+    t0 = time.perf_counter()
+    write(
+        "outliers",
+        ["tests/test_numerics.py", "tests/helpers.py"],
+        {
+            "rows": test_numerics.outlier_sqnrs(),
+            "outlier_channels": test_numerics.OUTLIER_CHANNELS,
+            "blockwise_floor_db": test_numerics.BLOCKWISE_FLOOR_DB,
+        },
+        time.perf_counter() - t0,
+    )
+
+
 def experts() -> None:
     """float8 MoE experts (tests/test_experts.py): SQNR vs fp32 of two grouped gemms with
     SiLU between, 4 experts, one with no tokens."""
@@ -249,6 +266,36 @@ def fsdp() -> None:
         data[f"{policy}_precompute_all_reduces"] = r[f"{policy}_precompute_all_reduces"]
         data[f"{policy}_fwd_bwd_all_reduces"] = r[f"{policy}_fwd_bwd_all_reduces"]
     write("fsdp", ["tests/test_fsdp.py"], data, time.perf_counter() - t0)
+
+
+def fsdp_blockwise() -> None:
+    """tests/test_fsdp_blockwise.py's runs (2 and 3 gloo ranks); rank 0's numbers."""
+    from tests import test_fsdp as t
+
+    t0 = time.perf_counter()
+    data = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 3):
+            (Path(tmp) / str(world)).mkdir()
+            ranks = t._spawn(
+                "tests.test_fsdp_blockwise:_worker_blockwise", world, Path(tmp) / str(world)
+            )
+            r = ranks[0]
+            data[f"ranks{world}"] = {
+                "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
+                "all_gather_bytes_bf16": r["all_gather_bytes_bf16"],
+                "split_rel_diff": t._rel_diff(r["split"], r["ref"]),
+                "same_batch_bitwise": all(x["replicated"] == r["ref"] for x in ranks),
+                "precompute_all_reduces": r["precompute_all_reduces"],
+                "fwd_bwd_all_reduces": r["fwd_bwd_all_reduces"],
+                "steps": len(r["split"]),
+            }
+    write(
+        "fsdp_blockwise",
+        ["tests/test_fsdp_blockwise.py", "tests/test_fsdp.py"],
+        data,
+        time.perf_counter() - t0,
+    )
 
 
 # ---------------------------------------------------------------------------- benchmarks
@@ -335,7 +382,9 @@ def bench_train() -> None:
 NAMES: dict[str, Callable[[], None]] = {
     "numerics": numerics,
     "scaling": scaling,
+    "outliers": outliers,
     "fsdp": fsdp,
+    "fsdp_blockwise": fsdp_blockwise,
     "experts": experts,
     "tiny": tiny,
     "moe_tiny": moe_tiny,

@@ -195,6 +195,15 @@ def scaling_table() -> str:
     return caption("scaling") + "\n\n" + table(["situation", "SQNR (dB)"], rows)
 
 
+def outliers_table() -> str:
+    d = load("outliers")["data"]
+    db = {(r["recipe"], r["gemm"]): r["float8kit_vs_fp32"] for r in d["rows"]}
+    recipes = list(dict.fromkeys(r["recipe"] for r in d["rows"]))
+    gemms = list(dict.fromkeys(r["gemm"] for r in d["rows"]))
+    rows = [[g, *(f(db[r, g]) for r in recipes)] for g in gemms]
+    return caption("outliers") + "\n\n" + table(["gemm output", *recipes], rows)
+
+
 # ---------------------------------------------------------------------------- FSDP2
 
 
@@ -556,6 +565,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "experts": experts_table,
     "numerics": numerics_table,
     "scaling": scaling_table,
+    "outliers": outliers_table,
     "fsdp": fsdp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
@@ -577,6 +587,16 @@ def _fsdp(key: str, spec: str) -> Callable[[], str]:
     return get
 
 
+def _fsdp_blockwise(world: int, key: str) -> str:
+    x = load("fsdp_blockwise")["data"][f"ranks{world}"][key]
+    return sci(x) if isinstance(x, float) else str(x)
+
+
+def _fsdp_blockwise_ratio(world: int) -> str:
+    d = load("fsdp_blockwise")["data"][f"ranks{world}"]
+    return "{:.3f}x".format(d["all_gather_bytes_fp8"] / d["all_gather_bytes_bf16"])
+
+
 def _demo_gap(mode: str, which: str) -> Callable[[], str]:
     def get() -> str:
         s = load("demo")["data"]["summaries"]
@@ -593,6 +613,17 @@ INLINE: dict[str, Callable[[], str]] = {
     "fsdp.bf16_split": _fsdp("bf16_split_rel_diff", "sci"),
     "fsdp.uneven_split": _fsdp("uneven_split_rel_diff", "sci"),
     "fsdp.precompute_all_reduces": _fsdp("precompute_all_reduces", "d"),
+    **{f"fsdp_blockwise.ag_ratio_{w}": functools.partial(_fsdp_blockwise_ratio, w) for w in (2, 3)},
+    **{
+        f"fsdp_blockwise.split_{w}": functools.partial(_fsdp_blockwise, w, "split_rel_diff")
+        for w in (2, 3)
+    },
+    **{
+        f"fsdp_blockwise.all_reduces_{w}": functools.partial(
+            _fsdp_blockwise, w, "fwd_bwd_all_reduces"
+        )
+        for w in (2, 3)
+    },
     "fsdp.fwd_bwd_all_reduces": _fsdp("fwd_bwd_all_reduces_after_precompute", "d"),
     "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
     "demo.train_gap": _demo_gap("tensorwise", "train_loss"),

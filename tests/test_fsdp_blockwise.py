@@ -1,0 +1,161 @@
+"""FSDP2 float8 all-gather of blockwise (128x128-block) weights, on real gloo ranks (2 and 3):
+losses against single-device blockwise training, all-gathered bytes against the bf16
+all-gather, no amax collective, and the error for shards that would cut a block. Uses
+tests/test_fsdp.py's launcher and helpers (one module-scoped spawn per rank count)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from float8kit import Float8LinearConfig, precompute_scales
+from tests.test_fsdp import _bitwise, _Count, _data, _net, _rel_diff, _shard, _spawn, _train
+
+BLOCK = Float8LinearConfig.from_recipe_name("blockwise")
+BLOCK_AG = dataclasses.replace(BLOCK, enable_fsdp_float8_all_gather=True)
+STEPS = 3
+
+
+def _block_net(config: Float8LinearConfig, world: int, hidden_blocks: int | None = None):
+    """One block, dim 128 x world, hidden 256 x world: every rank's dim-0 shard of both
+    weights is whole 128-row blocks (``hidden_blocks`` overrides the hidden size)."""
+    hidden = 128 * (hidden_blocks or 2 * world)
+    return _net(config, dim=128 * world, hidden=hidden, n_blocks=1)
+
+
+def _worker_blockwise(rank: int, world: int, tmp: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world,))
+    batch, dim = 4, 128 * world
+    xs, ys = _data(STEPS, batch * world, dim, 16)
+    local = slice(rank * batch, (rank + 1) * batch)
+    res: dict = {}
+
+    def fsdp_net(config=BLOCK_AG, **fsdp_kwargs):
+        model = _block_net(config, world)
+        _shard(model, mesh, model.layers, **fsdp_kwargs)
+        return model
+
+    model = fsdp_net()
+    res["local_rows"] = [b.fc1.weight.to_local().shape[0] for b in model.layers]
+    res["split"], _ = _train(model, xs[:, local], ys[:, local], STEPS)
+    with _Count("all_reduce") as ar:
+        precompute_scales(model)
+    res["precompute_all_reduces"] = ar.calls
+    with _Count("all_reduce") as ar:
+        model(xs[0, local]).sum().backward()
+    res["fwd_bwd_all_reduces"] = ar.calls
+    # Every rank on the whole global batch: only the sharding differs from one device.
+    res["replicated"], _ = _train(fsdp_net(), xs, ys, STEPS)
+
+    # Bytes all-gathered in one forward + backward, bf16 parameters: float8 vs bf16.
+    mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name, config in (("fp8", BLOCK_AG), ("bf16", BLOCK)):
+        model = fsdp_net(config, mp_policy=mp_policy, reshard_after_forward=True)
+        with _Count("all_gather_single") as ag:
+            model(xs[0, local]).sum().backward()
+        res[f"all_gather_bytes_{name}"] = ag.bytes
+
+    # A hidden size whose shards cut 128-row blocks: every rank raises before any collective.
+    model = _block_net(BLOCK_AG, world, hidden_blocks=world + 1)
+    _shard(model, mesh, model.layers)
+    try:
+        model(xs[0, local])
+        res["misaligned_error"] = None
+    except ValueError as e:
+        res["misaligned_error"] = str(e)
+
+    if rank == 0:
+        ref = _block_net(BLOCK, world)
+        res["ref"], _ = _train(ref, xs, ys, STEPS, precompute=False, sharded=False)
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def blockwise_ranks(request, tmp_path_factory):
+    world = request.param
+    name = "tests.test_fsdp_blockwise:_worker_blockwise"
+    return world, _spawn(name, world, tmp_path_factory.mktemp(f"blockwise{world}"))
+
+
+@pytest.mark.slow
+def test_blockwise_float8_all_gather_trains_like_one_device(blockwise_ranks):
+    world, results = blockwise_ranks
+    ref = results[0]["ref"]
+    for r in results:
+        assert r["local_rows"] == [256]  # hidden 256 x world rows, whole blocks per rank
+        diff = _rel_diff(r["split"], ref)
+        print(f"{world} ranks, blockwise float8 all-gather vs one device: rel diff {diff:.2e}")
+        assert diff < 0.02
+        # Same batch on every rank: the gathered weight is exactly the single-device cast.
+        assert _bitwise(r["replicated"], ref)
+        # Block scales are local to each shard: no amax collective, ever.
+        assert r["precompute_all_reduces"] == 0 and r["fwd_bwd_all_reduces"] == 0
+
+
+@pytest.mark.slow
+def test_blockwise_all_gather_bytes_about_half_of_bf16(blockwise_ranks):
+    world, results = blockwise_ranks
+    r = results[0]
+    ratio = r["all_gather_bytes_fp8"] / r["all_gather_bytes_bf16"]
+    print(f"{world} ranks, blockwise fp8 / bf16 all-gathered bytes: {ratio:.3f}")
+    assert ratio <= 0.55
+
+
+@pytest.mark.slow
+def test_blockwise_shards_that_cut_blocks_raise_naming_the_fix(blockwise_ranks):
+    world, results = blockwise_ranks
+    for r in results:
+        msg = r["misaligned_error"]
+        assert msg is not None and "cut its 128x128 scale blocks" in msg
+        assert f"a multiple of 128 x {world}" in msg and "enable_fsdp_float8_all_gather" in msg
+
+
+class _Ranks:
+    """A stand-in for the FSDP mesh: the hooks only ask its size."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_hooks_gather_a_partial_last_block_like_one_device_cast():
+    # The two hooks on both shards of a 255-row weight over 2 "ranks" (128 + 127 rows: the
+    # second shard is padded to 128 rows and one block row of scales), then FSDP2's
+    # as_strided of the gathered buffer to 255 rows: bitwise the single-device cast.
+    from float8kit import GemmRole
+    from float8kit.linear import Float8Linear, cast_to_float8
+
+    hp = torch.randn(255, 256)
+    module = Float8Linear(256, 255, bias=False, config=BLOCK_AG)
+    shards = []
+    for rows in (slice(0, 128), slice(128, 255)):
+        w = type(module.weight)(hp[rows].clone(), BLOCK_AG)
+        (data, scale), meta = w.fsdp_pre_all_gather(_Ranks(2), hp.shape, (256, 1), module, None)
+        assert data.shape == (128, 256) and scale.shape == (1, 2 * 4) and meta == ()
+        shards.append((data, scale))
+    gathered = [torch.cat(parts) for parts in zip(*shards, strict=True)]
+    weight, inner = w.fsdp_post_all_gather(tuple(gathered), (), torch.bfloat16)
+    assert len(inner) == 2 and weight._block == (128, 128)
+    weight = torch.as_strided(weight, (255, 256), (256, 1), storage_offset=0)
+    ref = cast_to_float8(hp, BLOCK.cast_config_weight, GemmRole.WEIGHT, -1, BLOCK)
+    assert weight.shape == (255, 256) and weight.dtype == torch.bfloat16
+    assert torch.equal(weight._data.view(torch.uint8), ref._data.view(torch.uint8))
+    assert torch.equal(weight._scale, ref._scale)
+    # Later all-gathers refill the buffers the weight views: nothing to rebuild.
+    assert w.fsdp_post_all_gather(tuple(gathered), (), torch.bfloat16, out=weight) is None
+
+
+def test_hook_refuses_a_shard_that_cuts_blocks():
+    from float8kit.linear import Float8Linear
+
+    module = Float8Linear(256, 384, bias=False, config=BLOCK_AG)
+    w = type(module.weight)(torch.randn(192, 256), BLOCK_AG)
+    with pytest.raises(ValueError, match="shards of 192 rows cut its 128x128 scale blocks"):
+        w.fsdp_pre_all_gather(_Ranks(2), torch.Size([384, 256]), (256, 1), module, None)
