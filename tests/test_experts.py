@@ -338,44 +338,11 @@ def _worker_experts(rank: int, world: int, tmp: str) -> dict:
     return res
 
 
-def _entry(rank: int, world: int, tmp: str) -> None:
-    import datetime
-    import os
-    import sys
-
-    torch.set_num_threads(1)
-    dist = torch.distributed
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        torch.save(_worker_experts(rank, world, tmp), f"{tmp}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no gloo teardown at exit (see tests/test_fsdp.py)
-
-
 @pytest.fixture(scope="module")
 def experts2(tmp_path_factory):
-    import os
+    from tests.test_fsdp import _spawn  # the FSDP tests' launcher (real gloo processes)
 
-    import torch.multiprocessing as mp
-
-    tmp = tmp_path_factory.mktemp("experts2")
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.spawn(_entry, args=(2, str(tmp)), nprocs=2, join=True)
-    finally:
-        os.environ.pop("OMP_NUM_THREADS") if old is None else os.environ.update(OMP_NUM_THREADS=old)
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return _spawn("tests.test_experts:_worker_experts", 2, tmp_path_factory.mktemp("experts2"))
 
 
 @pytest.mark.slow
