@@ -12,6 +12,7 @@ from float8kit.config import (
     E4M3,
     E5M2,
     CastConfig,
+    Float8ExpertsConfig,
     Float8LinearConfig,
     Float8Recipe,
     GemmConfig,
@@ -20,6 +21,11 @@ from float8kit.config import (
     ScalingType,
 )
 from float8kit.convert import convert_to_float8_training, default_module_filter
+from float8kit.experts import (
+    Float8ExpertWeight,
+    convert_experts_to_float8_training,
+    default_expert_filter,
+)
 from float8kit.linear import Float8Linear
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
 from float8kit.scale_state import strip_float8_state
@@ -32,6 +38,10 @@ __all__ = [
     "convert_to_float8_training",
     "default_module_filter",
     "Float8Linear",
+    # MoE expert weights (torch._grouped_mm / F.grouped_mm in float8)
+    "convert_experts_to_float8_training",
+    "default_expert_filter",
+    "Float8ExpertsConfig",
     # configuration
     "Float8LinearConfig",
     "Float8Recipe",
@@ -52,6 +62,7 @@ __all__ = [
     "checkpoint_policy",
     # internals users may meet (FSDP2 all-gathered weights, debugging)
     "Float8TrainingTensor",
+    "Float8ExpertWeight",
 ]
 
 # Anything of ours that can reach a pickle loads under torch.load(weights_only=True).
@@ -59,6 +70,7 @@ torch.serialization.add_safe_globals(
     [
         Float8TrainingTensor,
         Float8LinearConfig,
+        Float8ExpertsConfig,
         CastConfig,
         GemmConfig,
         ScalingType,

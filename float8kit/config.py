@@ -400,6 +400,34 @@ class Float8LinearConfig:
         return _RECIPES[name]()
 
 
+@dataclasses.dataclass(frozen=True)
+class Float8ExpertsConfig:
+    """How ``convert_experts_to_float8_training`` runs MoE expert weights' grouped gemms.
+
+    Dynamic rowwise e4m3 scaling only, the one float8 grouped kernel torch has: scales per
+    token and per expert column in the output and grad_input gemms, per expert group in the
+    weight-gradient gemm.
+    """
+
+    # floor every scale to a power of two (exact rescaling, as the rowwise linear recipe)
+    round_scales_to_power_of_2: bool = True
+    # run the float8 math in fp32 instead of torch._scaled_grouped_mm (CPU always does:
+    # torch has no CPU kernel)
+    emulate: bool = False
+    # accumulate the output gemm in the tensor cores' faster, lower-precision mode (CUDA)
+    use_fast_accum: bool = False
+    # under FSDP2, cast expert weight shards to float8 before the all-gather (rowwise scales
+    # per expert are local to the shard; the expert count must divide by the world size)
+    enable_fsdp_float8_all_gather: bool = False
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise ValueError(
+                    f"Float8ExpertsConfig.{f.name}={getattr(self, f.name)!r} must be a bool"
+                )
+
+
 class Float8Recipe(enum.Enum):
     """Named presets for ``Float8LinearConfig.from_recipe_name``."""
 

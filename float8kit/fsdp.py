@@ -305,14 +305,16 @@ class Float8AllGatherWeight(torch.Tensor):
         return weight, (data,)
 
 
-def _mutated_weights(func, args, kwargs) -> Iterator[Float8AllGatherWeight]:
-    """The Float8AllGatherWeight arguments ``func`` writes to (per its schema)."""
+def _mutated_weights(func, args, kwargs, cls: type | None = None) -> Iterator[torch.Tensor]:
+    """The ``cls`` (default Float8AllGatherWeight) arguments ``func`` writes to (per its
+    schema)."""
+    cls = cls or Float8AllGatherWeight
     for i, arg in enumerate(func._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
         for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, Float8AllGatherWeight):
+            if isinstance(t, cls):
                 yield t
 
 
@@ -594,9 +596,12 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
     return wrapped
 
 
-def store_plain_weight(state_dict: dict, prefix: str) -> None:
+def store_plain_weight(
+    state_dict: dict, prefix: str, name: str = "weight", cls: type | None = None
+) -> None:
     """In a Float8Linear's freshly saved ``state_dict``: the weight as plain hp values, not
-    the subclass.
+    the subclass (``name`` and ``cls``: another parameter and wrapper subclass with an hp
+    ``_tensor``, e.g. float8kit/experts.py's).
 
     Unsharded: the hp tensor. Under FSDP2: a DTensor of the same mesh, placements and global
     shape around the hp shard. Both share storage with the parameter, so in-place loads into
@@ -607,13 +612,14 @@ def store_plain_weight(state_dict: dict, prefix: str) -> None:
     """
     from torch.distributed.tensor import DTensor
 
-    key = prefix + "weight"
+    cls = cls or Float8AllGatherWeight
+    key = prefix + name
     value = state_dict.get(key)
     if value is None or isinstance(value, nn.Parameter):
         return
-    if isinstance(value, Float8AllGatherWeight):
+    if isinstance(value, cls):
         state_dict[key] = value._tensor
-    elif isinstance(value, DTensor) and isinstance(value._local_tensor, Float8AllGatherWeight):
+    elif isinstance(value, DTensor) and isinstance(value._local_tensor, cls):
         state_dict[key] = DTensor.from_local(
             value._local_tensor._tensor,
             value.device_mesh,

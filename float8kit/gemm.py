@@ -1,5 +1,5 @@
 """The one place that calls ``torch._scaled_mm`` (and, for block scales, its successor
-``torch.nn.functional.scaled_mm``).
+``torch.nn.functional.scaled_mm``; for MoE experts, ``torch._scaled_grouped_mm``).
 
 ``scaled_mm(a, b)`` multiplies two float8 training tensors, ``a`` (M, K) and ``b`` (K, N):
 it puts A row-major and B column-major, turns our multiplying scales into the reciprocals
@@ -13,6 +13,8 @@ on CUDA the cuBLAS block-scaled fp8 gemm that ``torch.nn.functional.scaled_mm`` 
 ``ScalingType.BlockWise1x128`` / ``BlockWise128x128`` (sm90+); elsewhere (``torch._scaled_mm``
 on CPU takes no block scales) its definition in fp32: for every 128-long block of the inner
 dim, the fp32 sum of the fp8 products, times both operands' block scales, summed.
+
+``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups.
 """
 
 from __future__ import annotations
@@ -357,3 +359,101 @@ def scaled_mm(
         use_fast_accum=use_fast_accum,
     )
     return out.to(out_dtype)
+
+
+@torch.library.custom_op("float8kit::grouped_mm_fp32", mutates_args=())
+def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` of fp32 operands, an opaque op to ``torch.compile``: the eager
+    kernel takes fp32 (the emulation's exact products of float8 values, fp32 sums), but its
+    meta function accepts bf16 only, so a compiled graph could not trace it directly. CUDA's
+    grouped kernel takes bf16 only: there, one matmul per group (emulation is for debugging)."""
+    if a.device.type == "cpu":
+        return torch._grouped_mm(a, b, offs=offs)
+    ends = offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        out = a.new_zeros((a.size(0), b.size(-1)))
+        for g, (lo, hi) in enumerate(zip(starts, ends, strict=True)):
+            out[lo:hi] = a[lo:hi] @ b[g]
+        return out
+    return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in zip(starts, ends, strict=True)])
+
+
+@_grouped_mm_fp32.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:
+        return a.new_empty((a.size(0), b.size(-1)))
+    return a.new_empty((offs.size(0), a.size(0), b.size(1)))
+
+
+def scaled_grouped_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    emulate: bool = False,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """The one place that calls ``torch._scaled_grouped_mm``: a float8 grouped gemm over
+    jagged groups (MoE experts), with rowwise scales.
+
+    Shapes (G groups, ``offs`` the int32 cumulative group ends, as for ``torch._grouped_mm``):
+
+    - 2-D x 3-D (an expert layer's output and grad_input gemms): ``a`` (M, K) split along M,
+      ``a_scale`` (M,) one per row; ``b`` (G, K, N), ``b_scale`` (G, N) one per expert
+      column; the result is (M, N).
+    - 2-D x 2-D (the weight-gradient gemm): ``a`` (M, T) and ``b`` (T, N) split along the
+      inner dim T; ``a_scale`` (G * M,) one per group and row, ``b_scale`` (G * N,) one per
+      group and column; the result is (G, M, N). An empty group gives exact zeros.
+
+    Scales multiply (``fp8 = hp * scale``, float8kit's convention); the kernel gets their
+    reciprocals. The numerics are the CUDA kernel's: products of float8 values accumulated
+    in fp32 per group, times ``1 / (scale_a * scale_b)``, written as bf16 (the kernel's only
+    output dtype), then cast to ``out_dtype``. ``emulate`` (and every non-CUDA tensor, since
+    torch has no CPU kernel) computes exactly that with ``torch._grouped_mm`` in fp32; rows
+    of ``a`` past ``offs[-1]`` come out as zeros there (the kernel leaves them unwritten).
+
+    Args:
+        a, b: ``torch.float8_e4m3fn`` data (the kernel takes e4m3 only).
+        a_scale, b_scale: fp32 multiplying scales in the shapes above.
+        offs: (G,) int32 cumulative group ends.
+        out_dtype: dtype of the result.
+        emulate: do the math in fp32 instead of calling the kernel.
+        use_fast_accum: the kernel's faster, less precise accumulation (CUDA only).
+
+    Returns:
+        The grouped product in ``out_dtype``.
+    """
+    inv_a = a_scale.to(torch.float32).reciprocal()
+    inv_b = b_scale.to(torch.float32).reciprocal()
+    if a.is_cuda and not emulate:
+        if not _is_row_major(a):
+            a = a.contiguous()
+        if not (b.stride(-2) == 1 and b.stride(-1) >= b.size(-2)):
+            b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
+        out = torch._scaled_grouped_mm(
+            a,
+            b,
+            inv_a.contiguous(),
+            inv_b.contiguous(),
+            offs=offs,
+            out_dtype=torch.bfloat16,
+            use_fast_accum=use_fast_accum,
+        )
+        return out.to(out_dtype)
+    acc = _grouped_mm_fp32(a.to(torch.float32), b.to(torch.float32), offs)
+    if b.dim() == 3:
+        groups, m = b.size(0), a.size(0)
+        # Each row's group: rows past offs[-1] get G, an extra all-zero scale row.
+        rows = torch.arange(m, device=a.device, dtype=offs.dtype)
+        group = torch.searchsorted(offs, rows, right=True)
+        inv_b = torch.cat([inv_b, inv_b.new_zeros((1, inv_b.size(1)))])[group]
+        out = acc * inv_a.reshape(m, 1) * inv_b
+        out = torch.where((group < groups).unsqueeze(1), out, 0.0)
+    else:
+        groups = offs.size(0)
+        out = acc * inv_a.reshape(groups, -1, 1) * inv_b.reshape(groups, 1, -1)
+    return out.to(torch.bfloat16).to(out_dtype)

@@ -2,7 +2,10 @@
 
 Every projection is a plain ``nn.Linear`` so a float8 converter can swap it; the lm head is
 ``output`` (recipes keep it in hp) and the blocks live in ``model.layers`` (FSDP wraps each).
-Vocabulary is 256: the recipes train on raw bytes.
+With ``n_experts > 0`` the FFN is a top-k routed mixture of SwiGLU experts (``MoEFeedForward``):
+3-D expert weights (experts, in, out) run through ``torch._grouped_mm`` on tokens sorted by
+expert, and a load-balancing loss joins the training loss. Vocabulary is 256: the recipes
+train on raw bytes.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ class ModelArgs:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 2048  # RoPE table length; a longer --seq-len grows it
+    n_experts: int = 0  # > 0: the FFN is a mixture of n_experts routed SwiGLU experts
+    top_k: int = 2  # experts per token
+    moe_hidden: int = 64  # each expert's SwiGLU hidden size (a multiple of 16 for float8)
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss in the training loss
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -34,6 +41,8 @@ class ModelArgs:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..n_experts={self.n_experts}")
 
     @property
     def head_dim(self) -> int:
@@ -53,6 +62,10 @@ PRESETS: dict[str, dict] = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=176),
     # The CPU demo that compare.py runs: ~0.8 M params.
     "small": dict(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=352),
+    # CPU MoE smoke test: tiny with 8 routed experts (top-2) in place of the dense FFN.
+    "moe-tiny": dict(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, n_experts=8, top_k=2, moe_hidden=64
+    ),
     # GPU: ~1.2 B params (Llama-3.2-1B-like widths, 256-byte vocab).
     "1b": dict(
         dim=2048,
@@ -134,13 +147,55 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MoEFeedForward(nn.Module):
+    """Top-k routed SwiGLU experts. Each token goes to its ``top_k`` highest-scoring experts
+    (router softmax, weights renormalized over the chosen k); the (token, expert) pairs are
+    sorted by expert so that each expert's tokens are one contiguous group, and the three
+    expert gemms are ``torch._grouped_mm`` over those jagged groups (``offs``: cumulative
+    group ends; an expert may get no tokens). ``aux_loss`` is the Switch Transformer
+    load-balancing loss of the last forward: n_experts * sum_e f_e * p_e (f_e: the share of
+    assignments expert e got, p_e: its mean router probability); 1.0 when balanced."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.top_k = args.top_k
+        e, d, h = args.n_experts, args.dim, args.moe_hidden
+        self.router = nn.Linear(d, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, d, h))  # gate (experts, in, out)
+        self.w3 = nn.Parameter(torch.empty(e, d, h))  # up
+        self.w2 = nn.Parameter(torch.empty(e, h, d))  # down
+        self.aux_loss = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, n_experts = x.shape, self.w1.shape[0]
+        x = x.reshape(-1, shape[-1])
+        probs = F.softmax(self.router(x).float(), dim=-1)  # (tokens, experts)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        # Sort the (token, expert) pairs by expert: each expert's tokens become one group.
+        order = experts.flatten().argsort(stable=True)
+        token = order // self.top_k
+        counts = torch.bincount(experts.flatten(), minlength=n_experts)
+        offs = counts.cumsum(0).to(torch.int32)
+        xs = x[token]
+        if torch.is_autocast_enabled(x.device.type):  # grouped_mm has no autocast rule
+            xs = xs.to(torch.get_autocast_dtype(x.device.type))
+        w1, w2, w3 = (w.to(xs.dtype) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(torch._grouped_mm(xs, w1, offs=offs)) * torch._grouped_mm(xs, w3, offs=offs)
+        ys = torch._grouped_mm(h, w2, offs=offs) * weights.flatten()[order, None].to(xs.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
+        share = counts.float() / order.numel()
+        self.aux_loss = n_experts * (share * probs.mean(0)).sum()
+        return out.view(shape)
+
+
 class Block(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoEFeedForward(args) if args.n_experts else FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -165,9 +220,9 @@ class Transformer(nn.Module):
         # GPT-2 style: N(0, 0.02), residual projections shrunk by depth so the residual
         # stream's variance does not grow with n_layers.
         for name, p in self.named_parameters():
-            if name.endswith(("wo.weight", "w2.weight")):
+            if name.endswith(("wo.weight", "w2.weight", "feed_forward.w2")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.args.n_layers))
-            elif p.dim() == 2:
+            elif p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,4 +237,8 @@ class Transformer(nn.Module):
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        if self.args.n_experts:
+            aux = sum(layer.feed_forward.aux_loss for layer in self.layers)
+            loss = loss + self.args.aux_loss_coef * aux
+        return loss

@@ -5,6 +5,7 @@ One process (CPU or one GPU):
     python recipes/train.py --preset tiny --float8 none --steps 60
     python recipes/train.py --preset tiny --float8 tensorwise --steps 60
     python recipes/train.py --preset small --float8 rowwise --out runs/small_rowwise
+    python recipes/train.py --preset moe-tiny --float8 rowwise  # MoE: float8 grouped experts
 
 Several processes, FSDP2 (gloo on CPU, nccl on GPUs; --batch-size is the global batch):
 
@@ -28,8 +29,8 @@ the training losses. On CPU each process uses --threads intra-op threads (defaul
 The float8 part of this file is three statements tagged with a "float8" comment (import,
 convert, precompute_scales): without them what is left is the bf16 baseline.
 Everything else runs the same in both modes: bf16 autocast over fp32 master weights; the
-lm head (`output`), norms, attention and the loss stay in hp; only the Linear gemms inside
-the blocks change.
+lm head (`output`), MoE routers, norms, attention and the loss stay in hp; only the Linear
+gemms inside the blocks (and the MoE experts' grouped gemms) change.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"
 PRESET_DEFAULTS = {
     "tiny": dict(batch_size=8, seq_len=128, lr=3e-3, steps=60),
     "small": dict(batch_size=16, seq_len=128, lr=2e-3, steps=150),
+    "moe-tiny": dict(batch_size=8, seq_len=128, lr=3e-3, steps=40),
     "1b": dict(batch_size=8, seq_len=2048, lr=3e-4, steps=100),
     "llama3-8b-4l": dict(batch_size=8, seq_len=4096, lr=3e-4, steps=50),
 }
@@ -103,7 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--float8",
         default="none",
         choices=FLOAT8_MODES,
-        help="float8kit recipe for the block Linears; none = the bf16 baseline",
+        help="float8kit recipe for the block Linears (MoE experts: rowwise grouped gemms in "
+        "every float8 mode); none = the bf16 baseline",
     )
     p.add_argument("--steps", type=int, help=f"optimizer steps ({_preset_default('steps')})")
     p.add_argument(
@@ -239,13 +242,15 @@ def build_model(
     # Convert before FSDP wraps the model, as torchtitan does: FSDP then shards the
     # Float8Linear weights and (tensorwise) all-gathers them as fp8.
     if args.float8 != "none":
-        float8kit.convert_to_float8_training(  # float8: block Linears -> Float8Linear, lm head hp
-            model,
-            module_filter_fn=lambda mod, fqn: fqn != "output",
-            config=replace(
-                float8kit.Float8LinearConfig.from_recipe_name(args.float8),
-                enable_fsdp_float8_all_gather=fp8_all_gather,
-            ),
+        float8kit.convert_experts_to_float8_training(  # float8: Linears (no head/router), experts
+            float8kit.convert_to_float8_training(
+                model,
+                module_filter_fn=lambda mod, fqn: fqn != "output" and "router" not in fqn,
+                config=replace(
+                    float8kit.Float8LinearConfig.from_recipe_name(args.float8),
+                    enable_fsdp_float8_all_gather=fp8_all_gather,
+                ),
+            )
         )
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh

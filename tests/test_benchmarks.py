@@ -221,3 +221,12 @@ def test_roofline_model_arithmetic():
     overlapped = roofline.predict(m, k, n, "fwd_bwd", {**rates, "host_overlaps_device": True})
     want = max(0.1, flops / 1e12 * 1e3) / max(0.3, flops / 2e12 * 1e3 + cast_bytes / 1e10 * 1e3)
     assert overlapped["predicted_speedup"] == pytest.approx(want, rel=1e-3)
+
+
+def test_bench_experts_smoke_sqnr_vs_bf16(tmp_path):
+    data = run_script(
+        "bench_experts", tmp_path / "experts.json", "--smoke", "--threads", "1", "--iters", "2"
+    )
+    for row in data["rows"]:
+        assert row["bf16_ms"] > 0 and row["float8kit_ms"] > 0
+        assert row["float8kit_sqnr_db"] is not None and row["float8kit_sqnr_db"] >= 20, row

@@ -211,6 +211,32 @@ def memory() -> None:
     )
 
 
+def experts() -> None:
+    """float8 MoE experts (tests/test_experts.py): SQNR vs fp32 of two grouped gemms with
+    SiLU between, 4 experts, one with no tokens."""
+    from tests import test_experts
+
+    t0 = time.perf_counter()
+    scores, grads = test_experts.experts_sqnrs()
+    data = {
+        "sqnr_db": scores,
+        "threshold_db": test_experts.ACCURACY_DB,
+        "empty_expert_grad_exactly_zero": all(bool(g[1].abs().max() == 0) for g in grads),
+        "shapes": {
+            "tokens": test_experts.TOKENS,
+            "dim": test_experts.DIM,
+            "hidden": test_experts.HIDDEN,
+            "offs": test_experts.OFFS.tolist(),
+        },
+    }
+    write("experts", ["tests/test_experts.py", "tests/helpers.py"], data, time.perf_counter() - t0)
+
+
+def moe_tiny() -> None:
+    """The moe-tiny preset (8 routed experts, top-2): bf16 vs float8 rowwise, 40 steps."""
+    compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise"])
+
+
 def fsdp() -> None:
     """tests/test_fsdp.py's and tests/test_fsdp_rowwise.py's multi-process runs (2 and 3 gloo
     ranks); rank 0's numbers."""
@@ -435,7 +461,9 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "memory": memory,
+    "experts": experts,
     "tiny": tiny,
+    "moe_tiny": moe_tiny,
     "demo": demo,
     "demo_busy": demo_busy,
     "bench_overhead": bench_overhead,

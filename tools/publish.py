@@ -155,6 +155,24 @@ def numerics_table() -> str:
     )
 
 
+def experts_table() -> str:
+    d = load("experts")["data"]
+    s = d["shapes"]
+    names = {
+        "output": "output",
+        "grad_input": "grad_input",
+        "grad_w1": "grad_weight (first gemm)",
+        "grad_w2": "grad_weight (second gemm)",
+    }
+    rows = [[names[k], f(v, ".1f")] for k, v in d["sqnr_db"].items()]
+    return (
+        f"{caption('experts')}; {s['tokens']} tokens, dim {s['dim']}, hidden {s['hidden']}, "
+        f"4 experts, offs {s['offs']} (expert 1 gets no tokens: its weight grads are "
+        f"{'exactly zero' if d['empty_expert_grad_exactly_zero'] else 'NOT zero'})\n\n"
+        + table(["two grouped gemms, SiLU between", "float8 vs fp32 SQNR (dB)"], rows)
+    )
+
+
 def scaling_table() -> str:
     s = load("scaling")["data"]
     rows = [
@@ -708,6 +726,8 @@ def perf_table() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "demo": lambda: compare_table("demo"),
     "tiny": lambda: compare_table("tiny"),
+    "moe_tiny": lambda: compare_table("moe_tiny"),
+    "experts": experts_table,
     "numerics": numerics_table,
     "scaling": scaling_table,
     "outliers": outliers_table,

@@ -1,0 +1,455 @@
+"""Float8 MoE expert weights: ``torch._grouped_mm`` over jagged token groups, in float8.
+
+``convert_experts_to_float8_training`` wraps each selected 3-D expert weight (experts, in,
+out) in a ``Float8ExpertWeight``, a parameter subclass around the same hp tensor. The model
+keeps calling ``torch._grouped_mm(x, w, offs=offs)`` (or ``F.grouped_mm``); the subclass's
+``__torch_function__`` sees that call and runs ``_Float8GroupedMM`` instead, whose three
+grouped gemms go through ``gemm.scaled_grouped_mm``:
+
+    output      = x (M,K)      @ w (G,K,N)      scales: per token (row), per expert column
+    grad_input  = grad_out (M,N) @ w.T (G,N,K)  scales: per token (row), per expert column
+    grad_weight = x.T (K,M)    @ grad_out (M,N) per group: scales per group and row/column
+
+Tokens are sorted by expert: group ``g`` is rows ``offs[g-1]:offs[g]`` (``offs`` int32
+cumulative ends, as torch wants). Rowwise scales along the inner dim come from
+``scaling`` (dynamic, e4m3: the only float8 grouped kernel); the grad_weight gemm's inner
+dim is the jagged token dim, so its scales are per group (``group_amax``), and an expert
+that got no tokens gets an exactly zero gradient.
+
+Every other op on the weight (optimizer steps, ``load_state_dict``, FSDP2's sharding) runs on
+the hp tensor; ``state_dict`` holds the plain hp tensor. Under FSDP2 the subclass all-gathers
+hp, or with ``enable_fsdp_float8_all_gather`` float8 bytes plus the per-expert rowwise scales
+(local to the shard: experts are sharded on dim 0), and the gathered weight carries its
+float8 data into the output gemm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from float8kit import scaling
+from float8kit.config import E4M3, Float8ExpertsConfig
+from float8kit.fsdp import (
+    _KEEP_SUBCLASS,
+    _mutated_weights,
+    _padded_shard_size,
+    store_plain_weight,
+)
+from float8kit.gemm import scaled_grouped_mm
+
+aten = torch.ops.aten
+
+ParamFilter = Callable[[nn.Parameter, str], bool]
+
+# Ops that keep "the weight" (same values, a view of them): the hp wrapper stays a wrapper.
+_KEEP_EXPERT = _KEEP_SUBCLASS | {aten.transpose.int, aten.t.default, aten.permute.default}
+# Ops on a float8-gathered weight that keep its values; transposes move the scale along.
+_FP8_SAME = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default}
+_FP8_TRANSPOSE = {aten.transpose.int, aten.permute.default}
+
+
+# ---------------------------------------------------------------------------- scaling
+
+
+def _cast(
+    hp: torch.Tensor, reduce_dim: int, config: Float8ExpertsConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic rowwise e4m3 cast: ``(fp8 data, scale)``, one scale per slice along
+    ``reduce_dim`` (kept as a size-1 dim)."""
+    amax = scaling.amax(hp, reduce_dim)
+    scale = scaling.amax_to_scale(amax, E4M3, config.round_scales_to_power_of_2)
+    # A dynamic scale already makes inf/NaN NaN (scale 0 or NaN): no guard pass needed.
+    return scaling.to_fp8_saturated(hp, scale, E4M3, guard_non_finite=False), scale
+
+
+def token_groups(offs: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The group of each of ``num_tokens`` rows: ``g`` for rows ``offs[g-1]:offs[g]``,
+    ``len(offs)`` for rows past ``offs[-1]`` (which grouped gemms ignore)."""
+    rows = torch.arange(num_tokens, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True)
+
+
+def group_amax(hp: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """max(|hp|) over each token group, per column: (num_groups, D) fp32 for ``hp`` (T, D).
+    An empty group has amax 0 (scale: the largest finite one; its gemm sums nothing). NaN
+    propagates."""
+    index = groups.unsqueeze(1).expand(hp.shape)
+    out = hp.new_zeros((num_groups + 1, hp.size(1)), dtype=torch.float32)
+    out = out.scatter_reduce(0, index, hp.abs().to(torch.float32), "amax", include_self=True)
+    return out[:num_groups]
+
+
+def _cast_per_group(
+    hp: torch.Tensor, groups: torch.Tensor, num_groups: int, config: Float8ExpertsConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast (T, D) ``hp`` with one scale per token group and column: ``(fp8 data, (G, D)
+    scales)``. Rows past the last group get scale 1 (the gemm ignores them)."""
+    scale = scaling.amax_to_scale(
+        group_amax(hp, groups, num_groups), E4M3, config.round_scales_to_power_of_2
+    )
+    per_row = torch.cat([scale, scale.new_ones((1, scale.size(1)))])[groups]
+    return scaling.to_fp8_saturated(hp, per_row, E4M3, guard_non_finite=False), scale
+
+
+# ---------------------------------------------------------------------------- the gemms
+
+
+class _Float8GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(x, weight, offs=offs)`` with all three gemms in float8; internal.
+
+    Invariants: ``x`` is 2-D (M, K) hp, sorted by group; ``weight`` is (G, K, N): a
+    ``Float8ExpertWeight`` (hp, or float8 data + per-expert-column scales from an FSDP2
+    float8 all-gather) or a plain hp tensor. Returns (M, N) in ``x``'s dtype, grad_input in
+    ``x``'s dtype and grad_weight in the weight's dtype. Saves hp ``x`` (the grad_weight gemm
+    needs other scales than the output gemm) and the hp weight (or its float8 data and
+    scales). A gathered float8 weight's grad_input gemm recasts its dequantized values with
+    scales along N (a second rounding; casting hp per use would need the hp gathered).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
+        groups, _, n = weight.shape
+        gathered = isinstance(weight, Float8ExpertWeight) and weight._scale is not None
+        if gathered and weight._scale.size(1) == 1:
+            # float8 from the all-gather, scaled along K as this gemm needs: use it as is
+            w_data, w_scale = weight._tensor, weight._scale
+            ctx.save_for_backward(x, offs, w_data, w_scale)
+        else:
+            if gathered:  # scaled along the other dim (a transposed weight): recast
+                w_hp = weight._tensor.to(torch.float32) / weight._scale
+            elif isinstance(weight, Float8ExpertWeight):
+                w_hp = weight._tensor
+            else:
+                w_hp = weight
+            w_data, w_scale = _cast(w_hp, 1, config)
+            ctx.save_for_backward(x, offs, w_hp)
+        x_data, x_scale = _cast(x, -1, config)
+        ctx.config, ctx.w_dtype = config, weight.dtype
+        return scaled_grouped_mm(
+            x_data,
+            x_scale.reshape(-1),
+            w_data,
+            w_scale.reshape(groups, n),
+            offs,
+            out_dtype=x.dtype,
+            emulate=config.emulate,
+            use_fast_accum=config.use_fast_accum,
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        c = ctx.config
+        x, offs, *w_saved = ctx.saved_tensors
+        if len(w_saved) == 2:
+            w_hp = w_saved[0].to(torch.float32) / w_saved[1]
+        else:
+            (w_hp,) = w_saved
+        groups, k, n = w_hp.shape
+        grad_output = grad_output.contiguous()
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            go_data, go_scale = _cast(grad_output, -1, c)
+            w_data, w_scale = _cast(w_hp, 2, c)  # one scale per expert and K: reduce N
+            grad_input = scaled_grouped_mm(
+                go_data,
+                go_scale.reshape(-1),
+                w_data.transpose(-2, -1),
+                w_scale.reshape(groups, k),
+                offs,
+                out_dtype=x.dtype,
+                emulate=c.emulate,
+            )
+        if ctx.needs_input_grad[1]:
+            token_group = token_groups(offs, x.size(0))
+            x_data, x_scale = _cast_per_group(x, token_group, groups, c)
+            go_data, go_scale = _cast_per_group(grad_output, token_group, groups, c)
+            grad_weight = scaled_grouped_mm(
+                x_data.t(),
+                x_scale.reshape(-1),
+                go_data,
+                go_scale.reshape(-1),
+                offs,
+                out_dtype=ctx.w_dtype,
+                emulate=c.emulate,
+            )
+        return grad_input, grad_weight, None, None
+
+
+def float8_grouped_mm(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``torch._grouped_mm(mat_a, mat_b, offs=offs)`` for a float8 expert weight ``mat_b``:
+    the three gemms in float8 (``_Float8GroupedMM``). Raises for a form it does not run in
+    float8 (no silent hp fallback)."""
+    if (
+        isinstance(mat_b, Float8ExpertWeight)
+        and not isinstance(mat_a, Float8ExpertWeight)
+        and mat_a.dim() == 2
+        and mat_b.dim() == 3
+        and offs is not None
+        and bias is None
+        and out_dtype in (None, mat_a.dtype)
+    ):
+        return _Float8GroupedMM.apply(mat_a, mat_b, offs, mat_b._config)
+    raise NotImplementedError(
+        "float8kit: a float8 expert weight supports torch._grouped_mm(x, w, offs=offs) with "
+        "x 2-D (tokens, in), w the 3-D weight (experts, in, out), no bias and no out_dtype; "
+        f"got mat_a {_describe(mat_a)}, mat_b {_describe(mat_b)}, offs {_describe(offs)}, "
+        f"bias {_describe(bias)}, out_dtype={out_dtype}. Keep this weight in hp "
+        "(param_filter_fn of convert_experts_to_float8_training)"
+    )
+
+
+# ---------------------------------------------------------------------------- the weight
+
+
+class Float8ExpertWeight(torch.Tensor):
+    """A 3-D expert weight whose ``torch._grouped_mm`` runs in float8; internal.
+
+    Invariants:
+        - ``_tensor`` is the plain tensor this stands for: the hp weight (same shape,
+          strides, dtype, device), or, on a weight FSDP2 all-gathered in float8, its e4m3
+          data, with ``_scale`` the fp32 multiplying scales (one per expert and column, a
+          size-1 dim where they reduce) and ``dtype`` the hp dtype it stands for.
+        - ``_config`` is the ``Float8ExpertsConfig`` of the conversion.
+        - ``torch._grouped_mm(x, w, offs=offs)`` with ``w`` this weight, ``x`` 2-D hp, no
+          bias and no other out_dtype runs ``_Float8GroupedMM``; any other grouped_mm form
+          raises (no silent hp fallback). Other ops run on ``_tensor`` (hp); views and copies
+          stay wrapped, in-place ops return the wrapper, everything else is plain.
+    """
+
+    _tensor: torch.Tensor
+    _scale: torch.Tensor | None
+    _config: Float8ExpertsConfig
+
+    @staticmethod
+    def __new__(cls, tensor, config, scale=None, hp_dtype=None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=hp_dtype or tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor, config, scale=None, hp_dtype=None):
+        self._tensor = tensor
+        self._config = config
+        self._scale = scale
+
+    def __repr__(self):
+        fp8 = "" if self._scale is None else ", fp8 gathered"
+        return f"Float8ExpertWeight(hp={self.dtype}, shape={tuple(self.shape)}{fp8})"
+
+    def __tensor_flatten__(self):
+        names = ["_tensor"] if self._scale is None else ["_tensor", "_scale"]
+        return names, (self._config, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
+        config, dtype = ctx
+        return Float8ExpertWeight(
+            inner_tensors["_tensor"], config, inner_tensors.get("_scale"), dtype
+        )
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch._grouped_mm:
+            return float8_grouped_mm(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is aten._grouped_mm.default:
+            # Below autograd (torch function disabled): running it on the hp tensor would be
+            # a silent hp fallback with hp gradients.
+            raise NotImplementedError(
+                "float8kit: aten._grouped_mm reached a float8 expert weight below autograd "
+                "(torch function disabled), where it cannot run in float8: call "
+                "torch._grouped_mm / F.grouped_mm with torch function enabled, or keep this "
+                "weight in hp (param_filter_fn of convert_experts_to_float8_training)"
+            )
+        first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+        if first._scale is not None:
+            return _dispatch_fp8(cls, func, args, kwargs, first)
+        config = first._config
+        inner_args, inner_kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs))
+        out = func(*inner_args, **inner_kwargs)
+        mutated = next(_mutated_weights(func, args, kwargs, cls), None)
+        if mutated is not None and isinstance(out, torch.Tensor):
+            return mutated
+        if func in _KEEP_EXPERT:
+            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
+        return out
+
+    # ------------------------------------------------------------------------ FSDP2 hooks
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """The local shard (whole experts: FSDP2 shards dim 0) as all-gather inputs: hp in
+        FSDP2's ``param_dtype``, or with ``enable_fsdp_float8_all_gather`` its e4m3 bytes
+        and its per-expert-column scales (computed from the shard alone), as uint8 (gloo
+        cannot gather float8 dtypes)."""
+        if not self._config.enable_fsdp_float8_all_gather:
+            data = self._tensor.to(mp_policy.param_dtype or self.dtype)
+            padded_size = _padded_shard_size(self.shape, outer_size, mesh.size())
+            if data.shape != padded_size:
+                padded = data.new_zeros(padded_size)
+                padded[: data.size(0)].copy_(data)
+                data = padded
+            return (data,), None
+        if outer_size[0] % mesh.size():
+            # Every rank sees the same sizes, so every rank raises (no hang): FSDP2 needs
+            # every all-gather input padded to the shard size, which the scales are not.
+            raise ValueError(
+                f"float8kit: Float8ExpertsConfig.enable_fsdp_float8_all_gather needs the "
+                f"expert count ({outer_size[0]}) to be a multiple of the FSDP2 world size "
+                f"({mesh.size()}); use enable_fsdp_float8_all_gather=False for this model"
+            )
+        data, scale = _cast(self._tensor, 1, self._config)
+        return (data.view(torch.uint8), scale.view(torch.uint8)), None
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """Wrap the gathered tensors as the unsharded weight. On later all-gathers (``out``
+        given) FSDP2 has refilled the buffers that weight's tensors view: nothing to do."""
+        if out is not None:
+            return None
+        if not self._config.enable_fsdp_float8_all_gather:
+            (data,) = all_gather_outputs
+            return Float8ExpertWeight(data, self._config), (data,)
+        data, scale = all_gather_outputs
+        data, scale = data.view(E4M3), scale.view(torch.float32)
+        return Float8ExpertWeight(data, self._config, scale, param_dtype), (data, scale)
+
+
+def _dispatch_fp8(cls, func, args, kwargs, weight: Float8ExpertWeight):
+    """Ops on a float8-gathered weight: the ones FSDP2 and autograd use on an unsharded
+    parameter (views of the same values, transposes, which move the scales along)."""
+    if func in _FP8_SAME or func in _FP8_TRANSPOSE:
+        rest_args, rest_kwargs = args[1:], kwargs
+        data = func(weight._tensor, *rest_args, **rest_kwargs)
+        if data.shape == weight.shape or func in _FP8_TRANSPOSE:
+            scale = (
+                func(weight._scale, *rest_args, **rest_kwargs)
+                if func in _FP8_TRANSPOSE
+                else weight._scale
+            )
+            return cls(data, weight._config, scale, weight.dtype)
+    raise NotImplementedError(
+        f"float8kit: {func} on an expert weight FSDP2 all-gathered in float8 is not "
+        "supported (it only feeds torch._grouped_mm); set "
+        "Float8ExpertsConfig.enable_fsdp_float8_all_gather=False to gather it in hp"
+    )
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return repr(t)
+    return f"{type(t).__name__}{tuple(t.shape)}"
+
+
+# ---------------------------------------------------------------------------- conversion
+
+
+def default_expert_filter(param: nn.Parameter, fqn: str) -> bool:
+    """Convert a parameter when it is 3-D (experts, in, out) with ``in`` and ``out``
+    multiples of 16 (what the CUDA float8 grouped gemm needs)."""
+    return param.dim() == 3 and param.shape[-2] % 16 == 0 and param.shape[-1] % 16 == 0
+
+
+def _store_plain_experts(module, state_dict, prefix, local_metadata) -> None:
+    """state_dict post hook: expert weights as plain hp tensors (DTensors of them under
+    FSDP2), sharing storage with the parameters."""
+    for name in getattr(module, _EXPERT_PARAMS, ()):
+        store_plain_weight(state_dict, prefix, name, Float8ExpertWeight)
+
+
+_EXPERT_PARAMS = "_float8_expert_params"
+
+
+def convert_experts_to_float8_training(
+    module: nn.Module,
+    *,
+    config: Float8ExpertsConfig | None = None,
+    param_filter_fn: ParamFilter | None = None,
+) -> nn.Module:
+    """Make every selected 3-D expert weight in ``module`` run ``torch._grouped_mm(x, w,
+    offs=offs)`` (and ``F.grouped_mm``) in float8, in place.
+
+    Each selected parameter is replaced, in every module that holds it, by a parameter
+    holding a ``Float8ExpertWeight`` around the same storage: module tree, parameter names,
+    ``state_dict`` (plain hp tensors) and checkpoints stay as they were. Can be combined
+    with ``convert_to_float8_training`` for the model's linears. Call it before
+    ``fully_shard``.
+
+    Args:
+        module: any module.
+        config: how the grouped gemms cast; default ``Float8ExpertsConfig()``.
+        param_filter_fn: ``fn(param, fqn) -> bool``; True converts that parameter. Default:
+            ``default_expert_filter`` (3-D, last two dims multiples of 16).
+
+    Returns:
+        ``module``, converted.
+
+    Raises:
+        ValueError: a selected parameter is not 3-D, is already converted with another
+            config, or the config is not a ``Float8ExpertsConfig``.
+        RuntimeError: a selected parameter is already sharded (a DTensor).
+    """
+    from torch.distributed.tensor import DTensor
+
+    config = config if config is not None else Float8ExpertsConfig()
+    if not isinstance(config, Float8ExpertsConfig):
+        raise ValueError(f"config must be a Float8ExpertsConfig, got {type(config).__name__}")
+    keep = param_filter_fn if param_filter_fn is not None else default_expert_filter
+    wrapped: dict[int, nn.Parameter] = {}  # id(original) -> its wrapped parameter (ties)
+    plan = []
+    for fqn, mod in module.named_modules(remove_duplicate=False):
+        for name, param in mod.named_parameters(recurse=False):
+            full = f"{fqn}.{name}" if fqn else name
+            if isinstance(param, Float8ExpertWeight):
+                if param._config != config and keep(param, full):
+                    raise ValueError(
+                        f"convert_experts_to_float8_training: {full} is already converted "
+                        f"with another config ({param._config}); convert the plain model once"
+                    )
+                continue
+            if not keep(param, full):
+                continue
+            if isinstance(param, DTensor):
+                raise RuntimeError(
+                    f"convert_experts_to_float8_training: {full} is already sharded (a "
+                    "DTensor): convert before fully_shard / parallelize_module"
+                )
+            if param.dim() != 3:
+                raise ValueError(
+                    f"convert_experts_to_float8_training: {full} has shape "
+                    f"{tuple(param.shape)}; expert weights are 3-D (experts, in, out): "
+                    "leave it out in param_filter_fn"
+                )
+            plan.append((mod, name, param))
+    for mod, name, param in plan:
+        if id(param) not in wrapped:
+            wrapped[id(param)] = nn.Parameter(
+                Float8ExpertWeight(param.detach(), config), requires_grad=param.requires_grad
+            )
+        setattr(mod, name, wrapped[id(param)])
+        if not hasattr(mod, _EXPERT_PARAMS):
+            setattr(mod, _EXPERT_PARAMS, [])
+            mod.register_state_dict_post_hook(_store_plain_experts)
+        if name not in getattr(mod, _EXPERT_PARAMS):
+            getattr(mod, _EXPERT_PARAMS).append(name)
+    return module
