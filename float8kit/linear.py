@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from float8kit import scale_state, scaling
+from float8kit import dtensor, scale_state, scaling
 from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
@@ -105,6 +105,10 @@ def cast_to_float8(
     from the layer's state (``state_scale``, ``amax_record``, ``scale_set``: see
     ``operand_scale``). The amax is computed only when that scale needs it: STATIC never,
     DELAYED in train mode (to record it) or before its scale is set."""
+    if isinstance(hp, dtensor.DTensor):  # tensor parallel: float8kit/dtensor.py
+        return dtensor.cast_to_float8(
+            hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
+        )
     fp8_dtype = cast.dtype_for(role)
     axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
     amax = None
@@ -140,7 +144,7 @@ def _reusable(first: CastConfig, second: CastConfig) -> bool:
 
 
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
-    return t.dequantize() if isinstance(t, Float8TrainingTensor) else t
+    return dtensor.dequantize(t)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -190,10 +194,19 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.empty:
             ctx.shapes = (input_hp.shape, weight.shape, weight.device)
             return input_hp.new_zeros((0, weight.shape[0]))
-        weight_is_fp8 = isinstance(weight, Float8TrainingTensor)
+        weight_is_fp8 = dtensor.is_float8(weight)
+        # The input arrives float8 when it was cast before a tensor-parallel all-gather
+        # (float8kit/tp.py, which checks that its cast is cast_config_input).
+        input_is_fp8 = dtensor.is_float8(input_hp)
+        if input_is_fp8 and not c.cast_config_input.enabled:
+            input_hp, input_is_fp8 = _as_hp(input_hp), False
         if c.cast_config_input.enabled:
-            x = cast_to_float8(
-                input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+            x = (
+                input_hp
+                if input_is_fp8
+                else cast_to_float8(
+                    input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+                )
             )
             w = (
                 weight
@@ -211,7 +224,9 @@ class _Float8Matmul(torch.autograd.Function):
         keep_w = weight_is_fp8 or _reusable(
             c.cast_config_weight, c.cast_config_weight_for_grad_input
         )
-        ctx.save_for_backward(x if keep_x else input_hp, w if keep_w else weight)
+        # A float8 input the grad_weight gemm cannot reuse goes there as its hp values.
+        x_hp = _as_hp(input_hp) if input_is_fp8 and not keep_x else input_hp
+        ctx.save_for_backward(x if keep_x else x_hp, w if keep_w else weight)
         ctx.config = c
         # The second uses of input and weight record their amax only when the first use
         # did not (see _reusable / the stateful_cast validation).
@@ -252,7 +267,7 @@ class _Float8Matmul(torch.autograd.Function):
             go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
             w = (
                 w_saved
-                if isinstance(w_saved, Float8TrainingTensor)
+                if dtensor.is_float8(w_saved)
                 else cast_to_float8(
                     w_saved,
                     c.cast_config_weight_for_grad_input,
@@ -280,7 +295,7 @@ class _Float8Matmul(torch.autograd.Function):
             )
             x = (
                 x_saved
-                if isinstance(x_saved, Float8TrainingTensor)
+                if dtensor.is_float8(x_saved)
                 else cast_to_float8(
                     x_saved, c.cast_config_input_for_grad_weight, GemmRole.INPUT, 0, c, *ctx.x_state
                 )
