@@ -208,7 +208,9 @@ def tp_plan(model: Transformer, float8: bool) -> dict:
     else:
         colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
     plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
@@ -223,13 +225,13 @@ def tp_plan(model: Transformer, float8: bool) -> dict:
             p + "attention.wq": colwise(),
             p + "attention.wk": colwise(),
             p + "attention.wv": colwise(),
-            p + "attention.wo": rowwise(output_layouts=Shard(1)),
+            p + "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
             p + "ffn_norm": SequenceParallel(),
             p + "feed_forward": prepare(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
             ),
             p + "feed_forward.w1": colwise(),
             p + "feed_forward.w3": colwise(),
-            p + "feed_forward.w2": rowwise(output_layouts=Shard(1)),
+            p + "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
         }
     return plan
