@@ -15,9 +15,13 @@ to float8 *before* the all-gather, which then moves 1 byte per element instead o
 
 The bytes travel as uint8 (gloo cannot carry float8 dtypes: "Invalid scalar type"). The
 ``Float8Linear`` layers that consume the gathered input use it as their float8 input (one
-cast and one all-gather for wq/wk/wv, or w1/w3). Backward: the input's gradient (partial sums
-on each rank) is reduce-scattered in hp, as torch's styles do: a float8 reduce-scatter would
-add rounded partial sums.
+cast and one all-gather for wq/wk/wv, or w1/w3).
+
+Backward. The input's gradient (partial sums on each rank) is reduce-scattered in hp, as
+torch's styles do: a float8 reduce-scatter would add rounded partial sums. The other
+sequence-parallel all-gather, of the gradient of a ``Float8RowwiseParallel`` output that
+was reduce-scattered to ``Shard(1)``, moves float8 bytes too: cast with the layer's
+grad_output cast (which that layer's gemms cast it with anyway), gathered, dequantized.
 
 torch's own ``ColwiseParallel`` / ``RowwiseParallel`` also work on a converted model (every
 recipe; ``float8kit/dtensor.py``): they gather activations in hp.
@@ -35,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from float8kit import dtensor
-from float8kit.config import Float8LinearConfig, GemmRole, ScalingType
+from float8kit.config import CastConfig, Float8LinearConfig, GemmRole, ScalingType
 from float8kit.linear import Float8Linear
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
@@ -47,30 +51,54 @@ def _gather_local(local: torch.Tensor, dim: int, mesh, logical_shape) -> torch.T
     return Shard(dim)._to_replicate_tensor(local, mesh, 0, logical_shape)
 
 
+def _cast_and_gather(hp: DTensor, cast: CastConfig, role: GemmRole, config) -> DTensor:
+    """hp DTensor ``Shard(d)`` -> float8 DTensor ``Replicate()``: cast the shards (one scale
+    from the whole tensor's amax, or per-token scales along the last dim), all-gather the
+    bytes as uint8, and the per-token scales when axiswise."""
+    (shard,) = hp.placements
+    dim = shard.dim % hp.dim()
+    fp8 = dtensor.cast_to_float8(hp, cast, role, -1, config)
+    local = fp8._local_tensor
+    mesh = hp.device_mesh
+    data = _gather_local(local._data.view(torch.uint8), dim, mesh, hp.shape)
+    scale = local._scale
+    if local._axiswise_dim is not None:
+        scale = _gather_local(scale.contiguous(), dim, mesh, (*hp.shape[:-1], 1))
+    gathered = local.with_data(data.view(local._data.dtype), scale)
+    return DTensor.from_local(gathered, mesh, [Replicate()], run_check=False)
+
+
 class _Float8AllGather(torch.autograd.Function):
-    """hp DTensor ``Shard(d)`` -> float8 DTensor ``Replicate()``: cast, then all-gather the
-    bytes (and the per-token scales when axiswise). Backward: the hp gradient goes back to
-    the input's layout (a reduce-scatter of partial sums)."""
+    """Forward: an hp input ``Shard(d)`` -> float8 ``Replicate()`` (``_cast_and_gather``
+    with the input's cast). Backward: the hp gradient goes back to the input's layout (a
+    reduce-scatter of partial sums)."""
 
     @staticmethod
     def forward(ctx, hp: DTensor, config: Float8LinearConfig) -> DTensor:
         ctx.placements = hp.placements
-        (shard,) = hp.placements
-        dim = shard.dim % hp.dim()
-        fp8 = dtensor.cast_to_float8(hp, config.cast_config_input, GemmRole.INPUT, -1, config)
-        local = fp8._local_tensor
-        mesh = hp.device_mesh
-        data = _gather_local(local._data.view(torch.uint8), dim, mesh, hp.shape)
-        scale = local._scale
-        if local._axiswise_dim is not None:
-            scale_shape = (*hp.shape[:-1], 1)
-            scale = _gather_local(scale.contiguous(), dim, mesh, scale_shape)
-        gathered = local.with_data(data.view(local._data.dtype), scale)
-        return DTensor.from_local(gathered, mesh, [Replicate()], run_check=False)
+        return _cast_and_gather(hp, config.cast_config_input, GemmRole.INPUT, config)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
         return grad.redistribute(placements=ctx.placements), None
+
+
+class _ReduceScatterFloat8GradGather(torch.autograd.Function):
+    """Forward: partial sums -> ``Shard(d)``, a reduce-scatter in hp (rounded partial sums
+    would add up their errors). Backward: the ``Shard(d)`` gradient is all-gathered in float8
+    with the layer's grad_output cast (``_cast_and_gather``) and handed on dequantized: the
+    layer casts it again for its gemms (tensorwise: with the same scale)."""
+
+    @staticmethod
+    def forward(ctx, out: DTensor, placements, config: Float8LinearConfig) -> DTensor:
+        ctx.config = config
+        return out.redistribute(placements=placements)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor):
+        c = ctx.config
+        fp8 = _cast_and_gather(grad, c.cast_config_grad_output, GemmRole.GRAD_OUTPUT, c)
+        return dtensor.dequantize(fp8), None, None
 
 
 def _float8_redistribute(
@@ -94,13 +122,14 @@ def _float8_redistribute(
     return _Float8AllGather.apply(x, config)
 
 
-def _check_config(config: Float8LinearConfig, where: str) -> None:
-    cast = config.cast_config_input
+def _check_config(config: Float8LinearConfig, where: str, field: str = "cast_config_input"):
+    """The cast before an all-gather takes its scale from the tensor itself: DYNAMIC."""
+    cast = getattr(config, field)
     if cast.scaling_type is not ScalingType.DYNAMIC:
         raise ValueError(
-            f"float8kit: {where} casts the input before the all-gather, which needs "
-            f"Float8LinearConfig.cast_config_input to be DYNAMIC (got {cast.scaling_type.value}): "
-            "use torch's ColwiseParallel / PrepareModuleInput (hp all-gather) for this layer"
+            f"float8kit: {where} casts before the all-gather, which needs "
+            f"Float8LinearConfig.{field} to be DYNAMIC (got {cast.scaling_type.value}): use "
+            "torch's ColwiseParallel / RowwiseParallel / PrepareModuleInput (hp all-gather) here"
         )
 
 
@@ -134,7 +163,18 @@ class Float8ColwiseParallel(ColwiseParallel):
 class Float8RowwiseParallel(RowwiseParallel):
     """torch's ``RowwiseParallel`` for a ``Float8Linear``: same arguments and sharding. Its
     input is sharded on the feature dim (no all-gather); the output's partial sums are
-    reduced (all-reduce, or reduce-scatter to ``Shard(1)``) in hp."""
+    reduced (all-reduce, or reduce-scatter to ``Shard(1)``) in hp. With
+    ``output_layouts=Shard(1)`` (sequence parallel) the backward all-gather of the output's
+    gradient moves float8 bytes (the layer's grad_output cast)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        src, dst = tuple(outputs.placements), tuple(output_layouts)
+        if len(src) == 1 and src[0].is_partial() and dst[0].is_shard():
+            outputs = _ReduceScatterFloat8GradGather.apply(outputs, dst, mod.config)
+        elif src != dst:
+            outputs = outputs.redistribute(placements=dst, async_op=True)
+        return outputs.to_local() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, Float8Linear):
@@ -143,6 +183,9 @@ class Float8RowwiseParallel(RowwiseParallel):
                 "convert the model with convert_to_float8_training first, or use torch's "
                 "RowwiseParallel for layers kept in hp"
             )
+        if self.output_layouts[0].is_shard():
+            where = "Float8RowwiseParallel(output_layouts=Shard(d))"
+            _check_config(module.config, where, "cast_config_grad_output")
         return super()._apply(module, device_mesh)
 
 
