@@ -133,6 +133,15 @@ def _check_config(config: Float8LinearConfig, where: str, field: str = "cast_con
         )
 
 
+def _check_float8_linear(module: nn.Module, style: str) -> None:
+    if not isinstance(module, Float8Linear):
+        raise TypeError(
+            f"Float8{style} needs a Float8Linear, got {type(module).__name__}: convert the "
+            f"model with convert_to_float8_training first, or use torch's {style} for layers "
+            "kept in hp"
+        )
+
+
 def _as_dtensor(x, mesh, layout: Placement) -> DTensor:
     return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, (layout,), run_check=False)
 
@@ -149,12 +158,7 @@ class Float8ColwiseParallel(ColwiseParallel):
         return _float8_redistribute(x, desired_input_layouts, mod.config, type(mod).__name__)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not isinstance(module, Float8Linear):
-            raise TypeError(
-                f"Float8ColwiseParallel needs a Float8Linear, got {type(module).__name__}: "
-                "convert the model with convert_to_float8_training first, or use torch's "
-                "ColwiseParallel for layers kept in hp"
-            )
+        _check_float8_linear(module, "ColwiseParallel")
         if self.input_layouts != self.desired_input_layouts:
             _check_config(module.config, "Float8ColwiseParallel")
         return super()._apply(module, device_mesh)
@@ -177,12 +181,7 @@ class Float8RowwiseParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        if not isinstance(module, Float8Linear):
-            raise TypeError(
-                f"Float8RowwiseParallel needs a Float8Linear, got {type(module).__name__}: "
-                "convert the model with convert_to_float8_training first, or use torch's "
-                "RowwiseParallel for layers kept in hp"
-            )
+        _check_float8_linear(module, "RowwiseParallel")
         if self.output_layouts[0].is_shard():
             where = "Float8RowwiseParallel(output_layouts=Shard(d))"
             _check_config(module.config, where, "cast_config_grad_output")

@@ -1,6 +1,6 @@
 """Float8 tensor and sequence parallel (float8kit/tp.py, float8kit/dtensor.py).
 
-Real gloo processes, one module-scoped group per world size (the launcher of test_fsdp.py):
+Real gloo processes, one module-scoped group per world size (test_fsdp.py's launcher):
 2 ranks for TP and sequence parallel on a small MLP, 4 ranks for FSDP2 (2) x TP (2) on the
 recipes' Llama model. Every rank records numbers; the tests assert them against single-device
 float8 training (losses), torch's bf16 sequence-parallel all-gathers (bytes), and the run
@@ -9,7 +9,6 @@ before a torch.distributed.checkpoint round trip.
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -18,12 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import float8kit
 from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
+from tests.test_fsdp import _spawn  # the gloo launcher: one process group per fixture
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 STEPS = 4
@@ -273,50 +272,14 @@ def _worker_2d(rank: int, world: int, tmp: str) -> dict:
     return res
 
 
-# ---------------------------------------------------------------------------- launcher
-
-
-def _entry(rank: int, name: str, world: int, tmp: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        result = globals()[name](rank, world, tmp)
-        torch.save(result, f"{tmp}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # see test_fsdp._exit_now
-
-
-def _spawn(name: str, world: int, tmp: Path) -> list[dict]:
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        mp.spawn(_entry, args=(name, world, str(tmp)), nprocs=world, join=True)
-    finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    return _spawn("_worker_tp2", 2, tmp_path_factory.mktemp("tp2"))
+    return _spawn(_worker_tp2, 2, tmp_path_factory.mktemp("tp2"))
 
 
 @pytest.fixture(scope="module")
 def mesh2d(tmp_path_factory):
-    return _spawn("_worker_2d", 4, tmp_path_factory.mktemp("mesh2d"))
+    return _spawn(_worker_2d, 4, tmp_path_factory.mktemp("mesh2d"))
 
 
 # ---------------------------------------------------------------------------- 2 ranks
