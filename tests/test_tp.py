@@ -350,3 +350,55 @@ def test_fsdp2_x_tp_dcp_round_trip(mesh2d):
 def test_sequence_parallel_compiled_matches_eager(tp2):
     for r in tp2:
         assert r["compiled_fp8_sp_tensorwise"] == r["fp8_sp_tensorwise"]  # bitwise
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_float8_styles_refuse_hp_layers():
+    for style in (float8kit.Float8ColwiseParallel(), float8kit.Float8RowwiseParallel()):
+        name = type(style).__name__
+        with pytest.raises(TypeError, match=f"{name} needs a Float8Linear, got Linear"):
+            style._apply(nn.Linear(16, 16), None)
+
+
+def test_float8_all_gathers_need_dynamic_casts():
+    from torch.distributed.tensor import Replicate, Shard
+
+    delayed = _mlp("delayed")
+    cases = [
+        (float8kit.Float8ColwiseParallel(input_layouts=Shard(1)), delayed.w1, "cast_config_input"),
+        (
+            float8kit.Float8RowwiseParallel(output_layouts=Shard(1)),
+            delayed.w2,
+            "cast_config_grad_output",
+        ),
+        (
+            float8kit.PrepareFloat8ModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            delayed,
+            "cast_config_input",
+        ),
+    ]
+    for style, module, field in cases:
+        with pytest.raises(ValueError, match=f"Float8LinearConfig.{field} to be DYNAMIC"):
+            style._apply(module, None)
+
+
+def test_prepare_float8_module_input_picks_one_input_cast():
+    from torch.distributed.tensor import Replicate, Shard
+
+    def prepare(**kwargs):
+        return float8kit.PrepareFloat8ModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), **kwargs
+        )
+
+    with pytest.raises(ValueError, match="holds no Float8Linear"):
+        prepare()._apply(MLP(), None)
+    mixed = _mlp("tensorwise")
+    mixed.w3 = _mlp("rowwise").w3
+    with pytest.raises(ValueError, match="pass fwd_config_submodule_fqn="):
+        prepare()._apply(mixed, None)
+    with pytest.raises(ValueError, match="names a ReLU, not a Float8Linear"):
+        prepare(fwd_config_submodule_fqn="act")._apply(nn.ModuleDict({"act": nn.ReLU()}), None)
