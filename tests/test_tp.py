@@ -160,6 +160,16 @@ def _worker_tp2(rank: int, world: int, tmp: str) -> dict:
                 counter.phase = "backward"
                 out.float().pow(2).mean().backward()
             res[f"bytes_{name}_{recipe}"] = dict(counter.bytes)
+    # sequence parallel without PrepareFloat8ModuleInput: w1 and w3 each gather the input
+    from torch.distributed.tensor import Shard
+
+    plan = {
+        "w1": fp8_styles[0](input_layouts=Shard(1)),
+        "w3": fp8_styles[0](input_layouts=Shard(1)),
+        "w2": fp8_styles[1](output_layouts=Shard(1)),
+    }
+    model = parallelize_module(_mlp("tensorwise"), mesh, plan)
+    res["fp8_sp_colwise_input"] = _train(model, xs, ys, seq_shard=seq, world=world)
     # torch.compile of the sequence-parallel float8 MLP (the unit a per-block compile sees);
     # one recipe: a compile costs ~30 s per rank on 2 cores
     for recipe in ("tensorwise",):
@@ -307,6 +317,8 @@ def test_sequence_parallel_losses(tp2, recipe):
     # layers' own casts make (tensorwise: the same global scale; rowwise: per-token power-of-2
     # scales, and re-rounding a value that already has e4m3's 3 mantissa bits is exact).
     assert r[f"fp8_sp_{recipe}"] == r[f"torch_sp_{recipe}"]  # bitwise
+    if recipe == "tensorwise":  # Float8ColwiseParallel(input_layouts=Shard(1)) gathers alike
+        assert r["fp8_sp_colwise_input"] == r["fp8_sp_tensorwise"]
 
 
 @pytest.mark.slow
