@@ -96,6 +96,8 @@ class _ReduceScatterFloat8GradGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: DTensor):
+        if not grad.placements[0].is_shard():  # a consumer made it whole: no all-gather left
+            return grad.redistribute(placements=[Replicate()]), None, None
         c = ctx.config
         fp8 = _cast_and_gather(grad, c.cast_config_grad_output, GemmRole.GRAD_OUTPUT, c)
         return dtensor.dequantize(fp8), None, None
@@ -169,12 +171,15 @@ class Float8RowwiseParallel(RowwiseParallel):
     input is sharded on the feature dim (no all-gather); the output's partial sums are
     reduced (all-reduce, or reduce-scatter to ``Shard(1)``) in hp. With
     ``output_layouts=Shard(1)`` (sequence parallel) the backward all-gather of the output's
-    gradient moves float8 bytes (the layer's grad_output cast)."""
+    gradient moves float8 bytes (the layer's grad_output cast); a feature-dim ``Shard(-1)``
+    output keeps torch's hp all-gather."""
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
         src, dst = tuple(outputs.placements), tuple(output_layouts)
-        if len(src) == 1 and src[0].is_partial() and dst[0].is_shard():
+        # Sharded on the sequence (not the feature dim, which rowwise gradient scales span)
+        seq_shard = dst[0].is_shard() and dst[0].dim % outputs.dim() != outputs.dim() - 1
+        if len(src) == 1 and src[0].is_partial() and seq_shard:
             outputs = _ReduceScatterFloat8GradGather.apply(outputs, dst, mod.config)
         elif src != dst:
             outputs = outputs.redistribute(placements=dst, async_op=True)
