@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import importlib
 import math
 import os
 import sys
@@ -501,8 +502,10 @@ def _entry(rank: int, name: str, world: int, tmp: str) -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        # a worker of this module by name, or another test module's worker function
-        result = (globals()[name] if isinstance(name, str) else name)(rank, world, tmp)
+        # "module:function" names a worker in another test module (tests/test_fsdp_*.py)
+        module, _, func = name.rpartition(":")
+        worker = getattr(importlib.import_module(module), func) if module else globals()[name]
+        result = worker(rank, world, tmp)
         torch.save(result, f"{tmp}/rank{rank}.pt")
         dist.barrier()  # no rank tears the group down while another still uses it
     finally:

@@ -284,12 +284,12 @@ def _worker_2d(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    return _spawn(_worker_tp2, 2, tmp_path_factory.mktemp("tp2"))
+    return _spawn("tests.test_tp:_worker_tp2", 2, tmp_path_factory.mktemp("tp2"))
 
 
 @pytest.fixture(scope="module")
 def mesh2d(tmp_path_factory):
-    return _spawn(_worker_2d, 4, tmp_path_factory.mktemp("mesh2d"))
+    return _spawn("tests.test_tp:_worker_2d", 4, tmp_path_factory.mktemp("mesh2d"))
 
 
 # ---------------------------------------------------------------------------- 2 ranks

@@ -234,8 +234,8 @@ def tp() -> None:
         tmp = Path(tmp)
         for sub in ("tp2", "mesh2d"):
             (tmp / sub).mkdir()
-        r = t._spawn(t._worker_tp2, 2, tmp / "tp2")[0]
-        m = t._spawn(t._worker_2d, 4, tmp / "mesh2d")
+        r = t._spawn("tests.test_tp:_worker_tp2", 2, tmp / "tp2")[0]
+        m = t._spawn("tests.test_tp:_worker_2d", 4, tmp / "mesh2d")
     sp = ("tensorwise", "rowwise")
     data = {
         "torch_styles_rel_diff": {
