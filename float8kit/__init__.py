@@ -30,6 +30,7 @@ from float8kit.linear import Float8Linear
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
 from float8kit.scale_state import strip_float8_state
 from float8kit.tensor import Float8TrainingTensor
+from float8kit.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,10 @@ __all__ = [
     "precompute_scales",
     "precompute_float8_dynamic_scale_for_fsdp",
     "calibrate",
+    # tensor and sequence parallel (parallelize_module styles)
+    "Float8ColwiseParallel",
+    "Float8RowwiseParallel",
+    "PrepareFloat8ModuleInput",
     # checkpoints: a DELAYED/STATIC model's state_dict for the plain model
     "strip_float8_state",
     # activation checkpointing: a selective policy that keeps the float8 work

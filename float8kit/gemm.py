@@ -60,7 +60,8 @@ def _operand_scales(a: Float8TrainingTensor, b: Float8TrainingTensor):
         inv_a = inv_a.reshape(-1, 1).expand(m, 1).contiguous()
         inv_b = inv_b.reshape(1, -1).expand(1, n).contiguous()
     else:
-        inv_a, inv_b = inv_a.reshape(()), inv_b.reshape(())
+        # A 0-d scale is left as is: reshape(()) of a 0-d DTensor fails sharding propagation.
+        inv_a, inv_b = (s if s.dim() == 0 else s.reshape(()) for s in (inv_a, inv_b))
     return inv_a, inv_b
 
 

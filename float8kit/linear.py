@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from float8kit import scale_state, scaling
+from float8kit import dtensor, scale_state, scaling
 from float8kit.checkpointing import is_recomputing
 from float8kit.config import (
     CastConfig,
@@ -106,6 +106,10 @@ def cast_to_float8(
     from the layer's state (``state_scale``, ``amax_record``, ``scale_set``: see
     ``operand_scale``). The amax is computed only when that scale needs it: STATIC never,
     DELAYED in train mode (to record it) or before its scale is set."""
+    if isinstance(hp, dtensor.DTensor):  # tensor parallel: float8kit/dtensor.py
+        return dtensor.cast_to_float8(
+            hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
+        )
     fp8_dtype = cast.dtype_for(role)
     axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
     block = operand_block(cast, role, reduce_dim)
@@ -169,15 +173,16 @@ def _weight_for_grad_input(
 
     A float8 weight saved by forward serves as is where one cast serves both gemms (the same
     tensorwise or blockwise cast). Otherwise (the row-scaled weight an FSDP2 float8
-    all-gather delivers) it is re-cast from its dequantized fp32 values, which are exact.
+    all-gather delivers) it is re-cast from its dequantized values, which are exact.
     Between power-of-2 scales (the config requires them there) the re-cast only shifts
     exponents: it equals casting the hp weight, except for values in float8's subnormal
     range. Never used with the wrong axis: ``scaled_mm`` checks the scales' dim."""
     cast = config.cast_config_weight_for_grad_input
-    if isinstance(w_saved, Float8TrainingTensor):
+    if dtensor.is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
         if _reusable(config.cast_config_weight, cast, weight=True):
             return w_saved
-        w_saved = w_saved.dequantize(torch.float32)
+        # exact in any hp dtype: float8 values over a power-of-2 scale
+        w_saved = dtensor.dequantize(w_saved)
     return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
 
 
@@ -209,13 +214,16 @@ def input_for_backward(
     first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
     if _reusable(first, second):
         return x
+    # An input that came in float8 (cast before a tensor-parallel all-gather) goes on
+    # from its hp values.
+    hp = _as_hp(input_hp)
     if not second.enabled:
-        return input_hp
-    return cast_to_float8(input_hp, second, GemmRole.INPUT, 0, config, *x_state)
+        return hp
+    return cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
 
 
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
-    return t.dequantize() if isinstance(t, Float8TrainingTensor) else t
+    return dtensor.dequantize(t)
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -268,10 +276,19 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.empty:
             ctx.shapes = (input_hp.shape, weight.shape, weight.device)
             return input_hp.new_zeros((0, weight.shape[0]))
-        weight_is_fp8 = isinstance(weight, Float8TrainingTensor)
+        weight_is_fp8 = dtensor.is_float8(weight)
+        # The input arrives float8 when it was cast before a tensor-parallel all-gather
+        # (float8kit/tp.py, which checks that its cast is cast_config_input).
+        input_is_fp8 = dtensor.is_float8(input_hp)
+        if input_is_fp8 and not c.cast_config_input.enabled:
+            input_hp, input_is_fp8 = _as_hp(input_hp), False
         if c.cast_config_input.enabled:
-            x = cast_to_float8(
-                input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+            x = (
+                input_hp
+                if input_is_fp8
+                else cast_to_float8(
+                    input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+                )
             )
             w = (
                 weight

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from float8kit import scale_state, scaling
+from float8kit import dtensor, scale_state, scaling
 from float8kit.config import GemmRole, ScalingType
 from float8kit.fsdp import fsdp_weight_contributions
 from float8kit.linear import Float8Linear
@@ -55,7 +55,9 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
                 cast.delayed_scale_from == "max",
                 mod.config.round_scales_to_power_of_2,
             )
-            buffers = mod._buffers
+            # Under tensor parallelism the buffers are replicated DTensors: update their
+            # local tensors (same storage).
+            buffers = {n: dtensor.local(b) for n, b in mod._buffers.items()}
             operand = scale_state.OPERAND_NAMES[role]
             records.append(
                 (

@@ -127,9 +127,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # GQA: each kv head serves n_heads // n_kv_heads query heads.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -242,3 +243,54 @@ class Transformer(nn.Module):
             aux = sum(layer.feed_forward.aux_loss for layer in self.layers)
             loss = loss + self.args.aux_loss_coef * aux
         return loss
+
+
+def tp_plan(model: Transformer, float8: bool) -> dict:
+    """A ``parallelize_module`` plan: tensor parallel with sequence parallel (Megatron-style,
+    as torchtitan's Llama): projections colwise/rowwise, norms and the residual stream sharded
+    on the sequence dim, activations all-gathered before each attention and feed-forward.
+    ``float8``: float8kit's styles for the (converted) blocks, whose sequence-parallel
+    all-gathers then move float8 bytes; the embedding and the hp lm head keep torch's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if float8:
+        import float8kit
+
+        colwise, rowwise = float8kit.Float8ColwiseParallel, float8kit.Float8RowwiseParallel
+        prepare = float8kit.PrepareFloat8ModuleInput
+    else:
+        colwise, rowwise, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    plan = {
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    for i in range(len(model.layers)):
+        p = f"layers.{i}."
+        plan |= {
+            p + "attention_norm": SequenceParallel(),
+            p + "attention": prepare(
+                input_layouts=(Shard(1), None, None),
+                desired_input_layouts=(Replicate(), None, None),
+            ),
+            p + "attention.wq": colwise(),
+            p + "attention.wk": colwise(),
+            p + "attention.wv": colwise(),
+            p + "attention.wo": rowwise(output_layouts=Shard(1), use_local_output=False),
+            p + "ffn_norm": SequenceParallel(),
+            p + "feed_forward": prepare(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            p + "feed_forward.w1": colwise(),
+            p + "feed_forward.w3": colwise(),
+            p + "feed_forward.w2": rowwise(output_layouts=Shard(1), use_local_output=False),
+        }
+    return plan

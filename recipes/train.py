@@ -14,6 +14,11 @@ Several processes, FSDP2 (gloo on CPU, nccl on GPUs; --batch-size is the global 
     torchrun --nproc_per_node=8 recipes/train.py --preset llama3-8b-4l --float8 tensorwise \
         --compile --device cuda
 
+Tensor parallel (with sequence parallel) over --tp ranks, FSDP2 over the rest (2-D mesh):
+
+    python -m torch.distributed.run --nproc_per_node=4 recipes/train.py --preset tiny \
+        --float8 tensorwise --tp 2 --steps 5
+
 Checkpoint every 30 steps, then continue a run (bitwise the same as never stopping):
 
     python recipes/train.py --preset tiny --steps 60 --checkpoint-every 30 --out runs/a
@@ -57,7 +62,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import get_batch, load_corpus  # noqa: E402
-from model import PRESETS, ModelArgs, Transformer  # noqa: E402
+from model import PRESETS, ModelArgs, Transformer, tp_plan  # noqa: E402
 
 import float8kit  # noqa: E402  # float8
 
@@ -124,6 +129,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree (with sequence parallel; model.tp_plan); FSDP2 shards "
+        "over the remaining WORLD_SIZE / TP ranks",
+    )
+    p.add_argument(
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda"],
@@ -184,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.warmup = max(1, args.steps // 10)
     if args.out is None:
         args.out = f"runs/{args.preset}_{args.float8}"
-    for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every"):
+    for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every", "tp"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     for flag in ("warmup", "eval_every", "checkpoint_every", "threads"):
@@ -207,10 +219,27 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
         raise UsageError("--device cuda: no CUDA device is available")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checked before the process group exists: every rank fails alike, nothing hangs.
-    if args.batch_size % world_size:
+    if args.compile and args.tp > 1:
+        # torch 2.13: dynamo fails on the whole tensor-parallel model ("Mixing fake modes
+        # NYI") and, per block, under autocast (tests/test_tp.py compiles fp32 blocks).
+        raise UsageError("--compile with --tp > 1 is not supported yet")
+    if args.tp > 1 and ModelArgs.from_name(args.preset).n_experts:
+        # model.tp_plan shards dense feed-forwards; experts would need expert parallelism
+        raise UsageError(f"--tp > 1 is not supported with the MoE preset {args.preset!r}")
+    if world_size % args.tp:
+        raise UsageError(f"--tp {args.tp} must divide the {world_size} processes")
+    if args.seq_len % args.tp:
         raise UsageError(
-            f"--batch-size {args.batch_size} must be divisible by the {world_size} processes"
+            f"--seq-len {args.seq_len} must be divisible by --tp {args.tp} (sequence parallel "
+            "splits every sequence evenly over the tensor-parallel ranks)"
         )
+    if args.batch_size % (world_size // args.tp):
+        ranks = (
+            f"{world_size} processes"
+            if args.tp == 1
+            else f"{world_size // args.tp} data-parallel ranks (processes / --tp)"
+        )
+        raise UsageError(f"--batch-size {args.batch_size} must be divisible by the {ranks}")
     if world_size == 1:
         return 0, 1, torch.device(device_flag)
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -220,6 +249,13 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
         dist.init_process_group("nccl" if device_flag == "cuda" else "gloo")
     device = torch.device("cuda", local_rank) if device_flag == "cuda" else torch.device("cpu")
     return dist.get_rank(), world_size, device
+
+
+def data_shard(rank: int, args: argparse.Namespace) -> tuple[int, int]:
+    """(index, count) of this rank's slice of the global batch: the tensor-parallel ranks of
+    one data-parallel group (consecutive ranks: the mesh's last dim) share their slice."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return rank // args.tp, world_size // args.tp
 
 
 def print0(*args, **kwargs) -> None:
@@ -255,14 +291,22 @@ def build_model(
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
 
-        mesh = init_device_mesh(device.type, (world_size,))
+        dp = world_size // args.tp
+        mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
+        if args.tp > 1:
+            # float8kit's styles all-gather float8 activations; they need a DYNAMIC input
+            # cast, so delayed (and bf16) runs use torch's styles.
+            float8_styles = args.float8 not in ("none", "delayed")
+            parallelize_module(model, mesh["tp"], tp_plan(model, float8_styles))
         # bf16 compute weights, fp32 gradient reduction: the same dtypes autocast gives the
         # single-process run, so 1 and N processes train the same model.
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.layers:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        if dp > 1:
+            for block in model.layers:
+                fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
+            fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
     return model
 
 
@@ -270,12 +314,9 @@ def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
     # float8 all-gather for the tensorwise and rowwise recipes. Blockwise weights are
     # all-gathered in bf16 here: their float8 all-gather needs every rank's shard to be
     # whole 128-row blocks, which the small presets' dims on a few ranks are not.
-    fp8_all_gather = world_size > 1 and args.float8 in (
-        "tensorwise",
-        "delayed",
-        "rowwise",
-        "rowwise_with_gw_hp",
-    )
+    # Rowwise float8 all-gather needs a 1-D FSDP mesh: with --tp its weights go in bf16.
+    rowwise = args.float8 in ("rowwise", "rowwise_with_gw_hp") and args.tp == 1
+    fp8_all_gather = world_size > args.tp and (args.float8 in ("tensorwise", "delayed") or rowwise)
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 
@@ -460,7 +501,7 @@ def evaluate(model, fwd, val: torch.Tensor, args, device, rank: int, world_size:
     total = torch.zeros((), device=device)
     try:
         for _ in range(args.eval_batches):
-            x, y = get_batch(val, args.batch_size, args.seq_len, gen, rank, world_size)
+            x, y = get_batch(val, args.batch_size, args.seq_len, gen, *data_shard(rank, args))
             with autocast(device):
                 total += fwd(x.to(device), y.to(device)).float()
     finally:
@@ -570,7 +611,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, gen, rank, world_size)
+        x, y = get_batch(corpus.train, args.batch_size, args.seq_len, gen, *data_shard(rank, args))
         with autocast(device):
             loss = fwd(x.to(device), y.to(device))
         loss.backward()
@@ -579,7 +620,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         float8kit.precompute_scales(model)  # float8: next step's scales, one collective
         optimizer.zero_grad(set_to_none=True)
         loss = loss.detach()
-        if world_size > 1:  # for logging only: FSDP already averaged the gradients
+        if world_size > 1:  # for logging only (TP ranks hold equal losses): FSDP averaged grads
             dist.all_reduce(loss)
             loss /= world_size
         loss_val = loss.item()  # also syncs the device, so the timing below is real

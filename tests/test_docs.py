@@ -136,6 +136,7 @@ CPU_SUBSTITUTIONS = [
 # distributed job); every other block must run.
 FRAGMENT_FIRST_LINES = {
     "config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)   # tensorwise weights",
+    "from torch.distributed.tensor import Replicate, Shard",  # tensor parallel: a TP mesh
 }
 
 

@@ -286,6 +286,25 @@ def test_help_shows_each_presets_defaults():
 
 
 @pytest.mark.slow
+def test_torchrun_tensor_parallel_matches_single_process(tmp_path):
+    # --tp 2 on 2 processes: tensor + sequence parallel with float8kit's styles (float8
+    # activation all-gathers), no FSDP; same samples and init as one process.
+    flags = ["--preset", "tiny", "--float8", "tensorwise", "--steps", "3", "--quiet"]
+    r = run_torchrun(*flags, "--tp", "2", "--eval-every", "0", "--out", str(tmp_path / "tp"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    tp = [json.loads(x) for x in (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()]
+    single = run_train(tmp_path / "single", *flags[2:], "--eval-every", "0")
+    for a, b in zip(tp, single, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-2), (a, b)  # observed < 0.1%
+    assert tp[-1]["val_loss"] == pytest.approx(single[-1]["val_loss"], rel=1e-2)
+    r = run_torchrun(*flags, "--tp", "2", "--seq-len", "127", "--out", str(tmp_path / "odd"))
+    assert (
+        r.returncode != 0
+        and "train.py: error: --seq-len 127 must be divisible by --tp 2" in r.stderr
+    )
+
+
+@pytest.mark.slow
 def test_torchrun_usage_error_is_said_once(tmp_path):
     r = run_torchrun(
         "--batch-size",

@@ -373,6 +373,45 @@ def fsdp_blockwise() -> None:
     )
 
 
+def tp() -> None:
+    """tests/test_tp.py's multi-process runs (2 and 4 gloo ranks); rank 0's numbers."""
+    from tests import test_tp as t
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for sub in ("tp2", "mesh2d"):
+            (tmp / sub).mkdir()
+        r = t._spawn("tests.test_tp:_worker_tp2", 2, tmp / "tp2")[0]
+        m = t._spawn("tests.test_tp:_worker_2d", 4, tmp / "mesh2d")
+    sp = ("tensorwise", "rowwise")
+    data = {
+        "torch_styles_rel_diff": {
+            recipe: t._rel_diff(r[f"tp_{recipe}"], r[f"ref_{recipe}"]) for recipe in t.RECIPES
+        },
+        "sp_rel_diff": {
+            recipe: t._rel_diff(r[f"fp8_sp_{recipe}"], r[f"ref_{recipe}"]) for recipe in sp
+        },
+        "sp_equals_torch_sp": {
+            recipe: r[f"fp8_sp_{recipe}"] == r[f"torch_sp_{recipe}"] for recipe in sp
+        },
+        "all_gather_bytes_fp8": {recipe: r[f"bytes_fp8_sp_{recipe}"] for recipe in sp},
+        "all_gather_bytes_bf16": {recipe: r[f"bytes_torch_sp_{recipe}"] for recipe in sp},
+        "compiled_equals_eager": r["compiled_fp8_sp_tensorwise"] == r["fp8_sp_tensorwise"],
+        "mesh2d_rel_diff": {
+            recipe: max(t._rel_diff(x[f"2d_{recipe}"], m[0][f"ref_{recipe}"]) for x in m)
+            for recipe in sp
+        },
+        "mesh2d_fsdp_float8_all_gather": {
+            recipe: m[0][f"fp8_all_gather_{recipe}"] for recipe in sp
+        },
+        "dcp_resume_bitwise": all(x["resumed"] == x["after"] for x in m),
+        "mlp": {"dim": t.DIM, "hidden": t.HIDDEN, "batch": t.BATCH, "seq": t.SEQ, "steps": t.STEPS},
+        "llama": {"preset": "tiny", "seq": t.LLAMA_SEQ, "steps": t.LLAMA_STEPS},
+    }
+    write("tp", ["tests/test_tp.py", "recipes/model.py"], data, time.perf_counter() - t0)
+
+
 # ---------------------------------------------------------------------------- benchmarks
 
 
@@ -462,6 +501,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp_blockwise": fsdp_blockwise,
     "memory": memory,
     "experts": experts,
+    "tp": tp,
     "tiny": tiny,
     "moe_tiny": moe_tiny,
     "demo": demo,

@@ -446,6 +446,68 @@ def memory_table() -> str:
     )
 
 
+def tp_table() -> str:
+    d = load("tp")["data"]
+    mlp, llama = d["mlp"], d["llama"]
+    rows = [
+        [
+            f"torch's `ColwiseParallel` / `RowwiseParallel` on a converted SwiGLU MLP "
+            f"({mlp['dim']}x{mlp['hidden']}, 2 ranks, fp32, {mlp['steps']} AdamW steps) vs one "
+            "device",
+            "; ".join(f"{k}: {rel(v)}" for k, v in d["torch_styles_rel_diff"].items()),
+        ],
+        [
+            "float8kit's styles, sequence parallel (input `Shard(1)`, w2 output `Shard(1)`) "
+            "vs one device / vs torch's hp sequence parallel",
+            "; ".join(
+                f"{k}: {rel(v)} / "
+                + ("**bitwise equal**" if d["sp_equals_torch_sp"][k] else "differ")
+                for k, v in d["sp_rel_diff"].items()
+            ),
+        ],
+    ]
+    for recipe, fp8 in d["all_gather_bytes_fp8"].items():
+        bf16 = d["all_gather_bytes_bf16"][recipe]
+        ratio = sum(fp8.values()) / sum(bf16.values())
+        rows.append(
+            [
+                f"sequence-parallel all-gather bytes per rank in one fwd+bwd, {recipe}, float8 vs "
+                "bf16 (forward: activations; backward: the w2 output's gradient)",
+                f"{fp8['forward']:,} + {fp8['backward']:,} / {bf16['forward']:,} + "
+                f"{bf16['backward']:,} = **{ratio:.3f}x**",
+            ]
+        )
+    rows += [
+        [
+            "`torch.compile(fullgraph=True)` of the sequence-parallel float8 MLP vs eager",
+            "**bitwise equal** losses" if d["compiled_equals_eager"] else "differ",
+        ],
+        [
+            f"FSDP2 (2) x TP (2), 4 ranks, recipes' Llama ({llama['preset']}, seq "
+            f"{llama['seq']}, {llama['steps']} steps) vs one process",
+            "; ".join(
+                f"{k}: {rel(v)} (FSDP2 float8 all-gather: "
+                f"{'yes' if d['mesh2d_fsdp_float8_all_gather'][k] else 'no, rowwise weights'})"
+                for k, v in d["mesh2d_rel_diff"].items()
+            ),
+        ],
+        [
+            "FSDP2 x TP: DCP save, more steps vs fresh model + DCP load + the same steps",
+            "**bitwise equal** losses" if d["dcp_resume_bitwise"] else "differ",
+        ],
+    ]
+    return caption("tp") + "\n\n" + table(["what", "result"], rows)
+
+
+def _tp_ratio(recipe: str) -> Callable[[], str]:
+    def get() -> str:
+        d = load("tp")["data"]
+        fp8, bf16 = d["all_gather_bytes_fp8"][recipe], d["all_gather_bytes_bf16"][recipe]
+        return f"{sum(fp8.values()) / sum(bf16.values()):.2f}x"
+
+    return get
+
+
 # ---------------------------------------------------------------------------- benchmarks
 
 
@@ -734,6 +796,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "memory": memory_table,
+    "tp": tp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
     "overhead_profile": overhead_profile_table,
@@ -782,6 +845,8 @@ INLINE: dict[str, Callable[[], str]] = {
     "fsdp.recast_no_pow2_sqnr": lambda: "{:.0f} dB".format(
         max(_rowwise_recast("no_pow2").values())
     ),
+    "tp.ag_ratio_tensorwise": _tp_ratio("tensorwise"),
+    "tp.ag_ratio_rowwise": _tp_ratio("rowwise"),
     "fsdp.bf16_split": _fsdp("bf16_split_rel_diff", "sci"),
     "fsdp.uneven_split": _fsdp("uneven_split_rel_diff", "sci"),
     "fsdp.precompute_all_reduces": _fsdp("precompute_all_reduces", "d"),

@@ -1,0 +1,416 @@
+"""Float8 tensor and sequence parallel (float8kit/tp.py, float8kit/dtensor.py).
+
+Real gloo processes, one module-scoped group per world size (test_fsdp.py's launcher):
+2 ranks for TP and sequence parallel on a small MLP, 4 ranks for FSDP2 (2) x TP (2) on the
+recipes' Llama model. Every rank records numbers; the tests assert them against single-device
+float8 training (losses), torch's bf16 sequence-parallel all-gathers (bytes), and the run
+before a torch.distributed.checkpoint round trip.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import nn
+
+import float8kit
+from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
+from tests.test_fsdp import _spawn  # the gloo launcher: one process group per fixture
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+STEPS = 4
+LR = 1e-3
+DIM, HIDDEN, BATCH, SEQ = 64, 128, 2, 8
+LLAMA_STEPS, LLAMA_SEQ = 3, 16  # the sequence splits evenly over the TP ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: w1 and w3 colwise, w2 rowwise (Llama's feed-forward)."""
+
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def _mlp(recipe: str) -> MLP:
+    torch.manual_seed(0)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return convert_to_float8_training(MLP(), config=config, module_filter_fn=lambda m, f: True)
+
+
+def _data(steps: int = STEPS):
+    g = torch.Generator().manual_seed(1234)
+    shape = (steps, BATCH, SEQ, DIM)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def _rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _train(model, xs, ys, *, seq_shard: slice | None = None, world: int = 1) -> list[float]:
+    """Losses of AdamW steps. ``seq_shard``: this rank's sequence slice (sequence parallel:
+    the model takes and returns local sequence shards); the loss is the global batch's."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in zip(xs, ys, strict=True):
+        if seq_shard is not None:
+            x, y = x[:, seq_shard], y[:, seq_shard]
+        loss = F.mse_loss(model(x).float(), y)
+        if seq_shard is not None:
+            loss = loss / world  # the global mean is the sum over ranks of these
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        precompute_scales(model)
+        loss = loss.detach()
+        if seq_shard is not None:
+            dist.all_reduce(loss)
+        losses.append(loss.item())
+    return losses
+
+
+class _GatherBytes:
+    """Counts the bytes that all-gathers move (every DTensor and float8kit all-gather goes
+    through ``funcol.all_gather_single``), per phase."""
+
+    def __init__(self):
+        self.bytes = {"forward": 0, "backward": 0}
+        self.phase = "forward"
+
+    def __enter__(self):
+        self.orig = funcol.all_gather_single
+
+        def counted(t, *args, **kwargs):
+            self.bytes[self.phase] += t.numel() * t.element_size()
+            return self.orig(t, *args, **kwargs)
+
+        funcol.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        funcol.all_gather_single = self.orig
+
+
+def _sp_plan(styles) -> dict:
+    colwise, rowwise, prepare = styles
+    from torch.distributed.tensor import Replicate, Shard
+
+    return {
+        "": prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "w1": colwise(),
+        "w3": colwise(),
+        "w2": rowwise(output_layouts=Shard(1)),
+    }
+
+
+# ---------------------------------------------------------------------------- workers
+
+
+def _worker_tp2(rank: int, world: int, tmp: str) -> dict:
+    """2 ranks: torch's styles on every recipe (plain TP), float8 sequence parallel (losses,
+    bytes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    xs, ys = _data()
+    res: dict = {}
+    torch_styles = (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
+    fp8_styles = (
+        float8kit.Float8ColwiseParallel,
+        float8kit.Float8RowwiseParallel,
+        float8kit.PrepareFloat8ModuleInput,
+    )
+    seq = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+    for recipe in RECIPES:
+        res[f"ref_{recipe}"] = _train(_mlp(recipe), xs, ys)
+        # plain TP: torch's styles, replicated input and output
+        model = _mlp(recipe)
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(model, mesh, plan)
+        res[f"tp_{recipe}"] = _train(model, xs, ys)
+    for recipe in ("tensorwise", "rowwise"):
+        for name, styles in (("torch_sp", torch_styles), ("fp8_sp", fp8_styles)):
+            model = parallelize_module(_mlp(recipe), mesh, _sp_plan(styles))
+            res[f"{name}_{recipe}"] = _train(model, xs, ys, seq_shard=seq, world=world)
+            # bytes of one bf16 step
+            model = parallelize_module(_mlp(recipe).bfloat16(), mesh, _sp_plan(styles))
+            with _GatherBytes() as counter:
+                out = model(xs[0][:, seq].bfloat16())
+                counter.phase = "backward"
+                out.float().pow(2).mean().backward()
+            res[f"bytes_{name}_{recipe}"] = dict(counter.bytes)
+    # sequence parallel without PrepareFloat8ModuleInput: w1 and w3 each gather the input
+    from torch.distributed.tensor import Shard
+
+    plan = {
+        "w1": fp8_styles[0](input_layouts=Shard(1)),
+        "w3": fp8_styles[0](input_layouts=Shard(1)),
+        "w2": fp8_styles[1](output_layouts=Shard(1)),
+    }
+    model = parallelize_module(_mlp("tensorwise"), mesh, plan)
+    res["fp8_sp_colwise_input"] = _train(model, xs, ys, seq_shard=seq, world=world)
+    # torch.compile of the sequence-parallel float8 MLP (the unit a per-block compile sees);
+    # one recipe: a compile costs ~30 s per rank on 2 cores
+    for recipe in ("tensorwise",):
+        torch._dynamo.reset()
+        model = parallelize_module(_mlp(recipe), mesh, _sp_plan(fp8_styles))
+        model = torch.compile(model, fullgraph=True)
+        res[f"compiled_fp8_sp_{recipe}"] = _train(model, xs, ys, seq_shard=seq, world=world)
+    return res
+
+
+def _llama(recipe: str, fp8_all_gather: bool = False, seed: int = 0):
+    import dataclasses
+
+    from model import ModelArgs, Transformer
+
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs.from_name("tiny"))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(config, enable_fsdp_float8_all_gather=fp8_all_gather)
+    return convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, fqn: fqn != "output"
+    )
+
+
+def _tokens(steps: int, batch: int):
+    g = torch.Generator().manual_seed(1234)
+    return torch.randint(0, 256, (steps, batch, LLAMA_SEQ + 1), generator=g)
+
+
+def _train_llama(model, tokens, opt=None, group=None):
+    """Losses of AdamW steps on ``tokens`` (steps, batch, seq + 1), averaged over ``group``
+    (the data-parallel ranks); returns (losses, optimizer)."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for idx in tokens:
+        loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        precompute_scales(model)
+        loss = loss.detach()
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+            loss /= dist.get_world_size(group)
+        losses.append(loss.item())
+    return losses, opt
+
+
+def _worker_2d(rank: int, world: int, tmp: str) -> dict:
+    """4 ranks, FSDP2 (2) x TP (2) on the recipes' Llama with float8kit's sequence-parallel
+    styles: losses vs one process, float8 all-gather in FSDP2, DCP round trip."""
+    import torch.distributed.checkpoint as dcp
+    from model import tp_plan
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from float8kit.fsdp import Float8AllGatherWeight
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"]
+    batch = 2
+    tokens = _tokens(2 * LLAMA_STEPS, batch * dp.size())
+    local = tokens[:, dp.get_local_rank() * batch : (dp.get_local_rank() + 1) * batch]
+    first, second = local[:LLAMA_STEPS], local[LLAMA_STEPS:]
+    res: dict = {}
+
+    def parallel_llama(recipe: str, seed: int = 0):
+        fp8_all_gather = recipe in ("tensorwise", "delayed")  # tensorwise weights only
+        model = _llama(recipe, fp8_all_gather, seed)
+        parallelize_module(model, mesh["tp"], tp_plan(model, float8=True))
+        for block in model.layers:
+            fully_shard(block, mesh=dp)
+        fully_shard(model, mesh=dp)
+        return model
+
+    for recipe in ("tensorwise", "rowwise"):
+        model = parallel_llama(recipe)
+        res[f"fp8_all_gather_{recipe}"] = all(
+            isinstance(m.weight._local_tensor, Float8AllGatherWeight)
+            for m in model.modules()
+            if isinstance(m, float8kit.Float8Linear)
+        )
+        res[f"2d_{recipe}"], opt = _train_llama(model, first, group=dp.get_group())
+        if recipe != "tensorwise":
+            continue
+        # DCP: checkpoint, train on; a fresh model (other init) loads and trains the same steps
+        model_sd, optim_sd = get_state_dict(model, opt)
+        ckpt = os.path.join(tmp, "ckpt")
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+        res["after"], _ = _train_llama(model, second, opt, group=dp.get_group())
+        resumed = parallel_llama(recipe, seed=1)
+        opt2 = torch.optim.AdamW(resumed.parameters(), lr=LR)
+        model_sd2, optim_sd2 = get_state_dict(resumed, opt2)
+        res["before_load_differs"] = any(
+            not torch.equal(v.full_tensor(), model_sd[k].full_tensor())
+            for k, v in model_sd2.items()
+        )
+        state = {"model": model_sd2, "optim": optim_sd2}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(
+            resumed, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        )
+        precompute_scales(resumed)
+        res["resumed"], _ = _train_llama(resumed, second, opt2, group=dp.get_group())
+    if rank == 0:
+        for recipe in ("tensorwise", "rowwise"):
+            res[f"ref_{recipe}"], _ = _train_llama(_llama(recipe), tokens[:LLAMA_STEPS])
+    return res
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return _spawn("tests.test_tp:_worker_tp2", 2, tmp_path_factory.mktemp("tp2"))
+
+
+@pytest.fixture(scope="module")
+def mesh2d(tmp_path_factory):
+    return _spawn("tests.test_tp:_worker_2d", 4, tmp_path_factory.mktemp("mesh2d"))
+
+
+# ---------------------------------------------------------------------------- 2 ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_torch_styles_on_a_converted_model(tp2, recipe):
+    r = tp2[0]
+    diff = _rel_diff(r[f"tp_{recipe}"], r[f"ref_{recipe}"])
+    print(f"{recipe}: torch ColwiseParallel/RowwiseParallel vs one device: {diff:.2e}")
+    assert diff < 0.02
+    assert tp2[1][f"tp_{recipe}"] == r[f"tp_{recipe}"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_sequence_parallel_losses(tp2, recipe):
+    r = tp2[0]
+    for name in ("torch_sp", "fp8_sp"):
+        diff = _rel_diff(r[f"{name}_{recipe}"], r[f"ref_{recipe}"])
+        print(f"{recipe} {name} vs one device: max rel loss diff {diff:.2e}")
+        assert diff < 0.02
+    # Casting before the all-gathers changes no value: the gathered bytes are those the
+    # layers' own casts make (tensorwise: the same global scale; rowwise: per-token power-of-2
+    # scales, and re-rounding a value that already has e4m3's 3 mantissa bits is exact).
+    assert r[f"fp8_sp_{recipe}"] == r[f"torch_sp_{recipe}"]  # bitwise
+    if recipe == "tensorwise":  # Float8ColwiseParallel(input_layouts=Shard(1)) gathers alike
+        assert r["fp8_sp_colwise_input"] == r["fp8_sp_tensorwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_sequence_parallel_all_gather_bytes(tp2, recipe):
+    r = tp2[0]
+    bf16, fp8 = r[f"bytes_torch_sp_{recipe}"], r[f"bytes_fp8_sp_{recipe}"]
+    print(f"{recipe}: all-gather bytes per rank, fp8 {fp8} vs bf16 {bf16}")
+    # activations (forward) and the rowwise layer's output gradient (backward): 1 byte per
+    # element instead of 2, plus one fp32 scale per token for rowwise
+    tokens = BATCH * SEQ // 2
+    per_token = 4 if recipe == "rowwise" else 0
+    assert fp8["forward"] == bf16["forward"] // 2 + tokens * per_token
+    assert fp8["backward"] == bf16["backward"] // 2 + tokens * per_token
+    assert sum(fp8.values()) / sum(bf16.values()) <= 0.6
+
+
+# ---------------------------------------------------------------------------- 4 ranks
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fsdp2_x_tp_llama_losses(mesh2d, recipe):
+    ref = mesh2d[0][f"ref_{recipe}"]
+    for r in mesh2d:
+        diff = _rel_diff(r[f"2d_{recipe}"], ref)
+        print(f"{recipe}: FSDP2 (2) x TP (2) vs one process: max rel loss diff {diff:.2e}")
+        assert diff < 0.02
+    # float8 all-gather in FSDP2 where the recipe allows it (tensorwise weights)
+    assert all(r[f"fp8_all_gather_{recipe}"] == (recipe == "tensorwise") for r in mesh2d)
+
+
+@pytest.mark.slow
+def test_fsdp2_x_tp_dcp_round_trip(mesh2d):
+    for r in mesh2d:
+        assert r["before_load_differs"]  # the fresh model really started elsewhere
+        assert r["resumed"] == r["after"]  # bitwise
+
+
+@pytest.mark.slow
+def test_sequence_parallel_compiled_matches_eager(tp2):
+    for r in tp2:
+        assert r["compiled_fp8_sp_tensorwise"] == r["fp8_sp_tensorwise"]  # bitwise
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def test_float8_styles_refuse_hp_layers():
+    for style in (float8kit.Float8ColwiseParallel(), float8kit.Float8RowwiseParallel()):
+        name = type(style).__name__
+        with pytest.raises(TypeError, match=f"{name} needs a Float8Linear, got Linear"):
+            style._apply(nn.Linear(16, 16), None)
+
+
+def test_float8_all_gathers_need_dynamic_casts():
+    from torch.distributed.tensor import Replicate, Shard
+
+    delayed = _mlp("delayed")
+    cases = [
+        (float8kit.Float8ColwiseParallel(input_layouts=Shard(1)), delayed.w1, "cast_config_input"),
+        (
+            float8kit.Float8RowwiseParallel(output_layouts=Shard(1)),
+            delayed.w2,
+            "cast_config_grad_output",
+        ),
+        (
+            float8kit.PrepareFloat8ModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+            ),
+            delayed,
+            "cast_config_input",
+        ),
+    ]
+    for style, module, field in cases:
+        with pytest.raises(ValueError, match=f"Float8LinearConfig.{field} to be DYNAMIC"):
+            style._apply(module, None)
+
+
+def test_prepare_float8_module_input_picks_one_input_cast():
+    from torch.distributed.tensor import Replicate, Shard
+
+    def prepare(**kwargs):
+        return float8kit.PrepareFloat8ModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), **kwargs
+        )
+
+    with pytest.raises(ValueError, match="holds no Float8Linear"):
+        prepare()._apply(MLP(), None)
+    mixed = _mlp("tensorwise")
+    mixed.w3 = _mlp("rowwise").w3
+    with pytest.raises(ValueError, match="pass fwd_config_submodule_fqn="):
+        prepare()._apply(mixed, None)
+    with pytest.raises(ValueError, match="names a ReLU, not a Float8Linear"):
+        prepare(fwd_config_submodule_fqn="act")._apply(nn.ModuleDict({"act": nn.ReLU()}), None)
