@@ -316,20 +316,44 @@ class Float8LinearConfig:
                     "with the same block_size, or neither"
                 )
         if self.enable_fsdp_float8_all_gather:
-            w = self.cast_config_weight
-            if not w.enabled or w.scaling_granularity is ScalingGranularity.AXISWISE:
+            self._check_fsdp_float8_all_gather()
+
+    def _check_fsdp_float8_all_gather(self) -> None:
+        """The weights FSDP2 can gather in float8 (float8kit/fsdp.py): one cast is gathered,
+        the one the output gemm uses; the grad_input gemm uses it as is (the same tensorwise
+        or blockwise cast) or re-casts it locally (axiswise forward cast), which is exact
+        only when both scales are powers of two."""
+        w, gi = self.cast_config_weight, self.cast_config_weight_for_grad_input
+        if not w.enabled:
+            raise ValueError(
+                "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 weight, "
+                "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
+            )
+        if w.scaling_granularity is not ScalingGranularity.AXISWISE:
+            if gi != w:
                 raise ValueError(
-                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 "
-                    "tensorwise or blockwise weight (cast_config_weight); rowwise weights "
-                    "with float8 all-gather are not supported yet: set "
-                    "enable_fsdp_float8_all_gather=False"
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with a tensorwise "
+                    "or blockwise weight gathers one float8 weight for both gemms, so "
+                    "cast_config_weight_for_grad_input must equal cast_config_weight (or be None)"
                 )
-            if self.cast_config_weight_for_grad_input != w:
-                raise ValueError(
-                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True gathers one float8 "
-                    "weight for both gemms, so cast_config_weight_for_grad_input must equal "
-                    "cast_config_weight (or be None)"
-                )
+            return
+        # Axiswise (rowwise): the gathered row-scaled weight is re-cast for grad_input.
+        if not gi.enabled or gi.scaling_type is not ScalingType.DYNAMIC:
+            raise ValueError(
+                "Float8LinearConfig.enable_fsdp_float8_all_gather=True with an axiswise "
+                "cast_config_weight re-casts the gathered row-scaled weight for the grad_input "
+                f"gemm, which needs a DYNAMIC cast_config_weight_for_grad_input (got "
+                f"{gi.scaling_type.value!r}): use a DYNAMIC tensorwise or axiswise cast there"
+            )
+        if not self.round_scales_to_power_of_2:
+            raise ValueError(
+                "Float8LinearConfig.enable_fsdp_float8_all_gather=True with an axiswise "
+                "cast_config_weight needs round_scales_to_power_of_2=True: the grad_input gemm "
+                "re-casts the gathered row-scaled float8 weight, which is exact (a shift of "
+                "the exponent) only between power-of-2 scales (about 27 dB SQNR otherwise); "
+                "set round_scales_to_power_of_2=True (the rowwise recipes do) or "
+                "enable_fsdp_float8_all_gather=False"
+            )
 
     @staticmethod
     def operand_uses() -> dict[GemmRole, tuple[str, str]]:

@@ -28,6 +28,18 @@ every rank: the identity and version counter of the sharded weight parameter (bu
 optimizer, ``load_state_dict``, any in-place op on it). Rank-local signals (the local
 shard's object, which FSDP2 re-pads on uneven ranks only) are not used.
 
+Granularity. One cast is gathered: the one the output gemm uses (``cast_config_weight``).
+Tensorwise, it serves the grad_input gemm as is. Rowwise (axiswise, one scale per row of the
+(N, K) weight), a rank owns whole rows, so its shard's row scales are its own rows'; the
+gathered weight needs all N of them on every rank, which ``precompute_scales`` provides (N
+amaxes per weight in its one all-reduce). The grad_input gemm needs the weight scaled per
+column (``rowwise``) or tensorwise (``rowwise_with_gw_hp``): ``_Float8Matmul`` re-casts the
+gathered row-scaled float8 weight locally, which between power-of-2 scales (required by the
+config) only shifts exponents: exact except for values in the subnormal range. The same
+bytes serve forward, the backward re-gather (``reshard_after_forward=True``) and activation
+checkpointing's recomputation; see docs/fsdp.md for why no pass-dependent cast is gathered.
+How each granularity's scales map onto shards is ``float8kit.shard_groups``.
+
 Internal, except ``fsdp_weight_contributions`` (the provider ``precompute_scales`` uses).
 """
 
@@ -46,8 +58,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from float8kit import scaling
+from float8kit import scaling, shard_groups
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
+from float8kit.shard_groups import ShardSpec
 from float8kit.tensor import Float8TrainingTensor
 
 if TYPE_CHECKING:
@@ -84,8 +97,8 @@ class Float8AllGatherWeight(torch.Tensor):
         - ``_tensor`` is the plain hp tensor this stands for: same shape, strides, dtype,
           device. Every aten op runs on ``_tensor``; results of ``_KEEP_SUBCLASS`` ops are
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
-        - ``_config`` is the owning layer's config (tensorwise or blockwise float8 weight,
-          validated).
+        - ``_config`` is the owning layer's config (a tensorwise, rowwise or blockwise float8
+          weight, validated by ``Float8LinearConfig``).
         - It holds no scale state: FSDP2 may replace the local shard object (it re-pads
           uneven shards at lazy init and after ``load_state_dict``), so the precomputed scale
           lives on the module (``PrecomputedScale``).
@@ -170,12 +183,17 @@ class Float8AllGatherWeight(torch.Tensor):
         Returns:
             ``((data_uint8,), (scale,))``: the fp8 shard as raw bytes with FSDP2's *padded*
             sharded size (uneven sharding pads the last ranks' shards, an empty shard is all
-            padding), and the scale the gathered weight needs.
+            padding), and the scale the gathered weight needs (the full weight's: shape ()
+            tensorwise, (N, 1) rowwise; the same on every rank).
         """
         if self._block_size is not None:
             return self._pre_all_gather_blocks(mesh, outer_size, module)
-        scale = weight_scale_for_all_gather(self, mesh, module)
-        data = scaling.to_fp8_saturated(self._tensor, scale, self._fp8_dtype)
+        where = ShardSpec.of(self.shape, outer_size, _mesh_rank(mesh), mesh.size())
+        scale = weight_scale_for_all_gather(self, mesh, module, where)
+        shard_scale = shard_groups.layout(self._config.cast_config_weight).shard_scale(
+            scale, self._tensor, where
+        )
+        data = scaling.to_fp8_saturated(self._tensor, shard_scale, self._fp8_dtype)
         # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
         # uint8 input lets FSDP2 gather fp8 weights and hp biases in one uint8 buffer.
         data = data.view(torch.uint8)
@@ -275,9 +293,14 @@ class Float8AllGatherWeight(torch.Tensor):
                 local._scale.copy_(scale)
             return None
         data = data.view(self._fp8_dtype)
+        axiswise_dim = shard_groups.layout(self._config.cast_config_weight).axiswise_dim
+        # Rowwise: drop the padding rows here (a view: FSDP2 frees and refills ``data``'s
+        # storage), so the weight has one scale per row; FSDP2's as_strided to the full size
+        # is then the identity.
+        fp8 = data if axiswise_dim is None else data[: scale.shape[0]]
         # clone: the scale may be the precomputed one, which must not alias the weight's.
         weight = Float8TrainingTensor(
-            data, scale.clone(), param_dtype, GemmRole.WEIGHT, None, self._config
+            fp8, scale.clone(), param_dtype, GemmRole.WEIGHT, axiswise_dim, self._config
         )
         return weight, (data,)
 
@@ -293,6 +316,11 @@ def _mutated_weights(func, args, kwargs, cls: type | None = None) -> Iterator[to
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, cls):
                 yield t
+
+
+def _mesh_rank(mesh) -> int:
+    """This rank's index in the 1-D shard ``mesh`` (0 on one rank)."""
+    return 0 if mesh.size() == 1 else mesh.get_local_rank()
 
 
 def _padded_shard_size(local: torch.Size, outer: torch.Size, world_size: int) -> torch.Size:
@@ -337,11 +365,11 @@ class PrecomputedScale:
 
     An update through ``param.data`` (an EMA, some optimizers) changes the values without a
     version bump, and no rank can tell the others without a collective. So the hook cannot
-    refuse the scale; instead it records the shard's amax when it uses the scale
+    refuse the scale; instead it records the shard's group amaxes when it uses the scale
     (``gathered_amax``: one read of the local shard, no collective, no host sync), and the
-    next ``precompute_scales`` compares it with ``local_amax``, the shard's amax the scale
-    was made from, and warns naming the layer (the scale is exactly stale when the weight's
-    amax moved on some rank).
+    next ``precompute_scales`` compares them with ``local_amax``, the ones the scale was made
+    from, and warns naming the layer (the scale is exactly stale when some group's amax
+    moved on some rank). Tensorwise these are shape (), rowwise (N, 1) (see shard_groups).
     """
 
     scale: torch.Tensor
@@ -358,16 +386,19 @@ _SCALE_ATTR = "_float8_all_gather_scale"
 
 
 def weight_scale_for_all_gather(
-    weight: Float8AllGatherWeight, mesh, module: nn.Module
+    weight: Float8AllGatherWeight, mesh, module: nn.Module, where: ShardSpec
 ) -> torch.Tensor:
-    """The scale to cast this step's weight shard with, identical on every rank of ``mesh``.
+    """The full weight's scale for this step's all-gather, identical on every rank of
+    ``mesh`` (``where``: the shard's place in the full weight; the shard is cast with its
+    part of it, ``shard_groups.Layout.shard_scale``).
 
     The scale itself comes from ``operand_scale`` (float8kit/linear.py), the decision every
     cast of the layer goes through; this function only supplies its inputs for a shard:
 
-    - DYNAMIC: the scale ``precompute_scales`` stored on ``module`` (made by
-      ``operand_scale`` from the all-reduced amaxes), if the weight has not changed since;
-      otherwise from the amax of the whole weight, now, with one all-reduce.
+    - DYNAMIC (tensorwise or rowwise): the scale ``precompute_scales`` stored on ``module``
+      (made by ``operand_scale`` from the all-reduced group amaxes), if the weight has not
+      changed since; otherwise from the group amaxes of the whole weight, now, with one
+      all-reduce.
     - STATIC: the layer's ``fp8_scale_weight`` buffer (replicated; no collective).
     - DELAYED: records the local shard's amax into ``fp8_amax_weight`` (train mode;
       ``precompute_scales``' single all_reduce(MAX) makes it the full weight's amax) and
@@ -381,6 +412,7 @@ def weight_scale_for_all_gather(
     config = weight._config
     cast = config.cast_config_weight
     kind = cast.scaling_type
+    groups = shard_groups.layout(cast)
     if kind is ScalingType.STATIC and "weight" in module._fp8_uncalibrated:
         raise RuntimeError(
             "float8kit: the STATIC weight scale of a float8 all-gather weight is not set: "
@@ -390,7 +422,7 @@ def weight_scale_for_all_gather(
         precomputed: PrecomputedScale | None = getattr(module, _SCALE_ATTR, None)
         if precomputed is not None:
             if precomputed.fresh(module.weight):
-                precomputed.gathered_amax = local_amaxes([weight._tensor])[0]
+                precomputed.gathered_amax = groups.group_amaxes(weight._tensor, where)
                 return precomputed.scale
             warnings.warn(
                 "float8kit: a weight changed after precompute_scales(); its float8 all-gather "
@@ -402,7 +434,7 @@ def weight_scale_for_all_gather(
     state_scale, amax_record, scale_set = module._operand_state(GemmRole.WEIGHT, module.training)
     amax = None
     if needs_amax(cast, amax_record is not None, scale_set):
-        amax = local_amaxes([weight._tensor])[0]
+        amax = groups.group_amaxes(weight._tensor, where)
         if kind is ScalingType.DYNAMIC or not scale_set:
             amax = _all_reduce_max(amax, mesh)  # the scale needs the whole weight's amax
     return operand_scale(cast, GemmRole.WEIGHT, config, amax, state_scale, amax_record, scale_set)
@@ -414,6 +446,20 @@ def _all_reduce_max(amax: torch.Tensor, mesh) -> torch.Tensor:
     if mesh.size() > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
     return amax
+
+
+def _group_amaxes(name: str, m: nn.Module) -> torch.Tensor:
+    """The group amaxes of ``m``'s local weight shard in the full weight's scale shape."""
+    weight = m.weight
+    mesh = weight.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"float8kit: {name}: rowwise float8 all-gather weights are supported on a 1-D "
+            f"FSDP2 mesh only, got a {mesh.ndim}-D mesh: set enable_fsdp_float8_all_gather=False"
+        )
+    shard = weight._local_tensor._tensor
+    where = ShardSpec.of(shard.shape, weight.shape, _mesh_rank(mesh), mesh.size())
+    return shard_groups.layout(m.config.cast_config_weight).group_amaxes(shard, where)
 
 
 def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -444,7 +490,7 @@ def _report_stale_weights(mods: list[tuple[str, nn.Module]]) -> None:
         return
     from float8kit.precompute import _REPORT_CALLS, report_flags
 
-    changed = torch.stack([p.gathered_amax != p.local_amax for p, _ in used])
+    changed = torch.stack([(p.gathered_amax != p.local_amax).any() for p, _ in used])
     report_flags(_REPORT_CALLS, changed, "stale_weight", "\n".join(n for _, n in used))
 
 
@@ -452,9 +498,11 @@ def _report_stale_weights(mods: list[tuple[str, nn.Module]]) -> None:
 def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     """``precompute_scales``' provider for FSDP2 float8 all-gather weights.
 
-    One contribution for all of them: their local shards' amaxes in one batched pass, and an
-    ``apply`` that turns the all-reduced amaxes into next-step scales (batched per fp8
-    dtype) and stores each on its module, stamped with the weight version it was read at.
+    One contribution for all of them: the local shards' group amaxes (tensorwise weights:
+    one each, in one batched pass; rowwise: one per row of the full weight, 0 for the rows
+    other ranks own, see ``shard_groups``), and an ``apply`` that turns the all-reduced
+    amaxes into next-step scales (tensorwise: batched per cast) and stores each on its
+    module, stamped with the weight version it was read at.
 
     Args:
         module: the (FSDP2-wrapped) model.
@@ -468,23 +516,31 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     if not sharded:
         return []
     _report_stale_weights(sharded)
-    # DYNAMIC tensorwise weights only: a blockwise weight's scales are local to its shard.
-    mods = [
-        m
-        for _, m in sharded
-        if m.config.cast_config_weight.scaling_type is ScalingType.DYNAMIC
-        and m.config.cast_config_weight.scaling_granularity is ScalingGranularity.TENSORWISE
-    ]
-    if not mods:
-        return []
-    # Group by scale computation (cast, power-of-2 rounding) and order the weights group by
-    # group, so each group is one slice of the amaxes: no index tensor to copy to the device.
+    # Tensorwise weights: group by scale computation (cast, power-of-2 rounding) and order
+    # the weights group by group, so each group is one slice of the amaxes: no index tensor
+    # to copy to the device. Rowwise weights follow, one slice per weight. A blockwise
+    # weight's scales are local to its shard: nothing to reduce.
     groups: dict[tuple, list[nn.Module]] = {}
-    for m in mods:
-        key = (m.config.cast_config_weight, m.config.round_scales_to_power_of_2)
-        groups.setdefault(key, []).append(m)
-    mods = [m for rows in groups.values() for m in rows]
-    amaxes = local_amaxes([m.weight._local_tensor._tensor for m in mods])
+    others: list[tuple[str, nn.Module]] = []
+    for name, m in sharded:
+        cast = m.config.cast_config_weight
+        if (
+            cast.scaling_type is not ScalingType.DYNAMIC
+            or cast.scaling_granularity is ScalingGranularity.BLOCKWISE
+        ):
+            continue
+        if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
+            groups.setdefault((cast, m.config.round_scales_to_power_of_2), []).append(m)
+        else:
+            others.append((name, m))
+    if not groups and not others:
+        return []
+    mods = [m for rows in groups.values() for m in rows] + [m for _, m in others]
+    n_tensorwise = len(mods) - len(others)
+    tensorwise = [m.weight._local_tensor._tensor for m in mods[:n_tensorwise]]
+    pieces = [local_amaxes(tensorwise)] if tensorwise else []
+    group_amaxes = [_group_amaxes(name, m) for name, m in others]
+    amaxes = torch.cat(pieces + [g.reshape(-1) for g in group_amaxes])
     stamps = [(weakref.ref(m.weight), m.weight._version) for m in mods]
 
     def apply(reduced: torch.Tensor) -> None:
@@ -494,6 +550,12 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
             scales = operand_scale(cast, GemmRole.WEIGHT, rows[0].config, reduced[start:stop])
             for i, scale in zip(range(start, stop), scales.unbind(0), strict=True):
                 setattr(mods[i], _SCALE_ATTR, PrecomputedScale(scale, *stamps[i], amaxes[i]))
+            start = stop
+        for i, local in enumerate(group_amaxes, start=n_tensorwise):
+            m, stop = mods[i], start + local.numel()
+            full = reduced[start:stop].reshape(local.shape)
+            scale = operand_scale(m.config.cast_config_weight, GemmRole.WEIGHT, m.config, full)
+            setattr(m, _SCALE_ATTR, PrecomputedScale(scale, *stamps[i], local))
             start = stop
 
     return [(amaxes, apply)]

@@ -165,6 +165,27 @@ def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bo
     )
 
 
+def _weight_for_grad_input(
+    w_saved: torch.Tensor, config: Float8LinearConfig, state: tuple
+) -> Float8TrainingTensor:
+    """The weight as the grad_input gemm needs it: cast per ``cast_config_weight_for_grad_input``
+    with its scales along dim 0 (reducing N) or tensorwise.
+
+    A float8 weight saved by forward serves as is where one cast serves both gemms (the same
+    tensorwise or blockwise cast). Otherwise (the row-scaled weight an FSDP2 float8
+    all-gather delivers) it is re-cast from its dequantized values, which are exact.
+    Between power-of-2 scales (the config requires them there) the re-cast only shifts
+    exponents: it equals casting the hp weight, except for values in float8's subnormal
+    range. Never used with the wrong axis: ``scaled_mm`` checks the scales' dim."""
+    cast = config.cast_config_weight_for_grad_input
+    if dtensor.is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
+        if _reusable(config.cast_config_weight, cast, weight=True):
+            return w_saved
+        # exact in any hp dtype: float8 values over a power-of-2 scale
+        w_saved = dtensor.dequantize(w_saved)
+    return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
+
+
 def input_for_backward(
     input_hp: torch.Tensor,
     x: torch.Tensor,
@@ -209,7 +230,8 @@ class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.T`` with every operand cast per ``config``; internal.
 
     Invariants: ``input_hp`` is 2-D (M, K) hp; ``weight`` is (N, K), hp or already a
-    tensorwise ``Float8TrainingTensor`` (FSDP2 float8 all-gather), and may have another hp
+    ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
+    or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may have another hp
     dtype than the input (autocast: an fp32 weight is cast to float8 directly, never copied
     to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves the input
     for backward as its grad_weight gemm uses it (``input_for_backward``: float8, cast in
@@ -320,19 +342,7 @@ class _Float8Matmul(torch.autograd.Function):
         go_cast = c.cast_config_grad_output
         if go_cast.enabled:
             go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
-            w = (
-                w_saved
-                if dtensor.is_float8(w_saved)
-                else cast_to_float8(
-                    w_saved,
-                    c.cast_config_weight_for_grad_input,
-                    GemmRole.WEIGHT,
-                    0,
-                    c,
-                    *ctx.w_state,
-                )
-            )
-            grad_input = torch.mm(go, w)
+            grad_input = torch.mm(go, _weight_for_grad_input(w_saved, c, ctx.w_state))
         else:
             grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
 

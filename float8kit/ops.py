@@ -127,9 +127,14 @@ def _as_strided(func, args, kwargs):
         # first rows, which keep their blocks (and the first rows of the scale grid).
         rows = -(-args[1][0] // t._block[0])
         return t.with_data(func(t._data, *args[1:], **kwargs), t._scale[:rows])
+    if t._axiswise_dim == t.dim() - 1 and _leading_rows(t, args[1], args[2], offset):
+        # The same for a gathered row-scaled weight: its first rows keep their row scales.
+        rows = args[1][0]
+        return t.with_data(func(t._data, *args[1:], **kwargs), t._scale[:rows])
     if t._axiswise_dim is not None or t._block is not None:
         raise NotImplementedError(
-            "float8kit: as_strided is tensorwise-only (blockwise: only a 2-D tensor's leading rows)"
+            "float8kit: as_strided is tensorwise-only (blockwise and row-scaled: only a 2-D "
+            "tensor's leading rows)"
         )
     return t.with_data(func(t._data, *args[1:], **kwargs))
 

@@ -311,11 +311,12 @@ def build_model(
 
 
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
-    # float8 all-gather needs one scale per weight: the tensorwise-weight recipes. Rowwise
-    # weights are all-gathered in bf16 (float8kit refuses a rowwise float8 all-gather), and
-    # so are blockwise ones here: their float8 all-gather needs every rank's shard to be
+    # float8 all-gather for the tensorwise and rowwise recipes. Blockwise weights are
+    # all-gathered in bf16 here: their float8 all-gather needs every rank's shard to be
     # whole 128-row blocks, which the small presets' dims on a few ranks are not.
-    fp8_all_gather = world_size > args.tp and args.float8 in ("tensorwise", "delayed")
+    # Rowwise float8 all-gather needs a 1-D FSDP mesh: with --tp its weights go in bf16.
+    rowwise = args.float8 in ("rowwise", "rowwise_with_gw_hp") and args.tp == 1
+    fp8_all_gather = world_size > args.tp and (args.float8 in ("tensorwise", "delayed") or rowwise)
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 

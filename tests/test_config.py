@@ -48,13 +48,22 @@ def test_second_use_defaults_to_first():
     assert c.cast_config_weight_for_grad_input == c.cast_config_weight
 
 
-def test_rowwise_weight_with_float8_all_gather_is_refused():
+def test_float8_all_gather_weights_the_grad_input_gemm_cannot_use_are_refused():
+    # rowwise weights are gathered in float8 (tests/test_fsdp_rowwise.py) when the
+    # grad_input re-cast of the gathered weight is exact: power-of-2 scales
     axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE)
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+    with pytest.raises(ValueError, match="round_scales_to_power_of_2=True"):
         Float8LinearConfig(cast_config_weight=axis, enable_fsdp_float8_all_gather=True)
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
-        dataclasses.replace(
-            Float8LinearConfig.from_recipe_name("rowwise"), enable_fsdp_float8_all_gather=True
+    for recipe in ("rowwise", "rowwise_with_gw_hp"):
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        assert dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="cast_config_weight is DISABLED"):
+        hp = CastConfig(scaling_type=ScalingType.DISABLED)
+        Float8LinearConfig(
+            cast_config_input=hp,
+            cast_config_weight=hp,
+            cast_config_grad_output=hp,
+            enable_fsdp_float8_all_gather=True,
         )
 
 

@@ -316,17 +316,7 @@ def _worker_train(rank: int, world: int, tmp: str) -> dict:
         (stale_out - fresh_out).norm() / fresh_out.norm()
     ).item()
 
-    # inf / NaN in one rank's shard: every rank's output is non-finite, on both scale paths.
-    for bad in (math.inf, math.nan):
-        for path in ("hook", "precompute"):
-            model = fsdp_net(reshard_after_forward=True)
-            if rank == world - 1:
-                with torch.no_grad():
-                    model.layers[0].fc1.weight._local_tensor._tensor[0, 0] = bad
-            if path == "precompute":
-                precompute_scales(model)
-            out = model(xs[0, local])
-            res[f"finite_{bad}_{path}"] = bool(torch.isfinite(out).all())
+    res.update(_nonfinite_shard(fsdp_net, xs[0, local], rank == world - 1))
 
     # DELAYED and STATIC weights with float8 all-gather. References: the same config without
     # FSDP, run on every rank on the global batch (precompute_scales' all-reduce then sees
@@ -363,8 +353,6 @@ def _worker_train(rank: int, world: int, tmp: str) -> dict:
 
 def _worker_uneven(rank: int, world: int, tmp: str) -> dict:
     """3 ranks, only float8 weights, uneven and empty shards; DCP round trip and resume."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -389,8 +377,40 @@ def _worker_uneven(rank: int, world: int, tmp: str) -> dict:
         model, xs[:STEPS, local], ys[:STEPS, local], STEPS, precompute=False
     )
 
-    # Checkpoint after STEPS steps, train STEPS more; a fresh model (other init) loads the
-    # checkpoint and trains the same STEPS: the losses must match bitwise.
+    res.update(_checkpoint_resume(fsdp_net, xs, ys, local, tmp))
+
+    if rank == 0:
+        ref = _uneven_net(Float8LinearConfig())
+        res["ref"], _ = _train(ref, xs[:STEPS], ys[:STEPS], STEPS, precompute=False, sharded=False)
+    return res
+
+
+def _nonfinite_shard(fsdp_net, x: torch.Tensor, bad_rank: bool, prefix: str = "") -> dict:
+    """inf / NaN in one rank's shard (``bad_rank``) of ``layers[0].fc1``: whether each rank's
+    output is finite, with the hook's scale and with a precomputed one
+    (``{prefix}finite_{bad}_{path}``); it must be non-finite everywhere."""
+    res = {}
+    for bad in (math.inf, math.nan):
+        for path in ("hook", "precompute"):
+            model = fsdp_net(reshard_after_forward=True)
+            if bad_rank:
+                with torch.no_grad():
+                    model.layers[0].fc1.weight._local_tensor._tensor[0, 0] = bad
+            if path == "precompute":
+                precompute_scales(model)
+            res[f"{prefix}finite_{bad}_{path}"] = bool(torch.isfinite(model(x)).all())
+    return res
+
+
+def _checkpoint_resume(fsdp_net, xs, ys, local: slice, tmp: str) -> dict:
+    """DCP round trip: checkpoint ``fsdp_net()`` after STEPS steps and train STEPS more
+    (``after``); a fresh model (``fsdp_net(seed=1)``, another init) loads the checkpoint and
+    trains the same STEPS (``resumed``: must match bitwise). Also the state_dict's types, how
+    far the fresh model started from the checkpoint and how far it is after the load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    res: dict = {}
     model = fsdp_net()
     _, opt = _train(model, xs[:STEPS, local], ys[:STEPS, local], STEPS)
     model_sd, optim_sd = get_state_dict(model, opt)
@@ -418,10 +438,6 @@ def _worker_uneven(rank: int, world: int, tmp: str) -> dict:
     )
     precompute_scales(resumed)
     res["resumed"], _ = _train_continue(resumed, opt2, xs[STEPS:, local], ys[STEPS:, local])
-
-    if rank == 0:
-        ref = _uneven_net(Float8LinearConfig())
-        res["ref"], _ = _train(ref, xs[:STEPS], ys[:STEPS], STEPS, precompute=False, sharded=False)
     return res
 
 
@@ -492,7 +508,7 @@ def _worker_compile(rank: int, world: int, tmp: str) -> dict:
 # ---------------------------------------------------------------------------- launcher
 
 
-def _entry(rank: int, name: str, world: int, tmp: str) -> None:
+def _entry(rank: int, name, world: int, tmp: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -522,7 +538,7 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-def _spawn(name: str, world: int, tmp: Path) -> list[dict]:
+def _spawn(name, world: int, tmp: Path) -> list[dict]:
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's torch at import
     try:
@@ -805,14 +821,12 @@ def test_precompute_without_fp8_all_gather_weights_issues_no_collective():
     assert ar.calls == 0
 
 
-def test_rowwise_with_fp8_all_gather_is_a_config_error():
-    rowwise = Float8LinearConfig.from_recipe_name("rowwise")
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather"):
+def test_tensorwise_fp8_all_gather_needs_one_cast_for_both_gemms():
+    # One tensorwise cast is gathered for both gemms (rowwise: tests/test_fsdp_rowwise.py).
+    e5m2 = CastConfig(target_dtype=torch.float8_e5m2)
+    with pytest.raises(ValueError, match="cast_config_weight_for_grad_input must equal"):
         Float8LinearConfig(
-            cast_config_input=rowwise.cast_config_input,
-            cast_config_weight=rowwise.cast_config_weight,
-            cast_config_grad_output=rowwise.cast_config_grad_output,
-            enable_fsdp_float8_all_gather=True,
+            cast_config_weight_for_grad_input=e5m2, enable_fsdp_float8_all_gather=True
         )
 
 

@@ -102,12 +102,13 @@ def test_tiny_float8_tensorwise_tracks_bf16(tiny60):
 
 
 @pytest.mark.slow
-def test_torchrun_fsdp2_matches_single_process(tmp_path):
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchrun_fsdp2_matches_single_process(tmp_path, recipe):
     flags = [
         "--preset",
         "tiny",
         "--float8",
-        "tensorwise",
+        recipe,
         "--steps",
         "5",
         "--eval-every",
@@ -122,7 +123,7 @@ def test_torchrun_fsdp2_matches_single_process(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     config = json.loads((tmp_path / "fsdp" / "config.json").read_text())
     assert config["world_size"] == 2
-    # tensorwise under FSDP2 all-gathers the block weights in float8
+    # tensorwise and rowwise under FSDP2 all-gather the block weights in float8
     assert config["fsdp_float8_all_gather"] is True
     fsdp = [json.loads(x) for x in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     single = run_train(tmp_path / "single", *flags[2:])

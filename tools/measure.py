@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -237,17 +238,22 @@ def moe_tiny() -> None:
 
 
 def fsdp() -> None:
-    """tests/test_fsdp.py's multi-process runs (2 and 3 gloo ranks); rank 0's numbers."""
+    """tests/test_fsdp.py's and tests/test_fsdp_rowwise.py's multi-process runs (2 and 3 gloo
+    ranks); rank 0's numbers."""
     from tests import test_fsdp as t
+    from tests import test_fsdp_rowwise as tr
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for sub in ("train2", "uneven3", "compile2"):
+        for sub in ("train2", "uneven3", "compile2", "row2", "row3", "rowc2"):
             (tmp / sub).mkdir()
         train2 = t._spawn("_worker_train", 2, tmp / "train2")
         uneven3 = t._spawn("_worker_uneven", 3, tmp / "uneven3")
         compile2 = t._spawn("_worker_compile", 2, tmp / "compile2")
+        row2 = t._spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp / "row2")
+        row3 = t._spawn("tests.test_fsdp_rowwise:_worker_uneven_rowwise", 3, tmp / "row3")
+        rowc2 = t._spawn("tests.test_fsdp_rowwise:_worker_compile_rowwise", 2, tmp / "rowc2")
     r, u, c = train2[0], uneven3[0], compile2[0]
     data = {
         "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
@@ -282,7 +288,59 @@ def fsdp() -> None:
         data[f"{policy}_split_rel_diff"] = t._rel_diff(r[f"{policy}_split"], r[f"{policy}_ref"])
         data[f"{policy}_precompute_all_reduces"] = r[f"{policy}_precompute_all_reduces"]
         data[f"{policy}_fwd_bwd_all_reduces"] = r[f"{policy}_fwd_bwd_all_reduces"]
-    write("fsdp", ["tests/test_fsdp.py"], data, time.perf_counter() - t0)
+    data["rowwise"] = _fsdp_rowwise(tr, row2, row3, rowc2)
+    # the grad_input re-cast of the gathered weight vs casting hp (one process)
+    for recipe in tr.RECIPES:
+        for name, kwargs in (
+            ("normal", {"spread": False}),
+            ("spread", {"spread": True}),
+            ("no_pow2", {"spread": False, "pow2": False}),
+        ):
+            value = tr.recast_sqnr(recipe, **kwargs)
+            data["rowwise"][recipe][f"recast_sqnr_{name}"] = None if math.isinf(value) else value
+    data["rowwise"]["tensorwise_reshard_True_ratio"] = (
+        r["all_gather_bytes_fp8"] / r["all_gather_bytes_bf16"]
+    )
+    write(
+        "fsdp",
+        ["tests/test_fsdp.py", "tests/test_fsdp_rowwise.py"],
+        data,
+        time.perf_counter() - t0,
+    )
+
+
+def _fsdp_rowwise(tr, row2: list[dict], row3: list[dict], rowc2: list[dict]) -> dict:
+    """The rowwise recipes' numbers (tests/test_fsdp_rowwise.py), rank 0's."""
+    r, u, c = row2[0], row3[0], rowc2[0]
+    data: dict = {
+        "mix_precompute_all_reduces": r["mix_precompute_all_reduces"],
+        "mix_fwd_bwd_all_reduces": r["mix_fwd_bwd_all_reduces"],
+        "uneven_local_rows": [x["local_rows"] for x in row3],
+        "dcp_resume_bitwise": all(x["resumed"] == x["after"] for x in row3),
+    }
+    for recipe in tr.RECIPES:
+        d = data[recipe] = {
+            "split_rel_diff": tr._rel_diff(r[f"{recipe}_split"], r[f"{recipe}_ref"]),
+            "same_batch_bitwise": r[f"{recipe}_replicated"] == r[f"{recipe}_ref"],
+            "bf16_no_reshard_rel_diff": tr._rel_diff(r[f"{recipe}_bf16"], r[f"{recipe}_ref_bf16"]),
+            "hook_path_bitwise": r[f"{recipe}_no_precompute"] == r[f"{recipe}_split"],
+            "scales_bitwise": r[f"{recipe}_scales_bitwise"],
+            "uneven_split_rel_diff": tr._rel_diff(u[f"{recipe}_uneven"], u[f"{recipe}_ref"]),
+            "uneven_same_batch_bitwise": u[f"{recipe}_uneven_replicated"] == u[f"{recipe}_ref"],
+            "compile_ac_bitwise": c[f"ac_{recipe}"] == c[f"ac_ref_{recipe}"],
+        }
+        for reshard in (True, False):
+            got, ref = r[f"{recipe}_grads_reshard_{reshard}"], r[f"{recipe}_grads_ref"]
+            grads = zip(got, ref, strict=True)
+            lowest = min(tr.sqnr(b, a) for a, b in grads)
+            # JSON has no inf: None = every gradient bitwise equal (infinite SQNR)
+            d[f"grad_sqnr_min_reshard_{reshard}"] = None if math.isinf(lowest) else lowest
+            fp8, bf16 = f"{recipe}_reshard_{reshard}_fp8", f"{recipe}_reshard_{reshard}_bf16"
+            d[f"reshard_{reshard}_all_gather_bytes"] = r[f"{fp8}_all_gather_bytes"]
+            d[f"reshard_{reshard}_scale_bytes"] = r[f"{fp8}_precompute_bytes"]
+            d[f"reshard_{reshard}_bf16_bytes"] = r[f"{bf16}_all_gather_bytes"]
+            d[f"reshard_{reshard}_all_gathers"] = r[f"{fp8}_all_gather_calls"]
+    return data
 
 
 def fsdp_blockwise() -> None:

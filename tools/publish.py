@@ -281,6 +281,114 @@ def fsdp_table() -> str:
     return caption("fsdp") + "\n\n" + table(["what", "result"], rows)
 
 
+def _rowwise_bytes(d: dict, reshard: bool) -> str:
+    key = f"reshard_{reshard}"
+    sent = d[f"{key}_all_gather_bytes"] + d[f"{key}_scale_bytes"]
+    bf16 = d[f"{key}_bf16_bytes"]
+    return (
+        f"({d[f'{key}_all_gather_bytes']:,} + {d[f'{key}_scale_bytes']:,}) / {bf16:,} = "
+        f"**{sent / bf16:.3f}x**"
+    )
+
+
+def _sqnr(x: float | None) -> str:
+    """An SQNR; None: infinite (bitwise equal; JSON has no inf)."""
+    return "**bitwise equal** (inf dB)" if x is None else f"{x:.1f} dB"
+
+
+def rowwise_ratio(reshard: bool = True) -> float:
+    """Bytes (all-gathers + row scales) over a bf16 all-gather, ``rowwise`` recipe."""
+    d = load("fsdp")["data"]["rowwise"]["rowwise"]
+    key = f"reshard_{reshard}"
+    return (d[f"{key}_all_gather_bytes"] + d[f"{key}_scale_bytes"]) / d[f"{key}_bf16_bytes"]
+
+
+def _rowwise_recast(kind: str) -> dict[str, float]:
+    """recipe -> the grad_input re-cast SQNR of ``kind`` (see the fsdp_rowwise table)."""
+    rowwise = load("fsdp")["data"]["rowwise"]
+    return {r: rowwise[r][f"recast_sqnr_{kind}"] for r in ("rowwise", "rowwise_with_gw_hp")}
+
+
+def fsdp_rowwise_table() -> str:
+    data = load("fsdp")["data"]["rowwise"]
+    recipes = ("rowwise", "rowwise_with_gw_hp")
+    d = {r: data[r] for r in recipes}
+
+    def row(what: str, fn: Callable[[dict], str]) -> list[str]:
+        return [what, *(fn(d[r]) for r in recipes)]
+
+    def same(flag: bool) -> str:
+        return "**bitwise equal**" if flag else "differ"
+
+    rows = [
+        row(
+            "bytes in one fwd+bwd, `reshard_after_forward=True` (2 all-gathers per block): "
+            "(float8 all-gathers + row scales in `precompute_scales`' all-reduce) / bf16 "
+            f"all-gather (tensorwise: {data['tensorwise_reshard_True_ratio']:.3f}x)",
+            lambda x: _rowwise_bytes(x, True),
+        ),
+        row(
+            "same, `reshard_after_forward=False` (1 all-gather per block; backward re-casts "
+            "the forward's gathered weight)",
+            lambda x: _rowwise_bytes(x, False),
+        ),
+        row(
+            "gradients after one step, same global batch on every rank, vs the unsharded "
+            "float8 model: lowest SQNR over all parameters, `reshard_after_forward=True` / "
+            "`False`",
+            lambda x: (
+                _sqnr(x["grad_sqnr_min_reshard_True"])
+                + " / "
+                + _sqnr(x["grad_sqnr_min_reshard_False"])
+            ),
+        ),
+        row(
+            "the grad_input gemm's weight re-cast from the gathered row-scaled weight vs cast "
+            "from hp, SQNR: a (1040, 64) weight / its rows spread over 5 decades / without "
+            "power-of-2 scales (refused by the config)",
+            lambda x: " / ".join(
+                _sqnr(x[f"recast_sqnr_{k}"]) for k in ("normal", "spread", "no_pow2")
+            ),
+        ),
+        row(
+            "losses, 2 ranks, fp32: same global batch on every rank / batch split across ranks, "
+            "vs single-device float8 of the same recipe",
+            lambda x: same(x["same_batch_bitwise"]) + " / " + rel(x["split_rel_diff"]),
+        ),
+        row(
+            "losses, 2 ranks, bf16 params / fp32 reduce, `reshard_after_forward=False` vs "
+            "single-device autocast",
+            lambda x: rel(x["bf16_no_reshard_rel_diff"]),
+        ),
+        row(
+            "losses without `precompute_scales` (the hook all-reduces each weight's row amaxes) "
+            "vs with it; precomputed row scales vs the full weight's",
+            lambda x: same(x["hook_path_bitwise"]) + "; " + same(x["scales_bitwise"]).lower(),
+        ),
+        row(
+            "losses, 3 ranks, 1040/16/2-row layers (uneven + one empty shard): same batch / "
+            "split batch vs one device",
+            lambda x: (
+                same(x["uneven_same_batch_bitwise"]) + " / " + rel(x["uneven_split_rel_diff"])
+            ),
+        ),
+        row(
+            "`torch.compile(checkpoint_wrapper(block), fullgraph=True)` per FSDP2 block, same "
+            "batch on every rank, vs single-device eager",
+            lambda x: same(x["compile_ac_bitwise"]) + " losses",
+        ),
+    ]
+    notes = (
+        f"A model mixing rowwise, rowwise_with_gw_hp, tensorwise and delayed blocks (all with "
+        f"float8 all-gather): **{data['mix_precompute_all_reduces']}** all-reduce in "
+        f"`precompute_scales`, **{data['mix_fwd_bwd_all_reduces']}** in the next "
+        "forward+backward. DCP save, more steps vs fresh model + DCP load + the same steps "
+        f"(rowwise, 3 uneven ranks): {same(data['dcp_resume_bitwise']).lower()} losses."
+    )
+    header = ["what", "`rowwise`", "`rowwise_with_gw_hp`"]
+    return caption("fsdp") + "\n\n" + table(header, rows) + "\n\n" + notes
+
+
 # ---------------------------------------------------------------------------- memory
 
 
@@ -686,6 +794,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scaling": scaling_table,
     "outliers": outliers_table,
     "fsdp": fsdp_table,
+    "fsdp_rowwise": fsdp_rowwise_table,
     "memory": memory_table,
     "tp": tp_table,
     "perf": perf_table,
@@ -731,6 +840,11 @@ INLINE: dict[str, Callable[[], str]] = {
         load("fsdp")["data"]["all_gather_bytes_fp8"] / load("fsdp")["data"]["all_gather_bytes_bf16"]
     ),
     "fsdp.fp32_split": _fsdp("fp32_split_rel_diff", "sci"),
+    "fsdp.rowwise_ag_ratio": lambda: f"{rowwise_ratio():.3f}x",
+    "fsdp.recast_spread_sqnr": lambda: "{:.0f} dB".format(min(_rowwise_recast("spread").values())),
+    "fsdp.recast_no_pow2_sqnr": lambda: "{:.0f} dB".format(
+        max(_rowwise_recast("no_pow2").values())
+    ),
     "tp.ag_ratio_tensorwise": _tp_ratio("tensorwise"),
     "tp.ag_ratio_rowwise": _tp_ratio("rowwise"),
     "fsdp.bf16_split": _fsdp("bf16_split_rel_diff", "sci"),
