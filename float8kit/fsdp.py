@@ -235,15 +235,35 @@ class Float8AllGatherWeight(torch.Tensor):
             scale = torch.nn.functional.pad(
                 scale, (0, 0, 0, chunk[0] // b - scale.shape[0]), value=1.0
             )
+        if world == 1:
+            # FSDP2 copies only the first all-gather input on a single rank: the scales,
+            # the whole weight's, go as metadata (refilled in place by the post hook).
+            return (data,), (scale,)
         # fp32 scales travel as bytes next to the fp8 bytes (one uint8 all-gather buffer)
         return (data, scale.contiguous().view(torch.uint8)), ()
 
-    def _post_all_gather_blocks(self, data, scale_bytes, param_dtype, out):
+    def _post_all_gather_blocks(self, all_gather_outputs, metadata, param_dtype, out):
+        b = self._block_size
+        if len(all_gather_outputs) == 1:  # a single rank: the scales came as metadata
+            (data,), (scale,) = all_gather_outputs, metadata
+            if out is not None:
+                _refill_scale(out, scale)
+                return None
+            weight = Float8TrainingTensor(
+                data.view(self._fp8_dtype),
+                scale.clone(),
+                param_dtype,
+                GemmRole.WEIGHT,
+                None,
+                self._config,
+                (b, b),
+            )
+            return weight, (data,)
         if out is not None:
             # the data and scales view the all-gather buffers, which FSDP2 refilled
             return None
+        data, scale_bytes = all_gather_outputs
         data, scale = data.view(self._fp8_dtype), scale_bytes.view(torch.float32)
-        b = self._block_size
         weight = Float8TrainingTensor(
             data, scale, param_dtype, GemmRole.WEIGHT, None, self._config, (b, b)
         )
@@ -273,24 +293,11 @@ class Float8AllGatherWeight(torch.Tensor):
             reshards and refills it before the next use); None when ``out`` is given.
         """
         if self._block_size is not None:
-            return self._post_all_gather_blocks(*all_gather_outputs, param_dtype, out)
+            return self._post_all_gather_blocks(all_gather_outputs, metadata, param_dtype, out)
         (data,) = all_gather_outputs
         (scale,) = metadata
         if out is not None:
-            local = out._local_tensor if hasattr(out, "_local_tensor") else out
-            if not isinstance(local, Float8TrainingTensor):
-                raise RuntimeError(
-                    f"float8kit: FSDP2 passed out={type(local).__name__}, expected the "
-                    "Float8TrainingTensor weight built by the first all-gather"
-                )
-            # Refill the scale the way FSDP2 refills the data bytes: in place, without a
-            # version bump. Autograd may have saved this scale in the forward (compiled
-            # graphs with activation checkpointing save graph inputs, not derived tensors),
-            # and the backward re-gather must not invalidate it. Sound for the same reason
-            # as FSDP2's data refill: between a forward and its backward the weight does not
-            # change, so every re-gather writes back the value that was saved.
-            with torch.autograd._unsafe_preserve_version_counter(local._scale):
-                local._scale.copy_(scale)
+            _refill_scale(out, scale)
             return None
         data = data.view(self._fp8_dtype)
         axiswise_dim = shard_groups.layout(self._config.cast_config_weight).axiswise_dim
@@ -303,6 +310,25 @@ class Float8AllGatherWeight(torch.Tensor):
             fp8, scale.clone(), param_dtype, GemmRole.WEIGHT, axiswise_dim, self._config
         )
         return weight, (data,)
+
+
+def _refill_scale(out: torch.Tensor, scale: torch.Tensor) -> None:
+    """A re-gather (FSDP2's ``out``): copy the new scale into the weight built by the first
+    all-gather, whose data already views the refilled all-gather buffer.
+
+    In place, without a version bump, the way FSDP2 refills the data bytes. Autograd may
+    have saved this scale in the forward (compiled graphs with activation checkpointing save
+    graph inputs, not derived tensors), and the backward re-gather must not invalidate it.
+    Sound for the same reason as FSDP2's data refill: between a forward and its backward the
+    weight does not change, so every re-gather writes back the value that was saved."""
+    local = out._local_tensor if hasattr(out, "_local_tensor") else out
+    if not isinstance(local, Float8TrainingTensor):
+        raise RuntimeError(
+            f"float8kit: FSDP2 passed out={type(local).__name__}, expected the "
+            "Float8TrainingTensor weight built by the first all-gather"
+        )
+    with torch.autograd._unsafe_preserve_version_counter(local._scale):
+        local._scale.copy_(scale)
 
 
 def _mutated_weights(func, args, kwargs, cls: type | None = None) -> Iterator[torch.Tensor]:

@@ -902,3 +902,32 @@ def test_precompute_splits_the_reduced_amaxes_back_per_contribution(monkeypatch)
     )
     precompute_scales(nn.Linear(2, 2))
     assert got == {"a": [1.0, 2.0], "b": [3.0]}
+
+
+# ---------------------------------------------------------------------------- a single rank
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"])
+def test_one_rank_float8_all_gather_equals_unsharded(recipe):
+    # World size 1 (one GPU, or a 1-D mesh of one): FSDP2 copies only the first all-gather
+    # input and still runs both hooks, so a recipe whose scales travel as a second input
+    # (blockwise) must send them another way. Same casts as one device: bitwise losses.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    gather = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    dim = 128  # whole 128x128 blocks
+    xs, ys = _data(3, 8, dim, 16)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = _net(gather, dim=dim, hidden=2 * dim, n_blocks=1)
+        _shard(model, mesh, model.layers)
+        losses, _ = _train(model, xs, ys, 3)
+        gathered = model.layers[0].fc1.weight  # resharded after backward: the hp shard
+        unsharded = _net(config, dim=dim, hidden=2 * dim, n_blocks=1)
+        ref, _ = _train(unsharded, xs, ys, 3, sharded=False)
+    finally:
+        dist.destroy_process_group()
+    assert type(gathered.to_local()).__name__ == "Float8AllGatherWeight"
+    assert _bitwise(losses, ref), (losses, ref)
