@@ -229,11 +229,13 @@ def _as_hp(t: torch.Tensor) -> torch.Tensor:
 class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.T`` with every operand cast per ``config``; internal.
 
-    Invariants: ``input_hp`` is 2-D (M, K) hp; ``weight`` is (N, K), hp or already a
-    ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
-    or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may have another hp
-    dtype than the input (autocast: an fp32 weight is cast to float8 directly, never copied
-    to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves the input
+    Invariants: ``input_hp`` is 2-D (M, K), hp or already float8 (a tensor-parallel input
+    cast before its all-gather, float8kit/tp.py; used as is by the output gemm when its cast
+    fits, see ``input_for_backward`` for the second use); ``weight`` is (N, K), hp or already
+    a ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
+    blockwise, or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may
+    have another hp dtype than the input (autocast: an fp32 weight is cast to float8
+    directly, never copied to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves the input
     for backward as its grad_weight gemm uses it (``input_for_backward``: float8, cast in
     forward, unless that gemm runs in hp), and the weight float8 where the grad_input gemm
     casts it as the output gemm did, hp (the parameter) otherwise. Returns grad_input
