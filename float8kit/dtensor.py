@@ -12,7 +12,8 @@ over the mesh when the tensor is sharded), so every rank casts with the same sca
 result equals casting the unsharded tensor, and the float8 shards can be all-gathered as
 bytes (``float8kit.tp``). An axiswise scale is one per slice along the gemm's inner dim:
 local where that dim is not sharded (rowwise input scales are per token: no collective),
-all-reduced across the ranks that share a slice where it is.
+all-reduced across the ranks that share a slice where it is. Blockwise scales are per
+block: each rank casts its own shard in its own blocks, with no collective.
 
 Internal: ``cast_to_float8`` in ``linear.py`` sends DTensors here.
 """
@@ -100,6 +101,13 @@ def cast_to_float8(
         hp = hp.redistribute(
             placements=[Replicate() if p.is_partial() else p for p in hp.placements]
         )
+    if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+        # Every block's scale is its own: each rank casts its shard in blocks of its own
+        # (a partial block at a shard edge is zero-padded, as at a tensor edge), which is a
+        # blockwise cast of the local operand the local gemm uses. No collective.
+        from float8kit.linear import cast_to_float8 as cast_local
+
+        return wrap_local(cast_local(hp.to_local(), cast, role, reduce_dim, config), hp)
     # DELAYED/STATIC buffers: parallelize_module replicates them as DTensors; the local
     # tensor shares their storage, so a recorded amax lands in the buffer.
     state_scale, amax_record = local(state_scale), local(amax_record)

@@ -39,7 +39,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from float8kit import dtensor
-from float8kit.config import CastConfig, Float8LinearConfig, GemmRole, ScalingType
+from float8kit.config import (
+    CastConfig,
+    Float8LinearConfig,
+    GemmRole,
+    ScalingGranularity,
+    ScalingType,
+)
 from float8kit.linear import Float8Linear
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
@@ -132,6 +138,12 @@ def _check_config(config: Float8LinearConfig, where: str, field: str = "cast_con
             f"float8kit: {where} casts before the all-gather, which needs "
             f"Float8LinearConfig.{field} to be DYNAMIC (got {cast.scaling_type.value}): use "
             "torch's ColwiseParallel / RowwiseParallel / PrepareModuleInput (hp all-gather) here"
+        )
+    if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+        raise ValueError(
+            f"float8kit: {where} casts before the all-gather, which supports tensorwise and "
+            f"rowwise casts; Float8LinearConfig.{field} is blockwise: use torch's "
+            "ColwiseParallel / RowwiseParallel / PrepareModuleInput (hp all-gather) here"
         )
 
 

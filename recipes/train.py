@@ -296,9 +296,10 @@ def build_model(
         dp = world_size // args.tp
         mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
         if args.tp > 1:
-            # float8kit's styles all-gather float8 activations; they need a DYNAMIC input
-            # cast, so delayed (and bf16) runs use torch's styles.
-            float8_styles = args.float8 not in ("none", "delayed")
+            # float8kit's styles all-gather float8 activations; they need a DYNAMIC
+            # tensorwise or rowwise input cast, so delayed, blockwise (and bf16) runs use
+            # torch's styles.
+            float8_styles = args.float8 not in ("none", "delayed", "blockwise")
             parallelize_module(model, mesh["tp"], tp_plan(model, float8_styles))
         # bf16 compute weights, fp32 gradient reduction: the same dtypes autocast gives the
         # single-process run, so 1 and N processes train the same model.

@@ -24,7 +24,7 @@ import float8kit
 from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
 from tests.test_fsdp import _spawn  # the gloo launcher: one process group per fixture
 
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise")
 STEPS = 4
 LR = 1e-3
 DIM, HIDDEN, BATCH, SEQ = 64, 128, 2, 8
@@ -396,6 +396,14 @@ def test_float8_all_gathers_need_dynamic_casts():
     for style, module, field in cases:
         with pytest.raises(ValueError, match=f"Float8LinearConfig.{field} to be DYNAMIC"):
             style._apply(module, None)
+    # blockwise: dynamic, but its tiles are not gathered in float8 (torch's styles work)
+    blockwise = _mlp("blockwise")
+    for style, module, field in [
+        (cases[0][0], blockwise.w1, "cast_config_input"),
+        (cases[1][0], blockwise.w2, "cast_config_grad_output"),
+    ]:
+        with pytest.raises(ValueError, match=f"Float8LinearConfig.{field} is blockwise"):
+            style._apply(module, None)
 
 
 def test_prepare_float8_module_input_picks_one_input_cast():
@@ -414,3 +422,40 @@ def test_prepare_float8_module_input_picks_one_input_cast():
         prepare()._apply(mixed, None)
     with pytest.raises(ValueError, match="names a ReLU, not a Float8Linear"):
         prepare(fwd_config_submodule_fqn="act")._apply(nn.ModuleDict({"act": nn.ReLU()}), None)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_one_rank_tp_equals_unsharded(recipe):
+    # A 1-rank mesh runs every DTensor cast path with whole local tensors: the outputs and
+    # grads must be bitwise the unsharded layer's (a blockwise cast that went the tensorwise
+    # way here once differed by 5e-2 without any error).
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ref = _mlp(recipe)
+        model = parallelize_module(
+            copy.deepcopy(ref),
+            init_device_mesh("cpu", (1,)),
+            {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()},
+        )
+        x = _data(1)[0][0]
+        outs, grads = [], []
+        for m in (model, ref):
+            out = m(x)
+            out.float().square().mean().backward()
+            outs.append(out)
+            w = m.w1.weight.grad
+            grads.append(w.full_tensor() if hasattr(w, "full_tensor") else w)
+    finally:
+        dist.destroy_process_group()
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(grads[0], grads[1]) and grads[1].abs().sum() > 0
