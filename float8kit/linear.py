@@ -235,10 +235,11 @@ class _Float8Matmul(torch.autograd.Function):
     a ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
     blockwise, or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may
     have another hp dtype than the input (autocast: an fp32 weight is cast to float8
-    directly, never copied to the autocast dtype first). Returns hp (M, N) in the input's dtype. Saves the input
-    for backward as its grad_weight gemm uses it (``input_for_backward``: float8, cast in
-    forward, unless that gemm runs in hp), and the weight float8 where the grad_input gemm
-    casts it as the output gemm did, hp (the parameter) otherwise. Returns grad_input
+    directly, never copied to the autocast dtype first). Returns hp (M, N) in the input's
+    dtype. Saves the input for backward as its grad_weight gemm uses it
+    (``input_for_backward``: float8, cast in forward, unless that gemm runs in hp), and the
+    weight float8 where the grad_input gemm casts it as the output gemm did, hp (the
+    parameter) otherwise. Returns grad_input
     (M, K) in the input's dtype and grad_weight (N, K) in the weight's dtype. M == 0 (no
     tokens) gives an empty output and a zero grad_weight, like ``nn.Linear``, without
     casting or recording an amax (an empty batch says nothing about the range of the next
