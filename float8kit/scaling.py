@@ -2,8 +2,9 @@
 batched amax-history update of DELAYED scaling.
 
 Convention (everywhere in float8kit): ``fp8 = saturate(hp * scale)`` and ``hp ~ fp8 / scale``
-with ``scale = fp8_max / max(amax, amax_floor(fp8_dtype))``. Every function here is plain
-tensor math with no host sync, so eager and ``torch.compile`` produce bitwise-equal scales.
+with ``scale = fp8_max / max(amax, amax_floor(fp8_dtype))`` correctly rounded to fp32. Every
+function here is plain tensor math with no host sync, so eager and ``torch.compile`` produce
+bitwise-equal scales.
 
 Non-finite values stay visible: torch's own ``inf.to(float8_e4m3fn)`` saturates to 448, which
 would hide an overflow from a loss scaler. ``to_fp8_saturated`` clamps only finite values and
@@ -32,13 +33,25 @@ def fp8_max(dtype: torch.dtype) -> float:
     return _FP8_MAX[dtype]
 
 
+def _quotient(limit: float, amax: torch.Tensor) -> torch.Tensor:
+    # limit / amax (limit = fp8_max) correctly rounded to fp32, for fp32 amax > 0. torch evaluates
+    # ``scalar / tensor`` as ``reciprocal(tensor) * scalar``: two roundings, and about 1 fp32
+    # scale in 4 lands one ulp off (an element on a rounding tie then casts to the
+    # neighbouring float8 value). In fp64 the quotient of two fp32 values is within 2^-52 of
+    # exact however it is evaluated, and at least 2^-49 away from every fp32 rounding midpoint
+    # (fp8_max = 7 * 2^k cannot make an exact tie), so one rounding to fp32 is the correct one:
+    # in eager and under compile (inductor may rewrite a division), on every device.
+    # torchao.float8 computes its scale in fp64 too, so tensorwise casts are bitwise its own.
+    return (limit / amax.to(torch.float64)).to(torch.float32)
+
+
 def _smallest_finite_floor(fp8_dtype: torch.dtype) -> float:
     # The smallest fp32 amax whose scale fp8_max / amax is still a finite fp32 (about
     # fp8_max / 3.4e38): a fixed floor like 1e-12 would cast a tensor of ~1e-20 to zeros.
     # An fp32 value, so eager and compiled clamps see the same constant bit for bit.
-    limit = torch.tensor(fp8_max(fp8_dtype), dtype=torch.float32)
-    floor = limit / torch.finfo(torch.float32).max
-    while not torch.isfinite(limit / floor):
+    limit = fp8_max(fp8_dtype)
+    floor = torch.tensor(limit / torch.finfo(torch.float32).max, dtype=torch.float32)
+    while not torch.isfinite(_quotient(limit, floor)):
         floor = torch.nextafter(floor, torch.tensor(math.inf))
     return floor.item()
 
@@ -78,13 +91,14 @@ def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
 def amax_to_scale(
     amax: torch.Tensor, fp8_dtype: torch.dtype, round_to_pow2: bool = False
 ) -> torch.Tensor:
-    """``fp8_max / max(amax, amax_floor(fp8_dtype))`` in fp32: always finite for a finite
-    amax (an all-zero tensor gets the largest finite scale and casts to zeros). An inf amax
-    gives scale 0 and a NaN amax a NaN scale, so a cast with it yields NaN: overflow stays
-    visible downstream."""
-    amax = amax.to(torch.float32)
+    """``fp8_max / max(amax, amax_floor(fp8_dtype))``, correctly rounded to fp32: always
+    finite for a finite amax (an all-zero tensor gets the largest finite scale and casts to
+    zeros). An inf amax gives scale 0 and a NaN amax a NaN scale, so a cast with it yields
+    NaN: overflow stays visible downstream."""
     # clamp_min keeps NaN (torch.clamp propagates it), unlike torch.maximum with a scalar.
-    scale = fp8_max(fp8_dtype) / torch.clamp(amax, min=amax_floor(fp8_dtype))
+    scale = _quotient(
+        fp8_max(fp8_dtype), torch.clamp(amax.to(torch.float32), min=amax_floor(fp8_dtype))
+    )
     if round_to_pow2:
         scale = round_to_power_of_2(scale)
     return scale

@@ -59,7 +59,9 @@ def _kernels_of_one_precompute(n_layers: int) -> list[str]:
 def test_precompute_is_batched_not_a_per_layer_loop():
     few, many = _kernels_of_one_precompute(2), _kernels_of_one_precompute(8)
     assert len(many) == len(few), (few, many)  # 6 vs 24 amax records, same kernel count
-    assert len(few) <= 50, few  # two groups here: e4m3 (input, weight), e5m2 (grad_output)
+    # two groups here: e4m3 (input, weight), e5m2 (grad_output); each group's scale is the
+    # fp64 quotient rounded once (scaling._quotient: two dtype conversions more than 0.2's 47)
+    assert len(few) <= 51, few
 
 
 def test_provider_contract():

@@ -36,6 +36,46 @@ def test_amax_to_scale_hand_cases():
     assert amax_to_scale(torch.tensor(3.0), E4M3, round_to_pow2=True).item() == 128.0
 
 
+def random_amaxes(n: int = 100_000, seed: int = 0) -> torch.Tensor:
+    """fp32 amaxes with uniform mantissas over 2^-100 .. 2^100, plus the floors' edges."""
+    g = torch.Generator().manual_seed(seed)
+    mantissa = torch.rand(n, generator=g, dtype=torch.float64) + 1
+    exponent = torch.randint(-100, 101, (n,), generator=g).double()
+    edges = [amax_floor(E4M3), amax_floor(E5M2), 1.0, 448.0, 57344.0, 3.0e38]
+    return torch.cat([(mantissa * torch.exp2(exponent)).float(), torch.tensor(edges)])
+
+
+def correctly_rounded_scales(amaxes: torch.Tensor, dtype) -> torch.Tensor:
+    """The reference: Python's fp64 division (IEEE, correctly rounded) rounded once to fp32,
+    which for a quotient of two fp32 values is the correctly rounded fp32 quotient."""
+    floor = amax_floor(dtype)
+    quotients = [fp8_max(dtype) / max(a, floor) for a in amaxes.tolist()]
+    return torch.tensor(quotients, dtype=torch.float64).float()
+
+
+def one_ulp_off_share(amaxes: torch.Tensor, dtype) -> float:
+    """Share of the amaxes whose scale in the old form ``fp8_max / amax`` (a Python float over
+    an fp32 tensor: torch evaluates it as ``reciprocal(amax) * fp8_max``, two roundings) is
+    not the correctly rounded one: how many scales issue 31 changed."""
+    old = fp8_max(dtype) / torch.clamp(amaxes, min=amax_floor(dtype))
+    return (old != correctly_rounded_scales(amaxes, dtype)).double().mean().item()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_amax_to_scale_is_correctly_rounded(dtype, compiled):
+    amaxes = random_amaxes()
+    to_scale = torch.compile(amax_to_scale, fullgraph=True) if compiled else amax_to_scale
+    got = to_scale(amaxes, dtype)
+    want = correctly_rounded_scales(amaxes, dtype)
+    wrong = (got != want).sum().item()
+    assert wrong == 0, f"{wrong} of {len(amaxes)} scales are not correctly rounded"
+    # the test has teeth: the two-rounding form misses about a quarter of them
+    assert one_ulp_off_share(amaxes, dtype) > 0.2
+    # power-of-2 rounding floors the correctly rounded scale, as before
+    assert torch.equal(to_scale(amaxes, dtype, True), round_to_power_of_2(want))
+
+
 def test_round_to_power_of_2():
     s = torch.tensor([3.0, 224.0, 0.75, 4.0, 1e-30, 0.0, math.inf, math.nan])
     out = round_to_power_of_2(s)

@@ -149,17 +149,22 @@ def tiny() -> None:
 
 
 def numerics() -> None:
-    from tests import test_numerics
+    from tests import test_numerics, test_scaling
 
     t0 = time.perf_counter()
     rows = test_numerics.sqnr_table()
     write(
         "numerics",
-        ["tests/test_numerics.py", "tests/helpers.py"],
+        ["tests/test_numerics.py", "tests/test_scaling.py", "tests/helpers.py"],
         {
             "rows": rows,
             "thresholds_db": test_numerics.ACCURACY_DB,
-            "peer_agreement_db": test_numerics.PEER_AGREEMENT_DB,
+            # share of 100,006 wide-range amaxes whose scale the old two-rounding form
+            # (fp8_max / amax as reciprocal * fp8_max) got one ulp off (issue 31)
+            "old_scale_form_off_share": {
+                str(d): test_scaling.one_ulp_off_share(test_scaling.random_amaxes(), d)
+                for d in (torch.float8_e4m3fn, torch.float8_e5m2)
+            },
         },
         time.perf_counter() - t0,
     )

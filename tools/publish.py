@@ -862,6 +862,9 @@ INLINE: dict[str, Callable[[], str]] = {
         for w in (2, 3)
     },
     "fsdp.fwd_bwd_all_reduces": _fsdp("fwd_bwd_all_reduces_after_precompute", "d"),
+    "numerics.old_scale_off_e4m3": lambda: "{:.1%}".format(
+        load("numerics")["data"]["old_scale_form_off_share"]["torch.float8_e4m3fn"]
+    ),
     "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
     "demo.train_gap": _demo_gap("tensorwise", "train_loss"),
     "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
