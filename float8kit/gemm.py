@@ -351,15 +351,53 @@ def scaled_mm(
     if plan.pad_inner:
         a_data = _pad_to(a_data, 1, _CUDA_ALIGN)
         b_data = _pad_to(b_data.t(), 1, _CUDA_ALIGN).t()
-    out = torch._scaled_mm(
-        a_data,
-        b_data,
-        scale_a=inv_a,
-        scale_b=inv_b,
-        out_dtype=plan.kernel_out_dtype,
-        use_fast_accum=use_fast_accum,
+    kernel = _kernel if a_data.is_cuda else _cpu_kernel
+    return kernel(a_data, b_data, inv_a, inv_b, plan.kernel_out_dtype, use_fast_accum).to(out_dtype)
+
+
+def _kernel(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """The one ``torch._scaled_mm`` call: A row-major, B column-major, reciprocal scales."""
+    return torch._scaled_mm(
+        a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )
-    return out.to(out_dtype)
+
+
+@torch.library.custom_op("float8kit::cpu_scaled_mm", mutates_args=())
+def _cpu_kernel(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    inv_a: torch.Tensor,
+    inv_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """``torch._scaled_mm`` on CPU with oneDNN off for the call, an opaque op to compile.
+
+    On CPUs with AVX512-FP16 / AMX (e.g. Sapphire Rapids and newer Xeons) torch hands a
+    same-dtype float8 gemm (e4m3 x e4m3) to oneDNN, whose only float8 matmul there is its
+    reference implementation: 1000x slower than torch's own CPU kernel (fp32 upcast, scale,
+    sgemm), which every other CPU gets (a 1024x256x512 gemm: 6.4 s vs 18 ms on one core).
+    Switching oneDNN off is not something dynamo can trace, hence the custom op; the bf16
+    ops around the gemm keep oneDNN. (``torch.backends.mkldnn.flags`` would also reset the
+    TF32 flag, with a warning per call: the switch alone is set and restored here.)"""
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return _kernel(a, b, inv_a, inv_b, out_dtype, use_fast_accum)
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+@_cpu_kernel.register_fake
+def _(a, b, inv_a, inv_b, out_dtype, use_fast_accum):
+    return a.new_empty((a.size(0), b.size(1)), dtype=out_dtype)
 
 
 @torch.library.custom_op("float8kit::grouped_mm_fp32", mutates_args=())

@@ -17,16 +17,27 @@ every number in the report can be recomputed from them:
 - val loss: the val_loss logged at the last step (fixed validation windows, same for all);
 - gap: (mode - bf16) / bf16 in %;
 - tokens/s: median over the steps after the first 3 (those include warm-up and compile);
-- speedup: tokens/s over the bf16 run's tokens/s.
+- speedup: tokens/s over the bf16 run's tokens/s;
+- bf16 seed noise: the bf16 run again with --noise-seeds other seeds (seed+1, seed+2, ...: a
+  different init and batch order); the largest |gap| of those runs against the bf16 run is the
+  noise band, and each float8 gap is marked inside or outside it. A gap inside the band is
+  no evidence that the mode learns worse or better than bf16.
+
+Every line a run prints is prefixed with its run name ([tensorwise], [none_seed1], ...).
+Losses are deterministic on one machine and thread count, but differ in the last digits
+between CPU models (Intel and AMD kernels round differently), so compare runs made on one
+machine. OUT/summary.json holds the report's numbers.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,21 +66,47 @@ def gap(x: float, ref: float) -> str:
     return f"{100 * (x - ref) / ref:+.2f}%"
 
 
-def report_table(summaries: dict[str, dict]) -> str:
+def noise_band(summaries: dict[str, dict], extra: list[str]) -> dict | None:
+    """The bf16 seed noise: the largest |gap| (in %) of the extra bf16 runs against the bf16
+    run, for the train and the val loss. None without extra runs."""
     ref = summaries.get("none")
-    rows = [
-        "| mode | train loss | val loss | train gap vs bf16 | val gap vs bf16 | tokens/s "
-        "| speedup |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for mode, s in summaries.items():
+    if not extra or ref is None:
+        return None
+    band = {}
+    for key in ("train_loss", "val_loss"):
+        band[key] = max(abs(100 * (summaries[r][key] - ref[key]) / ref[key]) for r in extra)
+    return band
+
+
+def inside(x: float, ref: float, band: float) -> bool:
+    return abs(100 * (x - ref) / ref) <= band
+
+
+def report_table(summaries: dict[str, dict], modes: list[str], noise: dict | None) -> str:
+    ref = summaries.get("none")
+    header = "| mode | train loss | val loss | train gap vs bf16 | val gap vs bf16 |"
+    if noise:
+        header += " inside bf16 seed noise (train, val) |"
+    rows = [header + " tokens/s | speedup |", "|---" * (header.count("|") + 1) + "|"]
+    for mode in modes:
+        s = summaries[mode]
         name = "none (bf16)" if mode == "none" else mode
         tg = gap(s["train_loss"], ref["train_loss"]) if ref else "n/a"
         vg = gap(s["val_loss"], ref["val_loss"]) if ref else "n/a"
         sp = f"{s['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "n/a"
+        row = f"| {name} | {s['train_loss']:.4f} | {s['val_loss']:.4f} | {tg} | {vg} |"
+        if noise:
+            verdict = [
+                "yes" if inside(s[k], ref[k], noise[k]) else "no"
+                for k in ("train_loss", "val_loss")
+            ]
+            row += " - |" if mode == "none" else f" {verdict[0]}, {verdict[1]} |"
+        rows.append(row + f" {s['tokens_per_s']:.0f} | {sp} |")
+    if noise:
+        rows.append("")
         rows.append(
-            f"| {name} | {s['train_loss']:.4f} | {s['val_loss']:.4f} | {tg} | {vg} "
-            f"| {s['tokens_per_s']:.0f} | {sp} |"
+            f"bf16 seed noise: train {noise['train_loss']:.2f}%, val {noise['val_loss']:.2f}% "
+            "(largest |gap| of the bf16 runs with other seeds)"
         )
     return "\n".join(rows)
 
@@ -100,8 +137,15 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
     ax.legend()
     if "none" in smooth:
         steps, ref = smooth["none"]
+        seeds = [m for m in smooth if m.startswith("none_seed")]
+        if seeds:  # the bf16 runs with other seeds: the band a gap must leave to mean anything
+            gaps = [
+                [100 * (a - b) / b for a, b in zip(smooth[m][1], ref, strict=True)] for m in seeds
+            ]
+            lo, hi = (list(map(fn, zip(*gaps, strict=True))) for fn in (min, max))
+            axg.fill_between(steps, lo, hi, color="gray", alpha=0.3, label="bf16 other seeds")
         for mode, (s, y) in smooth.items():
-            if mode != "none":
+            if mode != "none" and mode not in seeds:
                 axg.plot(s, [100 * (a - b) / b for a, b in zip(y, ref, strict=True)], label=mode)
         axg.axhline(0, color="gray", lw=0.8)
         axg.set(xlabel="step", ylabel="train loss gap vs bf16 (%)", title="float8 - bf16")
@@ -111,29 +155,63 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run_modes(modes: list[str], train_argv: list[str], out: Path, jobs: int) -> None:
-    """train.py once per mode, as child processes, at most ``jobs`` at a time."""
+def _forward(name: str, stream) -> None:
+    for line in stream:
+        sys.stdout.write(f"[{name}] {line}")
+        sys.stdout.flush()
+
+
+def run_modes(runs: dict[str, list[str]], out: Path, jobs: int) -> None:
+    """train.py once per run (name -> its flags), as child processes, at most ``jobs`` at a
+    time; every line a run prints is prefixed with its name."""
     script = str(Path(__file__).resolve().parent / "train.py")
-    pending = list(modes)
-    running: dict[str, subprocess.Popen] = {}
+    pending = list(runs)
+    running: dict[str, tuple[subprocess.Popen, threading.Thread]] = {}
     while pending or running:
         while pending and len(running) < jobs:
-            mode = pending.pop(0)
-            cmd = [sys.executable, script, *train_argv, "--float8", mode, "--out", str(out / mode)]
-            running[mode] = subprocess.Popen(cmd)
+            name = pending.pop(0)
+            cmd = [sys.executable, script, *runs[name], "--out", str(out / name), "--overwrite"]
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            )
+            pump = threading.Thread(target=_forward, args=(name, proc.stdout), daemon=True)
+            pump.start()
+            running[name] = (proc, pump)
         time.sleep(0.2)
-        for mode, proc in list(running.items()):
+        for name, (proc, pump) in list(running.items()):
             if proc.poll() is None:
                 continue
-            del running[mode]
+            pump.join()
+            del running[name]
             if proc.returncode:
-                for other in running.values():
+                for other, _ in running.values():
                     other.terminate()
-                sys.exit(f"compare.py: the --float8 {mode} run failed (exit {proc.returncode})")
+                sys.exit(f"compare.py: the {name} run failed (exit {proc.returncode})")
+
+
+# train.py's flags that compare.py sets per run
+PER_RUN = ("float8", "out", "resume", "checkpoint_every", "overwrite")
+
+
+def passthrough_help() -> str:
+    """--help text for the train.py flags compare.py passes through."""
+    tp = train.build_parser()
+    fmt = tp._get_formatter()
+    fmt.start_section("passed to train.py unchanged (train.py --help)")
+    fmt.add_arguments(
+        [a for a in tp._actions if a.option_strings and a.dest not in PER_RUN + ("help",)]
+    )
+    fmt.end_section()
+    return fmt.format_help()
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
-    p = train._Parser(prog="compare.py", description=__doc__.split("\n")[0])
+    p = train._Parser(
+        prog="compare.py",
+        description=__doc__.split("\n")[0],
+        epilog=passthrough_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     # rowwise is opt-in: it is the slowest mode on CPU, and every mode is one more full run
     # of the demo (numbers/tiny.json has the per-mode tokens/s).
     p.add_argument(
@@ -141,7 +219,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         default="none,tensorwise",
         help="comma-separated --float8 modes to run; 'none' is the bf16 reference",
     )
-    p.add_argument("--out", default=None, help="output folder (default runs/compare_PRESET)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output folder (default runs/compare_PRESET); a folder that holds a comparison "
+        "is refused unless --overwrite",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace the comparison in --out")
+    p.add_argument(
+        "--noise-seeds",
+        type=int,
+        default=2,
+        help="extra bf16 runs with seeds seed+1 .. seed+N, for the noise band (0 = none)",
+    )
     p.add_argument(
         "--jobs",
         type=int,
@@ -156,29 +246,49 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
             f"--modes: unknown mode(s) {','.join(bad) or '(none)'}; "
             f"choose from {','.join(train.FLOAT8_MODES)}"
         )
-    for flag in ("--float8", "--out", "--resume", "--checkpoint-every"):
+    for dest in PER_RUN:
+        flag = "--" + dest.replace("_", "-")
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):
             p.error(f"{flag} is set by compare.py per run; leave it out")
+    if args.jobs < 0 or args.noise_seeds < 0:
+        p.error("--jobs and --noise-seeds must be >= 0")
     base = train.parse_args(train_argv)  # validates the shared flags once, up front
     out = Path(args.out or f"runs/compare_{base.preset}")
+    if (out / "summary.json").exists() or (out / "report.md").exists():
+        if not args.overwrite:
+            p.error(f"--out {out} already holds a comparison: pass --overwrite, or another --out")
     out.mkdir(parents=True, exist_ok=True)
 
-    if args.jobs < 0:
-        p.error("--jobs must be >= 0")
     on_gpu = base.device == "cuda" or (base.device == "auto" and train.torch.cuda.is_available())
     jobs = args.jobs or (1 if on_gpu else os.cpu_count() or 1)
+    # the seed flag goes last: argparse keeps the last value given
+    extra = (
+        [f"none_seed{base.seed + i}" for i in range(1, args.noise_seeds + 1)]
+        if "none" in modes
+        else []
+    )
+    runs_argv = {m: [*train_argv, "--float8", m] for m in modes}
+    for name in extra:
+        runs_argv[name] = [
+            *train_argv,
+            "--float8",
+            "none",
+            "--seed",
+            name.removeprefix("none_seed"),
+        ]
 
     t0 = time.perf_counter()
-    run_modes(modes, train_argv, out, jobs)
+    run_modes(runs_argv, out, jobs)
     wall = time.perf_counter() - t0
     runs = {}
-    for mode in modes:
-        path = out / mode / "metrics.jsonl"
-        runs[mode] = [json.loads(line) for line in path.read_text().splitlines()]
+    for name in runs_argv:
+        path = out / name / "metrics.jsonl"
+        runs[name] = [json.loads(line) for line in path.read_text().splitlines()]
 
     summaries = {m: summarize(r) for m, r in runs.items()}
+    noise = noise_band(summaries, extra)
     cfg = json.loads((out / modes[0] / "config.json").read_text())
-    table = report_table(summaries)
+    table = report_table(summaries, modes, noise)
     cmd = argv if argv is not None else sys.argv[1:]
     title = f"{base.preset}: {base.steps} steps, batch {base.batch_size} x {base.seq_len} bytes"
     data = cfg["data"]
@@ -200,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         ]
     )
     (out / "report.md").write_text(text)
+    summary = {"modes": modes, "summaries": summaries, "noise_runs": extra, "noise_pct": noise}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(runs, out / "loss.png", title)
     print(f"\n{table}\n\nwrote {out / 'report.md'} and {out / 'loss.png'} ({wall:.0f} s)")
     return summaries

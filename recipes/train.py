@@ -56,7 +56,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from tqdm import tqdm
+
+try:
+    from tqdm import tqdm
+except ImportError:  # `pip install -e .` installs the library (torch only), not the recipes' needs
+    sys.exit("train.py: error: the recipes need their extra: pip install -e '.[recipes]'")
 
 # Run from a checkout without `pip install`: float8kit sits next to recipes/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -98,7 +102,7 @@ def _preset_default(key: str) -> str:
     return "default: " + ", ".join(f"{name} {d[key]}" for name, d in PRESET_DEFAULTS.items())
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="train.py", description=__doc__.split("\n")[0])
     p.add_argument(
         "--preset",
@@ -152,6 +156,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seeds the init and the batch sampler")
     p.add_argument("--out", help="output folder (default runs/PRESET_FLOAT8)")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (its metrics, config and checkpoints); "
+        "without it such an --out is refused",
+    )
+    p.add_argument(
+        "--filter-fqns",
+        default="output,router",
+        metavar="A,B",
+        help="comma-separated module-name substrings kept in hp (torchtitan's "
+        "filter_fqns); every other Linear goes through float8kit's default filter for the "
+        "recipe (dims multiples of 16, of 128 for blockwise). Default: output,router",
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=int,
         default=0,
@@ -188,6 +206,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(a terminal gets a progress bar)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     for k, v in PRESET_DEFAULTS[args.preset].items():
         if getattr(args, k) is None:
@@ -267,6 +290,19 @@ def print0(*args, **kwargs) -> None:
 # model: build, convert to float8, shard
 
 
+def layer_filter(args: argparse.Namespace, config):
+    """The Linears that go float8: float8kit's default filter for the recipe, minus the
+    modules whose name contains one of --filter-fqns."""
+    skip = [f for f in args.filter_fqns.split(",") if f]
+
+    def keep_float8(mod: torch.nn.Module, fqn: str) -> bool:
+        if any(f in fqn for f in skip):
+            return False
+        return float8kit.default_module_filter(mod, fqn, config)
+
+    return keep_float8
+
+
 def build_model(
     args: argparse.Namespace, device: torch.device, world_size: int, fp8_all_gather: bool
 ) -> torch.nn.Module:
@@ -278,14 +314,13 @@ def build_model(
     # Convert before FSDP wraps the model, as torchtitan does: FSDP then shards the
     # Float8Linear weights and (tensorwise) all-gathers them as fp8.
     if args.float8 != "none":
+        config = replace(
+            float8kit.Float8LinearConfig.from_recipe_name(args.float8),
+            enable_fsdp_float8_all_gather=fp8_all_gather,
+        )
         float8kit.convert_experts_to_float8_training(  # float8: Linears (no head/router), experts
             float8kit.convert_to_float8_training(
-                model,
-                module_filter_fn=lambda mod, fqn: fqn != "output" and "router" not in fqn,
-                config=replace(
-                    float8kit.Float8LinearConfig.from_recipe_name(args.float8),
-                    enable_fsdp_float8_all_gather=fp8_all_gather,
-                ),
+                model, config=config, module_filter_fn=layer_filter(args, config)
             )
         )
     if world_size > 1:
@@ -517,11 +552,35 @@ def evaluate(model, fwd, val: torch.Tensor, args, device, rank: int, world_size:
 # training
 
 
+def check_out(args: argparse.Namespace) -> None:
+    """Refuse an --out that holds a run unless --overwrite (which clears it) or --resume."""
+    out = Path(args.out)
+    held = [n for n in ("metrics.jsonl", "checkpoints") if (out / n).exists()]
+    if not held or args.resume:
+        return
+    if not args.overwrite:
+        steps = 0
+        if (out / "metrics.jsonl").exists():
+            steps = len((out / "metrics.jsonl").read_text().splitlines())
+        raise UsageError(
+            f"--out {out} already holds a run ({steps} steps logged"
+            + (", checkpoints" if "checkpoints" in held else "")
+            + f"): pass --overwrite to replace it, --resume {out} to continue it, "
+            "or another --out"
+        )
+    if int(os.environ.get("RANK", "0")) == 0 and (out / "checkpoints").exists():
+        # an old checkpoint left beside the new run would be what --resume OUT picks up
+        import shutil
+
+        shutil.rmtree(out / "checkpoints")
+
+
 def train(args: argparse.Namespace) -> list[dict]:
     """Runs one training job; returns the per-step metrics (also in OUT/metrics.jsonl)."""
     # -- setup; any bad input surfaces here as UsageError/OSError/ValueError
     if args.threads:
         torch.set_num_threads(args.threads)
+    check_out(args)  # before the process group: every rank refuses alike, nothing hangs
     rank, world_size, device = setup_distributed(args)
     try:
         corpus = load_corpus(args.data)
@@ -657,6 +716,10 @@ def train(args: argparse.Namespace) -> list[dict]:
     bar.close()
     if metrics:
         metrics.close()
+    print0(
+        f"wrote {out}/ (config.json, metrics.jsonl"
+        + (", checkpoints/)" if args.checkpoint_every else ")")
+    )
     return records
 
 

@@ -31,6 +31,29 @@ def fp32_copy(module: nn.Module) -> nn.Module:
 
 
 @contextlib.contextmanager
+def peer_on_our_cpu_kernel():
+    """Run torchao.float8's ``torch._scaled_mm`` calls on float8kit's CPU kernel (oneDNN off
+    for the call, ``float8kit::cpu_scaled_mm``), so a bitwise comparison compares the two
+    libraries, not two CPU kernels: on AVX512-FP16/AMX CPUs torch hands e4m3 x e4m3 to
+    oneDNN's reference matmul, which sums in another order (and 1000x slower)."""
+    real = torch._scaled_mm
+
+    def patched(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, **kw):
+        inside_ours = not torch.compiler.is_compiling() and not torch._C._get_mkldnn_enabled()
+        if a.is_cuda or bias is not None or scale_result is not None or inside_ours:
+            return real(a, b, scale_a, scale_b, bias, scale_result, out_dtype, **kw)
+        return torch.ops.float8kit.cpu_scaled_mm(
+            a, b, scale_a, scale_b, out_dtype, kw.get("use_fast_accum", False)
+        )
+
+    torch._scaled_mm = patched
+    try:
+        yield
+    finally:
+        torch._scaled_mm = real
+
+
+@contextlib.contextmanager
 def count_scaled_mm():
     """Yields a list that gets one entry (the operand shapes) per ``torch._scaled_mm`` call
     made while the context is active (eager)."""
