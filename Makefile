@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python recipes/compare.py --preset small --out runs/demo
+	$(BIN)/python recipes/compare.py --preset small --out runs/demo --overwrite
 
 # pytest exits 5 when it collected no test: that is a failure for us.
 test: $(STAMP)

@@ -23,7 +23,7 @@ and an error (e.g. a float8 dtype gloo refuses) as its text.
     python benchmarks/bench_comm.py                         # preset tiny, 3 steps
     python benchmarks/bench_comm.py --preset small --steps 3
 
-Writes ``benchmarks/results/<date>-cpu-comm.json`` (+ ``.md``) with ``device, torch,
+Writes ``runs/benchmarks/<date>-cpu-comm-PRESET-wN.json`` (+ ``.md``) with ``device, torch,
 torchao, date, command, rows``.
 """
 
@@ -296,7 +296,7 @@ def main() -> int:
         "--out",
         type=Path,
         default=None,
-        help="JSON path (default benchmarks/results/<date>-cpu-comm.json)",
+        help="JSON path (default runs/benchmarks/<date>-cpu-comm-PRESET-wN.json)",
     )
     args = p.parse_args()
 
@@ -377,7 +377,7 @@ def main() -> int:
         f"{args.preset} ({n_params:,} params; lm head, norms and embedding stay bf16), "
         f"{args.world_size} ranks, batch {args.batch}x{args.seq} tokens per rank."
     )
-    out = args.out or common.default_out(device, "comm")
+    out = args.out or common.default_out(device, "comm", args.preset, f"w{args.world_size}")
     json_path, md_path = common.write_results(
         out, payload, table, "bench_comm: FSDP2 bytes and collectives per step"
     )

@@ -18,7 +18,7 @@ DeepSeek-V3: dim 7168, expert hidden 2048, 256 routed experts; 8 local experts p
 hidden) and down (hidden -> dim) projections at 16384 routed tokens per GPU.
 
 CPU smoke run (CI): ``python benchmarks/bench_experts.py --smoke --out /tmp/experts.json``.
-Writes ``benchmarks/results/<date>-<device>-experts.json`` (``--out`` to change) and ``.md``.
+Writes ``runs/benchmarks/<date>-<device>-experts.json`` (``--out`` to change) and ``.md``.
 """
 
 from __future__ import annotations

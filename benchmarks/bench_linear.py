@@ -22,7 +22,7 @@ CPU, small shapes (the published CPU table, numbers/bench_linear.json), and the 
     python benchmarks/bench_linear.py --device cpu --shapes small --no-compile
     python benchmarks/bench_linear.py --smoke --out /tmp/linear.json
 
-Writes ``benchmarks/results/<date>-<device>-linear.json`` (``--out`` to change) with
+Writes ``runs/benchmarks/<date>-<device>-linear.json`` (``--out`` to change) with
 ``device, torch, torchao, date, command, rows``; each row is
 ``{label, M, K, N, recipe, mode, compiled, bf16_ms, float8kit_ms, torchao_ms, ...}``, plus
 the same table as ``.md`` and a speedup-by-shape plot as ``.png``.
@@ -217,7 +217,7 @@ def main() -> int:
         "--out",
         type=Path,
         default=None,
-        help="JSON path (default benchmarks/results/<date>-<device>-linear.json); "
+        help="JSON path (default runs/benchmarks/<date>-<device>-linear.json); "
         ".md and .png are written beside it",
     )
     p.add_argument("--threads", type=int, default=None, help=common.THREADS_HELP)

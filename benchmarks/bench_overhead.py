@@ -15,7 +15,7 @@ also counts the aten ops one call dispatches (each one a kernel launch on a GPU,
     python benchmarks/bench_overhead.py --device cuda --shape 16x4096x4096
 
 --profile adds torch.profiler's top ops (self CPU time per call) for each library, which is
-what benchmarks/NOTES.md reads. Writes ``benchmarks/results/<date>-<device>-overhead.json``
+what benchmarks/NOTES.md reads. Writes ``runs/benchmarks/<date>-<device>-overhead.json``
 (+ ``.md``) with ``device, torch, torchao, date, command, rows``.
 """
 
@@ -125,7 +125,7 @@ def main() -> int:
         "--out",
         type=Path,
         default=None,
-        help="JSON path (default benchmarks/results/<date>-<device>-overhead.json)",
+        help="JSON path (default runs/benchmarks/<date>-<device>-overhead.json)",
     )
     args = p.parse_args()
 

@@ -18,8 +18,8 @@ CPU (CI smoke test and the published CPU table, numbers/bench_train.json):
 
     python benchmarks/bench_train.py --preset tiny --device cpu --no-compile
 
-Writes ``benchmarks/results/<date>-<device>-train.json`` (+ ``.md``) with ``device, torch,
-torchao, date, command, rows``.
+Writes ``runs/benchmarks/<date>-<device>-train-PRESET-{compiled,eager}.json`` (+ ``.md``)
+with ``device, torch, torchao, date, command, rows``.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def main() -> int:
         "--out",
         type=Path,
         default=None,
-        help="JSON path (default benchmarks/results/<date>-<device>-train.json)",
+        help="JSON path (default runs/benchmarks/<date>-<device>-train-PRESET-"
+        "{compiled,eager}.json)",
     )
     args = p.parse_args()
 
@@ -265,7 +266,9 @@ def main() -> int:
         f"\n\nPreset {preset}, {batch}x{seq} tokens per step, bf16 params + AdamW, "
         f"median of {steps} steps after {warmup} warm-up."
     )
-    out = args.out or common.default_out(device, "train")
+    out = args.out or common.default_out(
+        device, "train", preset, "compiled" if compiled else "eager"
+    )
     json_path, md_path = common.write_results(
         out, payload, table, "bench_train: training-step tokens/s, recipes model"
     )

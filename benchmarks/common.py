@@ -172,9 +172,16 @@ def run_info(device: torch.device) -> dict:
     }
 
 
-def default_out(device: torch.device, kind: str) -> Path:
-    """``benchmarks/results/<date>-<device>-<kind>.json``."""
-    return RESULTS_DIR / f"{datetime.date.today().isoformat()}-{device_slug(device)}-{kind}.json"
+# Where a run writes when no --out is given: ignored by git (runs/ is), so a benchmark run
+# never dirties the checkout. Results meant to be committed go to RESULTS_DIR with --out.
+RUNS_DIR = REPO / "runs" / "benchmarks"
+
+
+def default_out(device: torch.device, kind: str, *variant: str) -> Path:
+    """``runs/benchmarks/<date>-<device>-<kind>[-<variant>...].json``: the variant (preset,
+    compiled or eager, ...) keeps runs with other flags from overwriting each other."""
+    tags = "".join(f"-{v}" for v in variant if v)
+    return RUNS_DIR / f"{datetime.date.today().isoformat()}-{device_slug(device)}-{kind}{tags}.json"
 
 
 # ----------------------------------------------------------------------------

@@ -29,7 +29,7 @@ measurement, labeled so in every output):
 
     python benchmarks/roofline.py --device-spec h100
 
-Writes ``benchmarks/results/<date>-<device>-roofline.json`` (+ ``.md``) with ``device, torch,
+Writes ``runs/benchmarks/<date>-<device>-roofline.json`` (+ ``.md``) with ``device, torch,
 torchao, date, command, rows``.
 """
 
@@ -221,7 +221,7 @@ def main() -> int:
         "--out",
         type=Path,
         default=None,
-        help="JSON path (default benchmarks/results/<date>-<device>-roofline.json)",
+        help="JSON path (default runs/benchmarks/<date>-<device>-roofline.json)",
     )
     args = p.parse_args()
 

@@ -28,7 +28,7 @@ from float8kit.experts import (
 )
 from float8kit.linear import Float8Linear
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
-from float8kit.scale_state import strip_float8_state
+from float8kit.scale_state import Float8LoadPlanner, strip_float8_state
 from float8kit.tensor import Float8TrainingTensor
 from float8kit.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
@@ -61,8 +61,10 @@ __all__ = [
     "Float8ColwiseParallel",
     "Float8RowwiseParallel",
     "PrepareFloat8ModuleInput",
-    # checkpoints: a DELAYED/STATIC model's state_dict for the plain model
+    # checkpoints: a DELAYED/STATIC model's state_dict for the plain model, and a DCP load
+    # of a plain checkpoint into a DELAYED/STATIC model
     "strip_float8_state",
+    "Float8LoadPlanner",
     # activation checkpointing: a selective policy that keeps the float8 work
     "checkpoint_policy",
     # internals users may meet (FSDP2 all-gathered weights, debugging)

@@ -129,6 +129,16 @@ class CastConfig:
                 f"CastConfig.delayed_scale_from={self.delayed_scale_from!r} is not valid: use "
                 "'max' or 'most_recent'"
             )
+        if self.scaling_type is not ScalingType.DELAYED:
+            # a history setting on a cast that keeps no history is a config the user did not
+            # mean: say so instead of ignoring it
+            for name, default in (("amax_history_len", 16), ("delayed_scale_from", "max")):
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"CastConfig.{name}={getattr(self, name)!r} is only used with "
+                        f"ScalingType.DELAYED, but scaling_type={self.scaling_type.value!r}: "
+                        f"set scaling_type=ScalingType.DELAYED or drop {name}"
+                    )
         s = self.static_scale
         if s is not None:
             if self.scaling_type is not ScalingType.STATIC:
@@ -314,6 +324,22 @@ class Float8LinearConfig:
                     f"{right} {rcfg.scaling_granularity.value} (block_size={rcfg.block_size}); "
                     "a block-scaled gemm needs both operands ScalingGranularity.BLOCKWISE "
                     "with the same block_size, or neither"
+                )
+        if not any(
+            getattr(self, name).enabled for pair in self.operand_uses().values() for name in pair
+        ):
+            raise ValueError(
+                "Float8LinearConfig: every cast is ScalingType.DISABLED, so no gemm would run "
+                "in float8: keep such layers nn.Linear (module_filter_fn returning False)"
+            )
+        roles = {name: role for role, pair in self.operand_uses().items() for name in pair}
+        for gemm, (left, right) in self.gemm_operands().items():
+            lcfg, rcfg = getattr(self, left), getattr(self, right)
+            if lcfg.enabled and lcfg.dtype_for(roles[left]) == rcfg.dtype_for(roles[right]) == E5M2:
+                raise ValueError(
+                    f"Float8LinearConfig: the {gemm} gemm would multiply e5m2 by e5m2 ({left} and "
+                    f"{right}), which float8 gemm kernels do not take: make one of them e4m3 "
+                    "(CastConfig.target_dtype=torch.float8_e4m3fn, or None for the role's default)"
                 )
         if self.enable_fsdp_float8_all_gather:
             self._check_fsdp_float8_all_gather()

@@ -433,6 +433,9 @@ class Float8Linear(nn.Linear):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
         )
         scale_state.after_load(self, self.config, state_dict, prefix, missing_keys)
+        hint = scale_state.foreign_state_hint(self.config, state_dict, prefix) if strict else None
+        if hint:
+            errors.append(hint)
 
     def _operand_state(
         self, role: GemmRole, record: bool

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from float8kit.config import CastConfig, Float8LinearConfig, GemmRole, ScalingType
 from float8kit.scaling import UNSET
@@ -152,6 +153,34 @@ def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str])
     )
 
 
+def _all_state_names() -> set[str]:
+    return {f(role) for role in GemmRole for f in (history_name, amax_name, scale_name)}
+
+
+def foreign_state_hint(
+    config: Float8LinearConfig, state_dict: Mapping[str, Any], prefix: str
+) -> str | None:
+    """The error to add when ``state_dict`` holds float8 scale state under ``prefix`` that
+    this layer's recipe does not keep (a DELAYED/STATIC checkpoint loaded into another
+    recipe): point at ``strip_float8_state`` instead of a bare "unexpected keys"."""
+    own = set(buffer_names(config))
+    extra = sorted(
+        key
+        for key in state_dict
+        if key.startswith(prefix)
+        and "." not in key[len(prefix) :]
+        and key[len(prefix) :] in _all_state_names() - own
+    )
+    if not extra:
+        return None
+    return (
+        f"{prefix.rstrip('.') or 'the layer'}: the state_dict has float8 scale state "
+        f"({', '.join(k[len(prefix) :] for k in extra)}) that this layer's recipe does not keep "
+        "(it was saved from a DELAYED/STATIC model): load "
+        "float8kit.strip_float8_state(state_dict) to start this recipe's state from scratch"
+    )
+
+
 def after_load(
     module: nn.Module,
     config: Float8LinearConfig,
@@ -208,7 +237,7 @@ def strip_float8_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         A new ordered dict sharing the remaining values (tensors are not copied), with the
         input's ``_metadata`` (module versions) if it has one. The input is not modified.
     """
-    names = {f(role) for role in GemmRole for f in (history_name, amax_name, scale_name)}
+    names = _all_state_names()
     out = collections.OrderedDict(
         (key, value) for key, value in state_dict.items() if key.rsplit(".", 1)[-1] not in names
     )
@@ -216,6 +245,29 @@ def strip_float8_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     if metadata is not None:
         out._metadata = metadata
     return out
+
+
+class Float8LoadPlanner(DefaultLoadPlanner):
+    """``torch.distributed.checkpoint.load`` planner for checkpoints without float8 state.
+
+    A DELAYED/STATIC model's state_dict has scale-state buffers that a checkpoint of the plain
+    model (or of a DYNAMIC recipe) lacks, and DCP's default planner refuses the load
+    ("Missing key in checkpoint state_dict: ...fp8_amax_history_input"). With
+    ``dcp.load(state_dict, checkpoint_id=path, planner=float8kit.Float8LoadPlanner())``
+    those buffers are left out of the load, so they keep their current values: the initial
+    ones (as after conversion) for a model that has not trained yet. Every other missing key
+    still raises, as with the default planner; a checkpoint that has the float8 state loads it.
+    """
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        present = metadata.state_dict_metadata if metadata is not None else {}
+        names = _all_state_names()
+        self.state_dict = {
+            key: value
+            for key, value in self.state_dict.items()
+            if key in present or key.rsplit(".", 1)[-1] not in names
+        }
 
 
 def after_apply(

@@ -43,8 +43,9 @@ def test_role_default_dtypes():
 
 
 def test_second_use_defaults_to_first():
-    c = Float8LinearConfig(cast_config_input=CastConfig(target_dtype=E5M2))
-    assert c.cast_config_input_for_grad_weight == CastConfig(target_dtype=E5M2)
+    delayed = CastConfig(scaling_type=ScalingType.DELAYED, amax_history_len=4)
+    c = Float8LinearConfig(cast_config_input=delayed)
+    assert c.cast_config_input_for_grad_weight == delayed
     assert c.cast_config_weight_for_grad_input == c.cast_config_weight
 
 
@@ -59,11 +60,35 @@ def test_float8_all_gather_weights_the_grad_input_gemm_cannot_use_are_refused():
         assert dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match="cast_config_weight is DISABLED"):
         hp = CastConfig(scaling_type=ScalingType.DISABLED)
-        Float8LinearConfig(
+        Float8LinearConfig(  # only the grad_weight gemm runs in float8
             cast_config_input=hp,
             cast_config_weight=hp,
             cast_config_grad_output=hp,
+            cast_config_input_for_grad_weight=CastConfig(),
+            cast_config_grad_output_for_grad_weight=CastConfig(),
             enable_fsdp_float8_all_gather=True,
+        )
+
+
+def test_configs_that_would_be_silently_wrong_are_refused():
+    # a history setting on a cast without history
+    for field, value in (("amax_history_len", 8), ("delayed_scale_from", "most_recent")):
+        with pytest.raises(ValueError, match=f"CastConfig.{field}=.*only used with .*DELAYED"):
+            CastConfig(**{field: value})
+        CastConfig(scaling_type=ScalingType.DELAYED, **{field: value})  # fine where it is used
+    # nothing in float8
+    hp = CastConfig(scaling_type=ScalingType.DISABLED)
+    with pytest.raises(ValueError, match="every cast is ScalingType.DISABLED"):
+        Float8LinearConfig(cast_config_input=hp, cast_config_weight=hp, cast_config_grad_output=hp)
+    # e5m2 x e5m2: the grad_weight gemm (grad_output is e5m2 by default)
+    with pytest.raises(ValueError, match="grad_weight gemm would multiply e5m2 by e5m2"):
+        Float8LinearConfig(cast_config_input=CastConfig(target_dtype=E5M2))
+    with pytest.raises(ValueError, match="output gemm would multiply e5m2 by e5m2"):
+        e5 = CastConfig(target_dtype=E5M2)
+        Float8LinearConfig(
+            cast_config_input=e5,
+            cast_config_weight=e5,
+            cast_config_grad_output=CastConfig(target_dtype=E4M3),
         )
 
 

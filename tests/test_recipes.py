@@ -334,11 +334,17 @@ def test_compare_report_matches_metrics(tmp_path):
         "7",
         "--modes",
         "none,tensorwise",
+        "--noise-seeds",
+        "2",
         "--out",
         str(out),
         "--quiet",
     )
     assert r.returncode == 0, r.stderr[-3000:]
+    # every line of a run carries its name; the extra bf16 seeds ran
+    assert "[tensorwise] wrote" in r.stdout and "[none_seed2] wrote" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["noise_runs"] == ["none_seed1", "none_seed2"]
     png = (out / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     report = (out / "report.md").read_text()
@@ -364,10 +370,85 @@ def test_compare_report_matches_metrics(tmp_path):
         for cell, key in ((cells[3], "train"), (cells[4], "val")):
             pct = 100 * (want[key] - ref["bf16"][key]) / ref["bf16"][key]
             assert float(cell.rstrip("%")) == pytest.approx(pct, abs=5.1e-3)
-        assert float(cells[5]) == pytest.approx(want["tok"], abs=0.51)
+        assert float(cells[6]) == pytest.approx(want["tok"], abs=0.51)  # [5]: the noise verdict
         speedup = want["tok"] / ref["bf16"]["tok"]
-        assert float(cells[6].rstrip("x")) == pytest.approx(speedup, abs=5.1e-3)
+        assert float(cells[7].rstrip("x")) == pytest.approx(speedup, abs=5.1e-3)
     assert abs(float(rows["tensorwise"][4].rstrip("%"))) < 3.0  # float8 within 3% of bf16
+    # the noise band: the largest |gap| of the other-seed bf16 runs, recomputed here
+    for key, col in (("train", 3), ("val", 4)):
+        others = []
+        for run in ("none_seed1", "none_seed2"):
+            recs = [json.loads(x) for x in (out / run / "metrics.jsonl").read_text().splitlines()]
+            x = (
+                statistics.fmean(r["loss"] for r in recs[-10:])
+                if key == "train"
+                else recs[-1]["val_loss"]
+            )
+            others.append(abs(100 * (x - ref["bf16"][key]) / ref["bf16"][key]))
+        band = summary["noise_pct"][f"{key}_loss"]
+        assert band == pytest.approx(max(others), rel=1e-12) and band > 0
+        verdict = "yes" if abs(float(rows["tensorwise"][col].rstrip("%"))) <= band else "no"
+        assert rows["tensorwise"][5].split(", ")[0 if key == "train" else 1] == verdict
+    assert f"bf16 seed noise: train {summary['noise_pct']['train_loss']:.2f}%" in report
+    # a second comparison into the same folder is refused
+    again = run_script(str(RECIPES / "compare.py"), "--preset", "tiny", "--out", str(out))
+    assert again.returncode == 2 and "already holds a comparison: pass --overwrite" in again.stderr
+
+
+def test_compare_help_lists_the_train_flags_it_passes_through():
+    r = run_script(str(RECIPES / "compare.py"), "--help")
+    assert r.returncode == 0
+    help_text = r.stdout.split("passed to train.py unchanged")[1]
+    for flag in ("--preset", "--steps", "--seed", "--lr", "--filter-fqns", "--compile"):
+        assert flag in help_text, flag
+    for flag in ("--float8", "--out ", "--resume", "--overwrite"):  # set per run by compare.py
+        assert flag not in help_text, flag
+
+
+def test_out_holding_a_run_is_refused_unless_overwrite(tmp_path, capsys):
+    first = run_train(tmp_path / "a", "--steps", "4", "--checkpoint-every", "2")
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path / "a", "--steps", "2")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "already holds a run (4 steps logged, checkpoints)" in err
+    assert "--overwrite" in err and "--resume" in err
+    assert len((tmp_path / "a" / "metrics.jsonl").read_text().splitlines()) == len(first)
+    # --overwrite replaces it, checkpoints included (a stale one would be what --resume finds)
+    again = run_train(tmp_path / "a", "--steps", "2", "--overwrite")
+    assert [r["loss"] for r in again] == [r["loss"] for r in first[:2]]
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    assert f"wrote {tmp_path / 'a'}/" in capsys.readouterr().out
+
+
+def test_filter_fqns_and_the_default_filter_per_recipe():
+    import float8kit
+
+    def converted(*flags):
+        args = train.parse_args(["--preset", "tiny", *flags])
+        model = train.build_model(args, torch.device("cpu"), 1, False)
+        return sorted(n for n, m in model.named_modules() if isinstance(m, float8kit.Float8Linear))
+
+    tensorwise = converted("--float8", "tensorwise")
+    assert tensorwise and not any(n == "output" for n in tensorwise)  # the head stays hp
+    no_attention = converted("--float8", "tensorwise", "--filter-fqns", "output,attention")
+    assert no_attention == [n for n in tensorwise if "attention" not in n]
+    # blockwise: only layers whose dims are multiples of 128 (float8kit's default filter)
+    args = train.parse_args(["--preset", "tiny", "--float8", "blockwise"])
+    model = train.build_model(args, torch.device("cpu"), 1, False)
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name != "output":
+            dims_ok = mod.in_features % 128 == 0 and mod.out_features % 128 == 0
+            assert isinstance(mod, float8kit.Float8Linear) == dims_ok, name
+
+
+def test_recipes_without_their_extra_say_how_to_install_it():
+    code = (
+        "import sys, runpy; sys.modules['tqdm'] = None; "
+        "runpy.run_path(sys.argv[1], run_name='__main__')"
+    )
+    r = run_script("-c", code, str(RECIPES / "train.py"))
+    assert r.returncode == 1 and "pip install -e '.[recipes]'" in r.stderr
 
 
 # ----------------------------------------------------------------------------

@@ -3,12 +3,14 @@
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import float8kit
 from float8kit import (
     CastConfig,
     Float8LinearConfig,
@@ -178,3 +180,41 @@ def test_strip_float8_state_loads_a_delayed_checkpoint_into_the_plain_model():
     fresh = convert_to_float8_training(copy.deepcopy(plain), config=DELAYED)
     assert torch.equal(again(x), fresh(x))
     assert sqnr(ref, again(x)) >= 20
+
+
+def test_foreign_float8_state_names_strip_float8_state():
+    delayed = convert_to_float8_training(
+        nn.Sequential(nn.Linear(32, 32)), config=Float8LinearConfig.from_recipe_name("delayed")
+    )
+    tensorwise = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32)))
+    with pytest.raises(RuntimeError, match=r"0: the state_dict has float8 scale state .*strip"):
+        tensorwise.load_state_dict(delayed.state_dict())
+    tensorwise.load_state_dict(float8kit.strip_float8_state(delayed.state_dict()))
+    assert torch.equal(tensorwise[0].weight, delayed[0].weight)
+
+
+def test_dcp_plain_checkpoint_loads_into_a_delayed_model(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    with warnings.catch_warnings():  # no process group: DCP says it assumes one process
+        warnings.simplefilter("ignore")
+        dcp.save(plain.state_dict(), checkpoint_id=tmp_path / "plain")
+        config = Float8LinearConfig.from_recipe_name("delayed")
+        fresh = convert_to_float8_training(
+            nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)), config=config
+        )
+        initial = {k: v.clone() for k, v in fresh.state_dict().items() if "fp8_" in k}
+        sd = fresh.state_dict()
+        # torch's default planner (DCP wraps the RuntimeError in a CheckpointException)
+        with pytest.raises(CheckpointException, match="Missing key in checkpoint"):
+            dcp.load(sd, checkpoint_id=tmp_path / "plain")
+        dcp.load(sd, checkpoint_id=tmp_path / "plain", planner=float8kit.Float8LoadPlanner())
+    fresh.load_state_dict(sd)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    assert len(initial) == 18  # 2 layers x 3 operands x (history, amax, scale)
+    for k, v in initial.items():
+        assert torch.equal(fresh.state_dict()[k], v), k  # as after conversion

@@ -85,22 +85,23 @@ def compare_runs(name: str, argv: list[str], **extra) -> None:
     import compare
 
     out = RUNS / name
-    wall = run("recipes/compare.py", *argv, "--out", str(out.relative_to(REPO)), "--quiet")
+    rel = str(out.relative_to(REPO))
+    wall = run("recipes/compare.py", *argv, "--out", rel, "--overwrite", "--quiet")
+    summary = json.loads((out / "summary.json").read_text())
+    modes = summary["modes"]
+    # recomputed from the runs' metrics.jsonl: the report's numbers are what the runs logged
     summaries = {}
-    for mode_dir in sorted(p for p in out.iterdir() if (p / "metrics.jsonl").exists()):
-        records = [
-            json.loads(line) for line in (mode_dir / "metrics.jsonl").read_text().splitlines()
-        ]
-        summaries[mode_dir.name] = compare.summarize(records)
-    modes = (
-        argv[argv.index("--modes") + 1].split(",") if "--modes" in argv else ["none", "tensorwise"]
-    )
-    summaries = {m: summaries[m] for m in modes}  # the report's order
+    for run_name in [*modes, *summary["noise_runs"]]:
+        lines = (out / run_name / "metrics.jsonl").read_text().splitlines()
+        summaries[run_name] = compare.summarize([json.loads(line) for line in lines])
+    assert summaries == summary["summaries"], "compare.py's summary.json disagrees with its runs"
     cfg = json.loads((out / modes[0] / "config.json").read_text())
     data = {
         "compare_argv": argv,
         "modes": modes,
-        "summaries": summaries,
+        "summaries": {m: summaries[m] for m in modes},
+        "noise_runs": {r: summaries[r] for r in summary["noise_runs"]},
+        "noise_pct": summary["noise_pct"],
         "device": cfg["device"],
         "n_params": cfg["n_params"],
         "data": cfg["data"],

@@ -90,9 +90,18 @@ def rel(x: float) -> str:
 
 
 def compare_table(name: str) -> str:
-    """recipes/compare.py's report table, from the summaries the run wrote."""
+    """recipes/compare.py's report table, from the summaries the run wrote: with the bf16
+    seed-noise band (the largest |gap| of bf16 runs with other seeds) and, per float8 mode,
+    whether its train/val gaps are inside it."""
     d = load(name)["data"]
-    s, ref = d["summaries"], d["summaries"]["none"]
+    s, ref, noise = d["summaries"], d["summaries"]["none"], d["noise_pct"]
+
+    def inside(x: dict) -> str:
+        return ", ".join(
+            "yes" if abs(100 * (x[k] - ref[k]) / ref[k]) <= noise[k] else "no"
+            for k in ("train_loss", "val_loss")
+        )
+
     rows = [
         [
             "none (bf16)" if m == "none" else m,
@@ -100,16 +109,19 @@ def compare_table(name: str) -> str:
             f(x["val_loss"], ".4f"),
             gap(x["train_loss"], ref["train_loss"]),
             gap(x["val_loss"], ref["val_loss"]),
+            "-" if m == "none" else inside(x),
             f(x["tokens_per_s"], ".0f"),
             f"{x['tokens_per_s'] / ref['tokens_per_s']:.2f}x",
         ]
         for m, x in s.items()
     ]
     a = d["train_args"]
+    seeds = ", ".join(r.removeprefix("none_seed") for r in d["noise_runs"])
     return (
         f"{caption(name)}; {a['preset']} preset, {a['steps']} steps, batch "
         f"{a['batch_size']} x {a['seq_len']} bytes, {d['n_params']:,} params, seed "
-        f"{a['seed']}; wall time {load(name)['wall_s']:.0f} s\n\n"
+        f"{a['seed']}; wall time {load(name)['wall_s']:.0f} s; bf16 seed noise (seeds "
+        f"{seeds}): train {noise['train_loss']:.2f}%, val {noise['val_loss']:.2f}%\n\n"
         + table(
             [
                 "mode",
@@ -117,6 +129,7 @@ def compare_table(name: str) -> str:
                 "val loss",
                 "train gap vs bf16",
                 "val gap vs bf16",
+                "inside bf16 seed noise (train, val)",
                 "tokens/s",
                 "speedup",
             ],
