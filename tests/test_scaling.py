@@ -56,7 +56,7 @@ def correctly_rounded_scales(amaxes: torch.Tensor, dtype) -> torch.Tensor:
 def one_ulp_off_share(amaxes: torch.Tensor, dtype) -> float:
     """Share of the amaxes whose scale in the old form ``fp8_max / amax`` (a Python float over
     an fp32 tensor: torch evaluates it as ``reciprocal(amax) * fp8_max``, two roundings) is
-    not the correctly rounded one: how many scales issue 31 changed."""
+    not the correctly rounded one: how many scales the fp64 quotient changed."""
     old = fp8_max(dtype) / torch.clamp(amaxes, min=amax_floor(dtype))
     return (old != correctly_rounded_scales(amaxes, dtype)).double().mean().item()
 

@@ -161,7 +161,7 @@ def numerics() -> None:
             "rows": rows,
             "thresholds_db": test_numerics.ACCURACY_DB,
             # share of 100,006 wide-range amaxes whose scale the old two-rounding form
-            # (fp8_max / amax as reciprocal * fp8_max) got one ulp off (issue 31)
+            # (fp8_max / amax as reciprocal * fp8_max) got one ulp off (0.2 and before)
             "old_scale_form_off_share": {
                 str(d): test_scaling.one_ulp_off_share(test_scaling.random_amaxes(), d)
                 for d in (torch.float8_e4m3fn, torch.float8_e5m2)
