@@ -4,13 +4,17 @@
   (tools/publish.py), and every such file was measured on a clean checkout of a commit in
   this repository's history that has the scripts which made it.
 - No measured-looking number sits in the docs' prose outside those markers.
-- The README's Python blocks run (on CPU, with the substitutions in CPU_SUBSTITUTIONS).
+- Every Python block of the README and docs/ runs (whole programs from recipes/ under torchrun),
+  and the README example trains float8 like bf16.
 - Every repository path the docs name exists, and nothing points outside the repository.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -122,49 +126,73 @@ def test_the_stray_number_check_can_fail():
     assert not MEASURED.search(prose("torch 2.13.0 `0.5x` <!-- n:k -->1.5x<!-- /n -->"))
 
 
-# ---------------------------------------------------------------------------- README examples
+# ---------------------------------------------------------------------------- runnable snippets
 
-# The README's example is written for a GPU; on CPU the test shrinks it and skips compiling.
-CPU_SUBSTITUTIONS = [
-    ("dim, hidden, classes = 4096, 16384, 10", "dim, hidden, classes = 64, 256, 10"),
-    (
-        "model = torch.compile(model.to(device, torch.bfloat16))",
-        "model = model.to(device, torch.bfloat16)",
-    ),
-]
-# Python blocks that are fragments of a larger program (they say so with `...` or need a
-# distributed job); every other block must run.
-FRAGMENT_FIRST_LINES = {
-    "config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)   # tensorwise weights",
-    "from torch.distributed.tensor import Replicate, Shard",  # tensor parallel: a TP mesh
-}
+# Every ```python block of the docs runs. A block that is a whole program from recipes/ (its
+# docstring names the file) must be that file, byte for byte, and runs under torchrun on 2
+# gloo processes; every other block runs in this process, as written.
+RUNNABLE_FILE = re.compile(r"torchrun --nproc-per-node 2 (recipes/\w+\.py)")
+CODE_DOCS = ["README.md", *sorted(str(p.relative_to(REPO)) for p in REPO.glob("docs/*.md"))]
 
 
 def python_blocks(text: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
 
 
-def test_readme_python_blocks_run_on_cpu():
-    blocks = python_blocks((REPO / "README.md").read_text())
-    ran = 0
-    for block in blocks:
-        if block.splitlines()[0] in FRAGMENT_FIRST_LINES:
-            continue
-        for old, new in CPU_SUBSTITUTIONS:
-            block = block.replace(old, new)
-        scope: dict = {}
-        exec(compile(block, "README.md", "exec"), scope)  # noqa: S102
-        ran += 1
-        if "optimizer" in scope:  # the training example: it trained, with float8 layers
-            from float8kit import Float8Linear
+def run_block(block: str, where: str) -> dict:
+    out = io.StringIO()
+    scope: dict = {"__name__": "__main__"}
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, where, "exec"), scope)  # noqa: S102
+    scope["printed"] = out.getvalue()
+    return scope
 
-            model = scope["model"]
-            kinds = [type(m).__name__ for m in model.modules() if isinstance(m, Float8Linear)]
-            assert len(kinds) == 2  # the MLP's two layers; the head ("3") stays hp
-            assert scope["loss"].isfinite()
-    assert ran >= 1
-    for old, _ in CPU_SUBSTITUTIONS:  # a substitution that matches nothing tests nothing
-        assert any(old in b for b in blocks), f"README no longer has: {old}"
+
+@pytest.mark.parametrize("doc", CODE_DOCS)
+def test_python_blocks_run(doc):
+    blocks = python_blocks((REPO / doc).read_text())
+    for i, block in enumerate(blocks):
+        program = (
+            RUNNABLE_FILE.search(block.split("\n\n", 2)[1]) if block.startswith('"""') else None
+        )
+        if program is None:
+            run_block(block, f"{doc} block {i}")
+            continue
+        path = program.group(1)
+        assert (REPO / path).read_text() == block, f"{doc} shows another text than {path}"
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                path,
+            ],
+            cwd=REPO,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", r.stdout)]
+        assert len(losses) == 5 and losses[-1] < losses[0], r.stdout  # it trains
+
+
+def test_readme_example_trains_float8_like_bf16():
+    blocks = python_blocks((REPO / "README.md").read_text())
+    scope = run_block(blocks[0], "README.md example")
+    from float8kit import Float8Linear
+
+    kinds = [n for n, m in scope["fp8"].named_modules() if isinstance(m, Float8Linear)]
+    assert kinds == ["0", "2"]  # the 256/1024 layers; the 16-class head ("4") stays bf16
+    rows = re.findall(r"step (\d+): bf16 ([\d.]+)  float8 ([\d.]+)", scope["printed"])
+    assert [int(r[0]) for r in rows] == [10, 20, 30, 40, 50, 60]
+    bf16, fp8 = ([float(r[k]) for r in rows] for k in (1, 2))
+    assert fp8[-1] < 0.6 * fp8[0] and bf16[-1] < 0.6 * bf16[0]  # both learn, stably
+    for a, b in zip(bf16, fp8, strict=True):
+        assert abs(b - a) <= 0.05 * a + 0.02, (bf16, fp8)  # float8 tracks bf16
 
 
 # ---------------------------------------------------------------------------- references

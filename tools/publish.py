@@ -30,8 +30,16 @@ REPO = Path(__file__).resolve().parents[1]
 NUMBERS = REPO / "numbers"
 DOCS = [
     "README.md",
+    "docs/api.md",
+    "docs/numerics.md",
     "docs/scaling.md",
     "docs/fsdp.md",
+    "docs/tp.md",
+    "docs/moe.md",
+    "docs/memory.md",
+    "docs/performance.md",
+    "docs/torchao.md",
+    "docs/numbers.md",
     "benchmarks/README.md",
     "benchmarks/NOTES.md",
     "recipes/README.md",
