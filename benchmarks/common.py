@@ -9,6 +9,7 @@ measure SQNR against a reference, print a markdown table, and write JSON + markd
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -41,10 +42,44 @@ if str(REPO) not in sys.path:
 # the peer (torchao.float8) and float8kit's optional features
 
 
+def _via_our_cpu_kernel(real):
+    """``torch._scaled_mm`` that sends CPU calls (no bias, no output scale) to float8kit's CPU
+    kernel, ``float8kit::cpu_scaled_mm``: torch's own kernel, with oneDNN off for the call."""
+    import float8kit.gemm  # noqa: F401  (registers float8kit::cpu_scaled_mm)
+
+    def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, **kw):
+        # inside our custom op oneDNN is off: that call is ours, to the real kernel
+        inside_ours = not torch.compiler.is_compiling() and not torch._C._get_mkldnn_enabled()
+        if a.is_cuda or bias is not None or scale_result is not None or inside_ours:
+            return real(a, b, scale_a, scale_b, bias, scale_result, out_dtype, **kw)
+        return torch.ops.float8kit.cpu_scaled_mm(
+            a, b, scale_a, scale_b, out_dtype, kw.get("use_fast_accum", False)
+        )
+
+    scaled_mm.real = real
+    return scaled_mm
+
+
+@contextlib.contextmanager
+def peer_on_our_cpu_kernel():
+    """Run torchao.float8's ``torch._scaled_mm`` calls on float8kit's CPU kernel, so that a
+    comparison compares the two libraries, not two CPU kernels: on AVX512-FP16/AMX CPUs torch
+    hands a direct e4m3 x e4m3 call (torchao's) to oneDNN's reference matmul, which sums in
+    another order and runs ~1000x slower. CUDA calls are untouched."""
+    real = torch._scaled_mm
+    torch._scaled_mm = _via_our_cpu_kernel(real)
+    try:
+        yield
+    finally:
+        torch._scaled_mm = real
+
+
 def import_torchao_float8():
     """``(torchao.float8, version)`` or ``(None, error text)``; quiet about torchao's
     optional CUDA extensions, which fail to load on CPU-only machines and say so loudly."""
     logging.getLogger("torchao").setLevel(logging.ERROR)
+    # torch logs (not warns) that torchao registers Enum subclasses as pytree constants
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="torchao")
     warnings.filterwarnings("ignore", message=".*KernelPreference.*")
     try:
@@ -52,6 +87,10 @@ def import_torchao_float8():
         import torchao.float8 as ao_float8
     except Exception as e:  # noqa: BLE001  (any import failure means "peer not available")
         return None, f"{type(e).__name__}: {e}"
+    # For the whole benchmark process: the peer's CPU gemms on float8kit's CPU kernel
+    # (peer_on_our_cpu_kernel); CUDA calls are untouched.
+    if not hasattr(torch._scaled_mm, "real"):
+        torch._scaled_mm = _via_our_cpu_kernel(torch._scaled_mm)
     return ao_float8, torchao.__version__
 
 

@@ -17,7 +17,7 @@ traffic, which shrinks relative to flops as 1/size); small shapes lose to T0 and
 that is the crossover the default module filter and bench_linear have to find. The model
 ignores what a compiled graph would fuse (amax+cast in one pass: fewer bytes, smaller T0).
 
-Measured rates (this machine: bf16 ``mm`` and fp8 ``torch._scaled_mm`` at --measure-size,
+Measured rates (this machine: bf16 ``mm`` and the fp8 gemm float8kit runs at --measure-size,
 copy bandwidth, T0 of bf16 and float8kit layers), optionally beside bench_linear's measured
 speedups:
 
@@ -83,11 +83,22 @@ def measure(device, size: int, bw_mib: int, warmup: int, iters: int) -> dict:
     a8 = [t.to(torch.float8_e4m3fn) for t in a]
     b8 = b.to(torch.float8_e4m3fn).t().contiguous().t()  # column-major, as _scaled_mm wants
     one = torch.tensor(1.0, device=device)
-    fp8_ms = med(
-        lambda i: torch._scaled_mm(
-            a8[i % 2], b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+    # the kernel float8kit runs: on CPU its own op (torch's kernel with oneDNN off for the
+    # call, float8kit/gemm.py), on CUDA torch._scaled_mm
+    if device.type == "cpu":
+        import float8kit.gemm  # noqa: F401  (registers float8kit::cpu_scaled_mm)
+
+        fp8_ms = med(
+            lambda i: torch.ops.float8kit.cpu_scaled_mm(
+                a8[i % 2], b8, one, one, torch.bfloat16, False
+            )
         )
-    )
+    else:
+        fp8_ms = med(
+            lambda i: torch._scaled_mm(
+                a8[i % 2], b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16
+            )
+        )
     nbytes = bw_mib * 2**20
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)

@@ -2,9 +2,15 @@
 
 import contextlib
 import copy
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
+
+# the peer's CPU kernel routing lives with the benchmarks, which need it too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from common import peer_on_our_cpu_kernel  # noqa: E402, F401
 
 
 def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
@@ -28,29 +34,6 @@ def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
 
 def fp32_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module).float()
-
-
-@contextlib.contextmanager
-def peer_on_our_cpu_kernel():
-    """Run torchao.float8's ``torch._scaled_mm`` calls on float8kit's CPU kernel (oneDNN off
-    for the call, ``float8kit::cpu_scaled_mm``), so a bitwise comparison compares the two
-    libraries, not two CPU kernels: on AVX512-FP16/AMX CPUs torch hands e4m3 x e4m3 to
-    oneDNN's reference matmul, which sums in another order (and 1000x slower)."""
-    real = torch._scaled_mm
-
-    def patched(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, **kw):
-        inside_ours = not torch.compiler.is_compiling() and not torch._C._get_mkldnn_enabled()
-        if a.is_cuda or bias is not None or scale_result is not None or inside_ours:
-            return real(a, b, scale_a, scale_b, bias, scale_result, out_dtype, **kw)
-        return torch.ops.float8kit.cpu_scaled_mm(
-            a, b, scale_a, scale_b, out_dtype, kw.get("use_fast_accum", False)
-        )
-
-    torch._scaled_mm = patched
-    try:
-        yield
-    finally:
-        torch._scaled_mm = real
 
 
 @contextlib.contextmanager
