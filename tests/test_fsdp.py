@@ -823,10 +823,15 @@ def test_precompute_without_fp8_all_gather_weights_issues_no_collective():
 
 def test_tensorwise_fp8_all_gather_needs_one_cast_for_both_gemms():
     # One tensorwise cast is gathered for both gemms (rowwise: tests/test_fsdp_rowwise.py).
+    # (grad_output in e4m3, so the e5m2 weight cast is a legal gemm and only the all-gather
+    # rule can refuse it.)
+    e4m3 = CastConfig(target_dtype=torch.float8_e4m3fn)
     e5m2 = CastConfig(target_dtype=torch.float8_e5m2)
     with pytest.raises(ValueError, match="cast_config_weight_for_grad_input must equal"):
         Float8LinearConfig(
-            cast_config_weight_for_grad_input=e5m2, enable_fsdp_float8_all_gather=True
+            cast_config_grad_output=e4m3,
+            cast_config_weight_for_grad_input=e5m2,
+            enable_fsdp_float8_all_gather=True,
         )
 
 
