@@ -499,6 +499,24 @@ def bench_train() -> None:
     )
 
 
+def suite() -> None:
+    """`make test`'s suite: its wall time on this machine and its counts. Runs last, after
+    re-rendering the docs from the files just written (tests/test_docs.py checks them), and
+    refuses to publish a time for a suite that failed."""
+    import xml.etree.ElementTree as ET
+
+    run("tools/publish.py")
+    with tempfile.TemporaryDirectory() as d:
+        report = Path(d) / "junit.xml"
+        wall = run("-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}")
+        s = ET.parse(report).getroot().find("testsuite")
+    tests, skipped = int(s.get("tests")), int(s.get("skipped"))
+    failed = int(s.get("failures")) + int(s.get("errors"))
+    assert failed == 0, f"{failed} tests failed: no suite time is published for a red suite"
+    data = {"tests": tests, "passed": tests - skipped, "skipped": skipped}
+    write("suite", ["Makefile", "pyproject.toml"], data, wall, threads=DEFAULT_THREADS)
+
+
 NAMES: dict[str, Callable[[], None]] = {
     "numerics": numerics,
     "scaling": scaling,
@@ -517,6 +535,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "bench_linear": bench_linear,
     "roofline": roofline,
     "bench_train": bench_train,
+    "suite": suite,
 }
 
 

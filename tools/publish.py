@@ -891,6 +891,8 @@ INLINE: dict[str, Callable[[], str]] = {
     "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
     "demo.wall_min": lambda: f"{load('demo')['wall_s'] / 60:.1f} min",
     "demo_busy.wall_min": lambda: f"{load('demo_busy')['wall_s'] / 60:.1f} min",
+    "suite.wall_min": lambda: f"{load('suite')['wall_s'] / 60:.1f} min",
+    "suite.passed": lambda: str(load("suite")["data"]["passed"]),
     "demo.threads": lambda: str(load("demo")["threads"]),
     "numbers.total_min": lambda: "{} min".format(
         math.ceil(
