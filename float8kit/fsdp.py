@@ -60,6 +60,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import scaling, shard_groups
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
+from float8kit.identity import HpIdentity
 from float8kit.shard_groups import ShardSpec
 from float8kit.tensor import Float8TrainingTensor
 
@@ -90,7 +91,7 @@ _KEEP_SUBCLASS = {
 }
 
 
-class Float8AllGatherWeight(torch.Tensor):
+class Float8AllGatherWeight(HpIdentity, torch.Tensor):
     """An hp weight that FSDP2 all-gathers in float8; internal.
 
     Invariants:
@@ -99,6 +100,8 @@ class Float8AllGatherWeight(torch.Tensor):
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
         - ``_config`` is the owning layer's config (a tensorwise, rowwise or blockwise float8
           weight, validated by ``Float8LinearConfig``).
+        - ``data_ptr()`` is ``_tensor``'s (``float8kit.identity``): trainers tell parameters
+          apart by it.
         - It holds no scale state: FSDP2 may replace the local shard object (it re-pads
           uneven shards at lazy init and after ``load_state_dict``), so the precomputed scale
           lives on the module (``PrecomputedScale``).
