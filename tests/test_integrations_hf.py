@@ -146,6 +146,7 @@ def test_importing_float8kit_imports_no_trainer():
     import subprocess
     import sys
 
-    code = "import sys, float8kit; print(sorted(m for m in ('transformers', 'accelerate', 'float8kit.integrations') if m in sys.modules))"
+    names = ("transformers", "accelerate", "float8kit.integrations")
+    code = f"import sys, float8kit; print(sorted(m for m in {names} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
