@@ -313,11 +313,13 @@ def _worker_hf(rank: int, world: int, tmp: str) -> dict:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         res[name] = _train(model, ids)
-        model.unshard()  # the gathered expert weights hold e4m3 bytes
+        for layer in model.model.layers:
+            layer.unshard()  # the gathered expert weights hold e4m3 bytes
         res[f"{name}_gathered"] = sorted(
-            {str(p._local_tensor._tensor.dtype) for _, p in expert_params(model)}
+            {f"{type(p).__name__} {p._tensor.dtype}" for _, p in expert_params(model)}
         )
-        model.reshard()
+        for layer in model.model.layers:
+            layer.reshard()
         single = convert_experts_to_float8_training(MODELS[name](), config=config)
         res[f"{name}_single"] = _train(single, ids)
     return res
@@ -335,4 +337,4 @@ def test_fsdp2_float8_all_gather_is_bitwise_single_device(hf2, name):
     for res in hf2:
         assert res[name] == res[f"{name}_single"], (res[name], res[f"{name}_single"])
         assert res[name][-1] < res[name][0]  # it trains
-        assert res[f"{name}_gathered"] == ["torch.float8_e4m3fn"]
+        assert res[f"{name}_gathered"] == ["Float8ExpertWeight torch.float8_e4m3fn"]
