@@ -16,11 +16,21 @@ cumulative ends, as torch wants). Rowwise scales along the inner dim come from
 dim is the jagged token dim, so its scales are per group (``group_amax``), and an expert
 that got no tokens gets an exactly zero gradient.
 
+A converted weight runs in float8 or raises, never in hp silently. Float8 forms: that
+grouped call (with ``w`` or ``w.transpose(-2, -1)``); transformers' own
+``transformers::grouped_mm_fallback`` (its "grouped_mm" experts under ``torch.compile`` with
+non-bf16 weights); and one expert at a time, ``F.linear(x, w[e])`` or ``x @ w[e]`` (its
+"eager" experts), run as the grouped gemm with one group. Views and picked experts stay
+wrapped so that the checks still see them; any other gemm on the weight (``bmm`` of
+"batched_mm", ``mm``, a grouped call in another form) and any op of another library
+raise ``NotImplementedError`` naming the op and the fix.
+
 Every other op on the weight (optimizer steps, ``load_state_dict``, FSDP2's sharding) runs on
 the hp tensor; ``state_dict`` holds the plain hp tensor. Under FSDP2 the subclass all-gathers
 hp, or with ``enable_fsdp_float8_all_gather`` float8 bytes plus the per-expert rowwise scales
-(local to the shard: experts are sharded on dim 0), and the gathered weight carries its
-float8 data into the output gemm.
+(local to the shard: experts are sharded on dim 0) along the dim the output gemm reduces
+(``Float8ExpertsConfig.weight_layout``), and the gathered weight carries its float8 data
+into the output gemm as is.
 """
 
 from __future__ import annotations
@@ -89,6 +99,7 @@ _PLUMBING_NAMESPACES = {
     "_c10d_functional_autograd",
     "fsdp",
     "_dtensor",
+    "inductor",  # compiled autograd's accumulate_grad_, FSDP2's resize_storage_bytes_
     "float8kit",
 }
 # transformers' own grouped gemm, which its "grouped_mm" experts call instead of
@@ -346,9 +357,11 @@ class Float8ExpertWeight(torch.Tensor):
           size-1 dim where they reduce) and ``dtype`` the hp dtype it stands for.
         - ``_config`` is the ``Float8ExpertsConfig`` of the conversion.
         - ``torch._grouped_mm(x, w, offs=offs)`` with ``w`` this weight, ``x`` 2-D hp, no
-          bias and no other out_dtype runs ``_Float8GroupedMM``; any other grouped_mm form
-          raises (no silent hp fallback). Other ops run on ``_tensor`` (hp); views and copies
-          stay wrapped, in-place ops return the wrapper, everything else is plain.
+          bias and no other out_dtype runs ``_Float8GroupedMM``, as do transformers'
+          ``grouped_mm_fallback`` and ``F.linear(x, w[e])`` / ``x @ w[e]`` (one group); any
+          other grouped_mm form, gemm (``_GEMM_OPS``) or foreign op raises (no silent hp
+          fallback). Other ops run on ``_tensor`` (hp); views, copies and picked experts
+          (``_KEEP_EXPERT``) stay wrapped, in-place ops return the wrapper, all else is plain.
     """
 
     _tensor: torch.Tensor

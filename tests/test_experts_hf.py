@@ -10,6 +10,7 @@ from functools import partial
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -205,7 +206,7 @@ class CountingBackend:
             for node in gm.graph.nodes:
                 if node.op == "call_function":
                     counts[str(node.target)] += 1
-            return gm.forward
+            return make_boxed_func(gm.forward)
 
         return compile_graph
 
