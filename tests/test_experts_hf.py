@@ -85,7 +85,38 @@ def mixtral(seed=0):
     return transformers.MixtralForCausalLM(config)
 
 
-MODELS = {"qwen3_moe": qwen3_moe, "gpt_oss": gpt_oss, "mixtral": mixtral}
+def deepseek_v3(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        first_k_dense_replace=0,  # every layer MoE
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=EXPERTS,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=64,
+    )
+    return transformers.DeepseekV3ForCausalLM(config)
+
+
+MODELS = {
+    "qwen3_moe": qwen3_moe,
+    "gpt_oss": gpt_oss,
+    "mixtral": mixtral,
+    "deepseek_v3": deepseek_v3,
+}
 LAYOUT = {"qwen3_moe": "out_in", "gpt_oss": "in_out", "mixtral": "out_in"}
 
 
@@ -125,7 +156,7 @@ def expert_params(model):
 # ---------------------------------------------------------------------------- item: no hp
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mixtral", "deepseek_v3"])
 def test_grouped_mm_and_eager_experts_run_float8(name):
     ids = batch()
     hp = MODELS[name]()
