@@ -26,16 +26,22 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+import float8kit.gemm  # noqa: F401  (registers float8kit::grouped_mm_fp32)
 from float8kit.config import FP8_DTYPES
 from float8kit.tensor import Float8TrainingTensor
 
 _aten = torch.ops.aten
+# MoE experts (experts.py, through gemm.scaled_grouped_mm): CUDA's float8 grouped kernel, or
+# its emulation (float8kit::grouped_mm_fp32, float8kit's own op, fed float8 values only).
+_FLOAT8_GROUPED_GEMMS = frozenset(
+    {_aten._scaled_grouped_mm.default, torch.ops.float8kit.grouped_mm_fp32.default}
+)
 
 
 def _is_float8_gemm(op, args) -> bool:
     # Eager, the policy sees our subclass's mm (its __torch_dispatch__ calls _scaled_mm out
     # of the policy's sight); compiled, the subclass is traced away and _scaled_mm remains.
-    if op is _aten._scaled_mm.default:
+    if op is _aten._scaled_mm.default or op in _FLOAT8_GROUPED_GEMMS:
         return True
     return op is _aten.mm.default and any(isinstance(a, Float8TrainingTensor) for a in args)
 
@@ -57,7 +63,8 @@ def checkpoint_policy(
 
     For ``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` (the
     ``context_fn`` of ``checkpoint(..., use_reentrant=False)`` or ``checkpoint_wrapper``).
-    ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm) and
+    ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm, a
+    float8 expert weight's grouped gemm: ``torch._scaled_grouped_mm`` or its emulation) and
     the float8 data of every cast (1 byte per element: what the layer saves for backward
     anyway, so the recomputed forward reuses it instead of casting again); also the ops in
     ``save_ops``. ``PREFER_RECOMPUTE``: everything else. Gradients are bitwise those of the

@@ -445,10 +445,22 @@ class Float8ExpertsConfig:
     # under FSDP2, cast expert weight shards to float8 before the all-gather (rowwise scales
     # per expert are local to the shard; the expert count must divide by the world size)
     enable_fsdp_float8_all_gather: bool = False
+    # how the expert weights are stored, which says along which dim the float8 all-gather
+    # scales them (the dim the output gemm reduces): "in_out" = (experts, in, out), used as
+    # torch._grouped_mm(x, w) (GPT-OSS); "out_in" = (experts, out, in), used as
+    # torch._grouped_mm(x, w.transpose(-2, -1)) (most Hugging Face MoE models, torchtitan).
+    # Only the float8 all-gather needs it; a gathered weight used the other way raises.
+    weight_layout: str = "in_out"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            if not isinstance(getattr(self, f.name), bool):
+            if f.name == "weight_layout":
+                if self.weight_layout not in ("in_out", "out_in"):
+                    raise ValueError(
+                        f"Float8ExpertsConfig.weight_layout={self.weight_layout!r} must be "
+                        '"in_out" (experts, in, out) or "out_in" (experts, out, in)'
+                    )
+            elif not isinstance(getattr(self, f.name), bool):
                 raise ValueError(
                     f"Float8ExpertsConfig.{f.name}={getattr(self, f.name)!r} must be a bool"
                 )

@@ -16,11 +16,21 @@ cumulative ends, as torch wants). Rowwise scales along the inner dim come from
 dim is the jagged token dim, so its scales are per group (``group_amax``), and an expert
 that got no tokens gets an exactly zero gradient.
 
+A converted weight runs in float8 or raises, never in hp silently. Float8 forms: that
+grouped call (with ``w`` or ``w.transpose(-2, -1)``); transformers' own
+``transformers::grouped_mm_fallback`` (its "grouped_mm" experts under ``torch.compile`` with
+non-bf16 weights); and one expert at a time, ``F.linear(x, w[e])`` or ``x @ w[e]`` (its
+"eager" experts), run as the grouped gemm with one group. Views and picked experts stay
+wrapped so that the checks still see them; any other gemm on the weight (``bmm`` of
+"batched_mm", ``mm``, a grouped call in another form) and any op of another library
+raise ``NotImplementedError`` naming the op and the fix.
+
 Every other op on the weight (optimizer steps, ``load_state_dict``, FSDP2's sharding) runs on
 the hp tensor; ``state_dict`` holds the plain hp tensor. Under FSDP2 the subclass all-gathers
 hp, or with ``enable_fsdp_float8_all_gather`` float8 bytes plus the per-expert rowwise scales
-(local to the shard: experts are sharded on dim 0), and the gathered weight carries its
-float8 data into the output gemm.
+(local to the shard: experts are sharded on dim 0) along the dim the output gemm reduces
+(``Float8ExpertsConfig.weight_layout``), and the gathered weight carries its float8 data
+into the output gemm as is.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -45,8 +56,60 @@ aten = torch.ops.aten
 
 ParamFilter = Callable[[nn.Parameter, str], bool]
 
-# Ops that keep "the weight" (same values, a view of them): the hp wrapper stays a wrapper.
-_KEEP_EXPERT = _KEEP_SUBCLASS | {aten.transpose.int, aten.t.default, aten.permute.default}
+# Ops that keep "the weight" (same values, a view, an expert picked out of it): the hp
+# wrapper stays a wrapper, so a gemm on what they return still meets the checks below.
+_KEEP_EXPERT = _KEEP_SUBCLASS | {
+    aten.transpose.int,
+    aten.t.default,
+    aten.permute.default,
+    aten.select.int,  # w[expert]: HF's "eager" experts
+    aten.index.Tensor,  # w[expert_ids]: HF's "batched_mm" experts
+    aten.index_select.default,
+    aten.unbind.int,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten._unsafe_view.default,
+}
+# Gemms below autograd: on an expert weight none of them can run in float8 there.
+_GEMM_OPS = {
+    aten.mm,
+    aten.bmm,
+    aten.addmm,
+    aten.baddbmm,
+    aten.addbmm,
+    aten.mv,
+    aten.addmv,
+    aten.dot,
+    aten.vdot,
+    aten._grouped_mm,
+    aten._scaled_mm,
+    aten._scaled_grouped_mm,
+    aten.convolution,
+    aten._int_mm,
+}
+# Op namespaces whose ops on the weight are not gemms (tensor plumbing, collectives, FSDP2's
+# copies, float8kit's own). An op of any other library (a custom MoE kernel) is refused.
+_PLUMBING_NAMESPACES = {
+    "aten",
+    "prims",
+    "c10d",
+    "_c10d_functional",
+    "_c10d_functional_autograd",
+    "fsdp",
+    "_dtensor",
+    "inductor",  # compiled autograd's accumulate_grad_, FSDP2's resize_storage_bytes_
+    "float8kit",
+}
+# transformers' own grouped gemm, which its "grouped_mm" experts call instead of
+# torch._grouped_mm under torch.compile with non-bf16 weights (and on old CPU torch)
+_HF_GROUPED_MM = "transformers::grouped_mm_fallback"
+_FIX = (
+    'for a Hugging Face model use experts_implementation="grouped_mm" (the default in '
+    "transformers 5), or keep this weight in hp (param_filter_fn of "
+    "convert_experts_to_float8_training)"
+)
 # Ops on a float8-gathered weight that keep its values; transposes move the scale along.
 _FP8_SAME = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default}
 _FP8_TRANSPOSE = {aten.transpose.int, aten.permute.default}
@@ -106,25 +169,31 @@ class _Float8GroupedMM(torch.autograd.Function):
     float8 all-gather) or a plain hp tensor. Returns (M, N) in ``x``'s dtype, grad_input in
     ``x``'s dtype and grad_weight in the weight's dtype. Saves hp ``x`` (the grad_weight gemm
     needs other scales than the output gemm) and the hp weight (or its float8 data and
-    scales). A gathered float8 weight's grad_input gemm recasts its dequantized values with
-    scales along N (a second rounding; casting hp per use would need the hp gathered).
+    scales). The grad_input gemm recasts the output gemm's float8 weight, dequantized, with
+    scales along N: for an FSDP2 float8-gathered weight (which has no hp values) and for an
+    hp one alike, so both give bitwise the same gradients. A gathered weight whose scales run
+    along N here (stored in the other layout than ``config.weight_layout``) raises.
     """
 
     @staticmethod
     def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
         groups, _, n = weight.shape
-        gathered = isinstance(weight, Float8ExpertWeight) and weight._scale is not None
-        if gathered and weight._scale.size(1) == 1:
+        if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
+            if weight._scale.size(1) != 1:
+                raise ValueError(
+                    "float8kit: an expert weight FSDP2 all-gathered in float8 reached "
+                    "torch._grouped_mm transposed, so its scales run along the dim this gemm "
+                    "does not reduce. Set Float8ExpertsConfig.weight_layout to how the "
+                    'weights are stored: "out_in" for (experts, out, in) used as '
+                    "w.transpose(-2, -1) (most Hugging Face MoE models, torchtitan), "
+                    '"in_out" for (experts, in, out) (GPT-OSS); got '
+                    f"{weight._config.weight_layout!r}"
+                )
             # float8 from the all-gather, scaled along K as this gemm needs: use it as is
             w_data, w_scale = weight._tensor, weight._scale
             ctx.save_for_backward(x, offs, w_data, w_scale)
         else:
-            if gathered:  # scaled along the other dim (a transposed weight): recast
-                w_hp = weight._tensor.to(torch.float32) / weight._scale
-            elif isinstance(weight, Float8ExpertWeight):
-                w_hp = weight._tensor
-            else:
-                w_hp = weight
+            w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
             w_data, w_scale = _cast(w_hp, 1, config)
             ctx.save_for_backward(x, offs, w_hp)
         x_data, x_scale = _cast(x, -1, config)
@@ -144,14 +213,18 @@ class _Float8GroupedMM(torch.autograd.Function):
     def backward(ctx, grad_output):
         c = ctx.config
         x, offs, *w_saved = ctx.saved_tensors
-        if len(w_saved) == 2:
-            w_hp = w_saved[0].to(torch.float32) / w_saved[1]
-        else:
-            (w_hp,) = w_saved
-        groups, k, n = w_hp.shape
+        groups, k, n = w_saved[0].shape
         grad_output = grad_output.contiguous()
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
+            if len(w_saved) == 2:
+                w_data, w_scale = w_saved
+            else:  # the forward's cast again (same amax, same scale: bitwise the same)
+                w_data, w_scale = _cast(w_saved[0], 1, c)
+            # grad_input uses the forward's float8 weight (exact in fp32), recast along N:
+            # the same numbers whether that float8 weight came from this cast or from an
+            # FSDP2 float8 all-gather, so sharded and single-device training agree bitwise.
+            w_hp = w_data.to(torch.float32) / w_scale
             go_data, go_scale = _cast(grad_output, -1, c)
             w_data, w_scale = _cast(w_hp, 2, c)  # one scale per expert and K: reduce N
             grad_input = scaled_grouped_mm(
@@ -208,6 +281,69 @@ def float8_grouped_mm(
     )
 
 
+def _float8_expert_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` for one expert's 2-D (in, out) view ``w`` of a float8 expert weight: the
+    grouped gemm with a single group (the same scales, so the same numbers, as that expert's
+    rows of a grouped call), gradients flowing back through the view into the 3-D weight."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.size(-1))
+    offs = torch.full((1,), x2.size(0), dtype=torch.int32, device=x.device)
+    out = _Float8GroupedMM.apply(x2, w.unsqueeze(0), offs, w._config)
+    return out.reshape(*lead, out.size(-1))
+
+
+def _is_hp_expert(t) -> bool:
+    return isinstance(t, Float8ExpertWeight) and t._scale is None
+
+
+def _float8_linear(input, weight, bias=None):
+    """``F.linear(x, w[e])`` (Hugging Face's "eager" experts): one expert's (out, in) weight,
+    in float8."""
+    if _is_hp_expert(weight) and weight.dim() == 2 and not isinstance(input, Float8ExpertWeight):
+        out = _float8_expert_matmul(input, weight.t())
+        return out if bias is None else out + bias
+    raise NotImplementedError(_refusal("F.linear", (input, weight, bias)))
+
+
+def _float8_matmul(a, b, *, out=None):
+    """``x @ w[e]`` (GPT-OSS's "eager" experts): one expert's (in, out) weight, in float8."""
+    if _is_hp_expert(b) and b.dim() == 2 and not isinstance(a, Float8ExpertWeight) and out is None:
+        return _float8_expert_matmul(a, b)
+    raise NotImplementedError(_refusal("torch.matmul (@)", (a, b)))
+
+
+def _hf_grouped_mm(input, weight, offs):
+    """transformers' ``grouped_mm_fallback(x, w, offs)``: the ``torch._grouped_mm`` math."""
+    return float8_grouped_mm(input, weight, offs=offs)
+
+
+def _op_name(func) -> str | None:
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.name
+    return None
+
+
+def _refusal(op, args=()) -> str:
+    shapes = ", ".join(_describe(a) for a in pytree.tree_leaves(args) if a is not None)
+    hint = ""
+    if "bmm" in str(op):
+        hint = (
+            ' (Hugging Face\'s experts_implementation="batched_mm" gathers one weight copy per '
+            "token and multiplies them with bmm)"
+        )
+    return (
+        f"float8kit: {op} got a float8 expert weight ({shapes}){hint}; it would run in hp, "
+        "so it is refused. Expert weights run in float8 through torch._grouped_mm(x, w, "
+        "offs=offs) / F.grouped_mm, transformers' grouped_mm_fallback, and one expert at a "
+        f"time as F.linear(x, w[e]) or x @ w[e]; {_FIX}"
+    )
+
+
+_MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
+
+
 # ---------------------------------------------------------------------------- the weight
 
 
@@ -221,9 +357,11 @@ class Float8ExpertWeight(torch.Tensor):
           size-1 dim where they reduce) and ``dtype`` the hp dtype it stands for.
         - ``_config`` is the ``Float8ExpertsConfig`` of the conversion.
         - ``torch._grouped_mm(x, w, offs=offs)`` with ``w`` this weight, ``x`` 2-D hp, no
-          bias and no other out_dtype runs ``_Float8GroupedMM``; any other grouped_mm form
-          raises (no silent hp fallback). Other ops run on ``_tensor`` (hp); views and copies
-          stay wrapped, in-place ops return the wrapper, everything else is plain.
+          bias and no other out_dtype runs ``_Float8GroupedMM``, as do transformers'
+          ``grouped_mm_fallback`` and ``F.linear(x, w[e])`` / ``x @ w[e]`` (one group); any
+          other grouped_mm form, gemm (``_GEMM_OPS``) or foreign op raises (no silent hp
+          fallback). Other ops run on ``_tensor`` (hp); views, copies and picked experts
+          (``_KEEP_EXPERT``) stay wrapped, in-place ops return the wrapper, all else is plain.
     """
 
     _tensor: torch.Tensor
@@ -268,6 +406,12 @@ class Float8ExpertWeight(torch.Tensor):
         kwargs = kwargs or {}
         if func is torch._grouped_mm:
             return float8_grouped_mm(*args, **kwargs)
+        if func is F.linear:
+            return _float8_linear(*args, **kwargs)
+        if func in _MATMULS:
+            return _float8_matmul(*args, **kwargs)
+        if _op_name(func) == _HF_GROUPED_MM:
+            return _hf_grouped_mm(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -283,6 +427,8 @@ class Float8ExpertWeight(torch.Tensor):
                 "torch._grouped_mm / F.grouped_mm with torch function enabled, or keep this "
                 "weight in hp (param_filter_fn of convert_experts_to_float8_training)"
             )
+        if func.overloadpacket in _GEMM_OPS or func.namespace not in _PLUMBING_NAMESPACES:
+            raise NotImplementedError(_refusal(func, (args, kwargs)))
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
         if first._scale is not None:
             return _dispatch_fp8(cls, func, args, kwargs, first)
@@ -319,7 +465,10 @@ class Float8ExpertWeight(torch.Tensor):
                 f"expert count ({outer_size[0]}) to be a multiple of the FSDP2 world size "
                 f"({mesh.size()}); use enable_fsdp_float8_all_gather=False for this model"
             )
-        data, scale = _cast(self._tensor, 1, self._config)
+        # scales along the dim the output gemm reduces: in for (experts, in, out), the
+        # stored dim 2 for (experts, out, in), which reaches the gemm transposed
+        reduce_dim = 1 if self._config.weight_layout == "in_out" else 2
+        data, scale = _cast(self._tensor, reduce_dim, self._config)
         return (data.view(torch.uint8), scale.view(torch.uint8)), None
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

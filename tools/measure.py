@@ -238,6 +238,22 @@ def experts() -> None:
     write("experts", ["tests/test_experts.py", "tests/helpers.py"], data, time.perf_counter() - t0)
 
 
+def moe_hf() -> None:
+    """float8 experts on a tiny Hugging Face Qwen3-MoE (tests/test_experts_hf.py): expert-only
+    and whole-model SQNR, routing flips, float8 gemm counts per experts implementation, 30
+    training steps fp32 vs float8 experts."""
+    from tests import test_experts_hf
+
+    t0 = time.perf_counter()
+    data = test_experts_hf.hf_numbers()
+    write(
+        "moe_hf",
+        ["tests/test_experts_hf.py", "tests/helpers.py"],
+        data,
+        time.perf_counter() - t0,
+    )
+
+
 def moe_tiny() -> None:
     """The moe-tiny preset (8 routed experts, top-2): bf16 vs float8 rowwise, 40 steps."""
     compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise"])
@@ -525,6 +541,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp_blockwise": fsdp_blockwise,
     "memory": memory,
     "experts": experts,
+    "moe_hf": moe_hf,
     "tp": tp,
     "tiny": tiny,
     "moe_tiny": moe_tiny,

@@ -194,6 +194,48 @@ def experts_table() -> str:
     )
 
 
+def moe_hf_table() -> str:
+    d = load("moe_hf")["data"]
+    s = d["shapes"]
+    rows = []
+    for i, layer in enumerate(d["experts_sqnr_db"]):
+        rows.append(
+            [f"experts of layer {i}, expert-only (same inputs)"]
+            + [f(layer[k], ".1f") for k in ("output", "grad_input")]
+            + [f"{f(layer['grad_gate_up_proj'], '.1f')} / {f(layer['grad_down_proj'], '.1f')}"]
+        )
+    flips = ", ".join(f"{100 * x:.1f}%" for x in d["routing_flip_share"])
+    rows.append(["whole model, logits", f(d["logits_sqnr_db"], ".1f"), "-", "-"])
+    counts = d["float8_gemms_per_step"]
+    losses = d["losses"]
+    fp32, f8 = losses["fp32"], losses["float8_experts"]
+    train = table(
+        ["experts implementation", "float8 grouped gemms per step (forward + backward)"],
+        [[f'`"{impl}"`', n] for impl, n in counts.items()],
+    )
+    return (
+        f"{caption('moe_hf')}; {s['layers']} layers, {s['experts']} experts, top-"
+        f"{s['top_k']}, gate_up_proj {tuple(s['gate_up_proj'])}, down_proj "
+        f"{tuple(s['down_proj'])}; compared on {s['compared_tokens']} held-out tokens after "
+        f"the fp32 training; tokens whose top-{s['top_k']} experts change, per layer: {flips}"
+        "\n\n"
+        + table(
+            ["float8 vs fp32 SQNR (dB)", "output", "grad_input", "grad_weight (gate_up / down)"],
+            rows,
+        )
+        + "\n\n"
+        + train
+        + "\n\n"
+        + table(
+            ["training, one batch", "loss at step 1", f"loss at step {s['train_steps']}", "gap"],
+            [
+                ["fp32", f(fp32[0], ".4f"), f(fp32[-1], ".4f"), "-"],
+                ["float8 experts", f(f8[0], ".4f"), f(f8[-1], ".4f"), gap(f8[-1], fp32[-1])],
+            ],
+        )
+    )
+
+
 def scaling_table() -> str:
     s = load("scaling")["data"]
     rows = [
@@ -811,6 +853,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "tiny": lambda: compare_table("tiny"),
     "moe_tiny": lambda: compare_table("moe_tiny"),
     "experts": experts_table,
+    "moe_hf": moe_hf_table,
     "numerics": numerics_table,
     "scaling": scaling_table,
     "outliers": outliers_table,
