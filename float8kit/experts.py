@@ -51,6 +51,7 @@ from float8kit.fsdp import (
     store_plain_weight,
 )
 from float8kit.gemm import scaled_grouped_mm
+from float8kit.identity import HpIdentity
 
 aten = torch.ops.aten
 
@@ -347,7 +348,7 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 # ---------------------------------------------------------------------------- the weight
 
 
-class Float8ExpertWeight(torch.Tensor):
+class Float8ExpertWeight(HpIdentity, torch.Tensor):
     """A 3-D expert weight whose ``torch._grouped_mm`` runs in float8; internal.
 
     Invariants:

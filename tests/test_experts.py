@@ -2,6 +2,7 @@
 two grouped gemms with SiLU between, an expert with no tokens, the emulated kernel against
 per-group torch._scaled_mm, compiled vs eager bitwise, plain state_dicts and checkpoints."""
 
+import copy
 import io
 
 import pytest
@@ -220,6 +221,26 @@ def test_state_dict_is_plain_and_checkpoints_round_trip():
     opt.step()
     assert isinstance(other.w1, Float8ExpertWeight)
     assert (other.state_dict()["w1"] - before).abs().max() > 0  # the step updated the hp data
+
+
+def test_expert_weights_have_their_own_pointers_and_copy():
+    # Wrapper subclasses own no storage (torch says data_ptr() == 0): trainers that tell
+    # parameters apart by pointer would see one. Ours report their hp tensor's.
+    model = convert_experts_to_float8_training(Experts())
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert ptrs == [model.w1._tensor.data_ptr(), model.w2._tensor.data_ptr()]
+    assert len(set(ptrs)) == 2 and 0 not in ptrs
+    assert model.w1.data.data_ptr() == ptrs[0]
+    # torch's own deepcopy / pickling routes for wrapper subclasses still apply
+    twin = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for other in (twin, loaded):
+        assert isinstance(other.w1, Float8ExpertWeight)
+        assert other.w1.data_ptr() not in ptrs
+        assert torch.equal(other.w1._tensor, model.w1._tensor)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, on purpose
