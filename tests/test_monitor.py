@@ -1,0 +1,198 @@
+"""Float8Monitor: per-layer SQNR, saturation and underflow on sampled steps, checked against
+independent fp32 measurements; the guardrail's hp fallback; free unsampled steps."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import sqnr
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from float8kit import (
+    CastConfig,
+    Float8LinearConfig,
+    Float8Monitor,
+    ScalingType,
+    calibrate,
+    convert_to_float8_training,
+)
+from float8kit.linear import Float8Linear
+
+STATIC_INPUT = Float8LinearConfig(cast_config_input=CastConfig(scaling_type=ScalingType.STATIC))
+DIM = 64
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 128)
+        self.fc2 = nn.Linear(128, 128)
+        self.fc3 = nn.Linear(128, DIM)
+
+    def forward(self, x):
+        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+def drift_model() -> MLP:
+    """fc1 with a STATIC input scale calibrated on unit-scale data; fc2, fc3 dynamic
+    tensorwise."""
+    model = convert_to_float8_training(MLP())
+    model.fc1 = Float8Linear.from_float(model.fc1, config=STATIC_INPUT)
+    calibrate(model, [torch.randn(32, DIM) for _ in range(4)])
+    return model
+
+
+def train(model, steps, scale=100.0, monitor=None, batch=64):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        x = torch.randn(batch, DIM) * scale
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_drift_names_the_static_layer_and_the_guardrail_switches_only_it(tmp_path):
+    model = drift_model()
+    monitor = Float8Monitor(model, every=2, log_path=tmp_path / "m.jsonl")
+    train(model, 3)
+    rows = monitor.report()
+    assert {r["step"] for r in rows} == {2}
+    assert len(rows) == 9  # 3 layers x 3 gemms
+    worst = monitor.worst(1)[0]
+    assert (worst["layer"], worst["gemm"]) == ("fc1", "output")
+    assert worst["sqnr_db"] < 10
+    assert worst["saturated"] > 0.01
+    assert worst["operands"]["input"]["saturated"] > 0.01
+    others = [r for r in rows if r["layer"] != "fc1" and r["gemm"] == "output"]
+    for r in others:
+        assert 24 < r["sqnr_db"] < 31, r
+        assert r["saturated"] == 0
+    # the log holds both sampled steps (0 and 2), one JSON object per row
+    lines = [json.loads(s) for s in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0] * 9 + [2] * 9
+
+    # the guardrail: exactly fc1 falls back, once, with a warning naming it
+    model = drift_model()
+    monitor = Float8Monitor(model, every=2, fallback_below_db=15)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, 5)
+    msgs = [str(w.message) for w in caught if "Float8Monitor" in str(w.message)]
+    assert len(msgs) == 1 and "'fc1'" in msgs[0] and "step 0" in msgs[0]
+    assert [(f["layer"], f["step"]) for f in monitor.fallbacks] == [("fc1", 0)]
+    assert monitor.fallbacks[0]["sqnr_db"] < 10
+    fc1 = {r["gemm"]: r for r in monitor.report() if r["layer"] == "fc1"}
+    assert fc1["output"]["fallback"] and fc1["output"]["sqnr_db"] > 40
+    # and independently: fc1's output now is F.linear's
+    x = torch.randn(16, DIM) * 100
+    ref = F.linear(x.double(), model.fc1.weight.double(), model.fc1.bias.double())
+    assert sqnr(ref, model.fc1(x)) > 40
+    assert sqnr(ref, Float8Linear.forward(model.fc1, x)) < 10  # still float8 underneath
+
+
+def test_monitor_sqnr_equals_independent_fp32_measurement():
+    model = drift_model()
+    monitor = Float8Monitor(model, every=1)
+    seen = {}
+
+    def keep(name):
+        def fwd(mod, args, out):
+            seen[name] = {"input": args[0].detach(), "output": out.detach()}
+
+        def bwd(mod, grad_input, grad_output):
+            seen[name].update(grad_input=grad_input[0], grad_output=grad_output[0])
+
+        return fwd, bwd
+
+    for name in ("fc1", "fc2", "fc3"):
+        fwd, bwd = keep(name)
+        getattr(model, name).register_forward_hook(fwd)
+        getattr(model, name).register_full_backward_hook(bwd)
+    x = torch.randn(64, DIM).requires_grad_()
+    model(x).square().mean().backward()
+    rows = {(r["layer"], r["gemm"]): r["sqnr_db"] for r in monitor.report()}
+    for name in ("fc1", "fc2", "fc3"):
+        mod, s = getattr(model, name), seen[name]
+        w, inp, go = mod.weight.double(), s["input"].double(), s["grad_output"].double()
+        independent = {
+            "output": sqnr(F.linear(inp, w, mod.bias.double()), s["output"]),
+            "grad_input": sqnr(go @ w, s["grad_input"]),
+            "grad_weight": sqnr(go.t() @ inp, mod.weight.grad),
+        }
+        for gemm, db in independent.items():
+            assert 20 < db < 40, (name, gemm, db)  # float8, not a trivial comparison
+            assert abs(rows[(name, gemm)] - db) < 1, (name, gemm, rows[(name, gemm)], db)
+
+
+def _count_ops(fn) -> dict:
+    counts = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[str(func)] = counts.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return counts
+
+
+def test_unsampled_steps_run_no_extra_op():
+    torch.manual_seed(1)
+    model = drift_model()
+    x = torch.randn(32, DIM)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    bare = _count_ops(step)
+    monitor = Float8Monitor(model, every=3)
+    sampled = _count_ops(step)  # step 0
+    unsampled = _count_ops(step)  # step 1
+    assert unsampled == bare
+    assert "aten._local_scalar_dense.default" not in unsampled
+    # the sampled step runs the fp32 gemms: 3 layers x 3 gemms more mm/addmm
+    mm = ("aten.mm.default", "aten.addmm.default")
+    assert sum(sampled.get(k, 0) for k in mm) >= sum(bare.get(k, 0) for k in mm) + 9
+    assert monitor.report()[0]["step"] == 0
+
+
+def test_fallback_survives_a_checkpoint_through_the_monitor_state_dict():
+    model = drift_model()
+    monitor = Float8Monitor(model, every=1, fallback_below_db=15)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, 1)
+    saved = {"model": model.state_dict(), "monitor": monitor.state_dict()}
+    assert set(saved["model"]) == set(drift_model().state_dict())  # keys unchanged
+
+    resumed = drift_model()
+    resumed.load_state_dict(saved["model"])
+    monitor2 = Float8Monitor(resumed, every=1, fallback_below_db=15)
+    monitor2.load_state_dict(saved["monitor"])
+    assert monitor2.fallbacks == monitor.fallbacks and monitor2.step == monitor.step
+    x = torch.randn(16, DIM) * 100
+    torch.testing.assert_close(resumed(x), model(x), rtol=0, atol=0)
+    ref = F.linear(x.double(), resumed.fc1.weight.double(), resumed.fc1.bias.double())
+    assert sqnr(ref, resumed.fc1(x)) > 40
+
+
+def test_argument_errors_name_the_fix():
+    with pytest.raises(ValueError, match="every=0"):
+        Float8Monitor(drift_model(), every=0)
+    with pytest.raises(ValueError, match="no Float8Linear"):
+        Float8Monitor(MLP())
+    with pytest.raises(ValueError, match="fallback_on"):
+        Float8Monitor(drift_model(), fallback_on="grad")
+    model = convert_to_float8_training(
+        MLP(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    )
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=False"):
+        Float8Monitor(model)
