@@ -63,12 +63,22 @@ _OPERANDS = {
 _OPERAND_SUMS = 5
 
 
-class _HpFallbackLinear(Float8Linear):
-    """A ``Float8Linear`` the monitor switched to hp: ``nn.Linear``'s forward, same
+class _HpFallback:
+    """Mixed in front of a ``Float8Linear``'s class (its own, or the class ``fully_shard``
+    made of it) when the monitor switches it to hp: ``nn.Linear``'s forward, same
     parameters, buffers and state_dict keys (the float8 state stays, unused)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return F.linear(input, self.weight, self.bias)
+
+
+_HP_CLASSES: dict[type, type] = {}
+
+
+def _hp_class(cls: type) -> type:
+    if cls not in _HP_CLASSES:
+        _HP_CLASSES[cls] = type(f"HpFallback{cls.__name__}", (_HpFallback, cls), {})
+    return _HP_CLASSES[cls]
 
 
 def _operand_sums(
@@ -79,7 +89,7 @@ def _operand_sums(
     Zeros when that gemm runs in hp. No side effect on ``mod``'s state."""
     c = mod.config
     cast = getattr(c, field)
-    if not cast.enabled or isinstance(mod, _HpFallbackLinear):
+    if not cast.enabled or isinstance(mod, _HpFallback):
         return hp.new_zeros(_OPERAND_SUMS, dtype=torch.float64)
     state_scale, _, scale_set = mod._operand_state(role, record=False)
     fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
@@ -208,7 +218,10 @@ class Float8Monitor:
         self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         self._handles.append(model.register_forward_hook(self._on_model_output))
         for fqn, mod in self._layers.items():
-            self._handles.append(mod.register_forward_hook(self._forward_hook(fqn, mod)))
+            # first among the layer's forward hooks: before fully_shard's post-forward
+            # reshards the weight, whenever fully_shard was applied
+            hook = mod.register_forward_hook(self._forward_hook(fqn, mod), prepend=True)
+            self._handles.append(hook)
 
     # ------------------------------------------------------------------ public
 
@@ -371,7 +384,7 @@ class Float8Monitor:
         for j, (name, _, field, _) in enumerate(_OPERANDS[gemm]):
             clamped, numel, under, nonzero, scale = v[2 + j * 5 : 7 + j * 5]
             mod = self._layers[layer]
-            if not getattr(mod.config, field).enabled or isinstance(mod, _HpFallbackLinear):
+            if not getattr(mod.config, field).enabled or isinstance(mod, _HpFallback):
                 continue
             operands[name] = {
                 "saturated": clamped / numel if numel else 0.0,
@@ -385,7 +398,7 @@ class Float8Monitor:
             "saturated": max((o["saturated"] for o in operands.values()), default=0.0),
             "underflow": max((o["underflow"] for o in operands.values()), default=0.0),
             "step": self.step,
-            "fallback": isinstance(self._layers[layer], _HpFallbackLinear),
+            "fallback": isinstance(self._layers[layer], _HpFallback),
             "operands": operands,
         }
 
@@ -406,7 +419,7 @@ class Float8Monitor:
         for r in rows:
             if r["fallback"] or (self.fallback_on == "output" and r["gemm"] != "output"):
                 continue
-            if r["sqnr_db"] < limit and not isinstance(self._layers[r["layer"]], _HpFallbackLinear):
+            if r["sqnr_db"] < limit and not isinstance(self._layers[r["layer"]], _HpFallback):
                 self._switch_to_hp(r["layer"])
                 entry = {
                     "layer": r["layer"],
@@ -425,5 +438,5 @@ class Float8Monitor:
 
     def _switch_to_hp(self, layer: str) -> None:
         mod = self._layers[layer]
-        if not isinstance(mod, _HpFallbackLinear):
-            mod.__class__ = _HpFallbackLinear
+        if not isinstance(mod, _HpFallback):
+            mod.__class__ = _hp_class(type(mod))

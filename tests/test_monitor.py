@@ -196,3 +196,75 @@ def test_argument_errors_name_the_fix():
     )
     with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=False"):
         Float8Monitor(model)
+
+
+# ---------------------------------------------------------------------------- FSDP2, 2 ranks
+
+
+def _worker_fsdp(rank: int, world: int, tmp: str) -> dict:
+    """Every rank: the drift model under FSDP2 (each layer and the root sharded), its own
+    data, the guardrail on; counts the monitor's collectives."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = drift_model()  # the same weights and calibration on every rank
+    for name in ("fc1", "fc2", "fc3"):
+        fully_shard(getattr(model, name))
+    fully_shard(model)
+    monitor = Float8Monitor(model, every=2, fallback_below_db=15)
+    calls, real = [], dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    torch.manual_seed(100 + rank)
+    xs = [torch.randn(32, DIM) * 100 for _ in range(5)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            model(x).square().mean().backward()
+            model.zero_grad()
+    dist.all_reduce = real
+    return {
+        "rows": monitor.report(all_steps=True),
+        "fallbacks": monitor.fallbacks,
+        "all_reduces": len(calls),
+        "warnings": [str(w.message) for w in caught if "Float8Monitor" in str(w.message)],
+        "xs": xs,
+    }
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    from test_fsdp import _spawn
+
+    return _spawn("test_monitor:_worker_fsdp", 2, tmp_path_factory.mktemp("monitor_fsdp2"))
+
+
+def test_fsdp2_ranks_agree_and_fall_back_together(fsdp2):
+    r0, r1 = fsdp2
+    assert r0["rows"] == r1["rows"]  # one reduction: every rank reports the same numbers
+    assert r0["fallbacks"] == r1["fallbacks"]
+    assert [(f["layer"], f["step"]) for f in r0["fallbacks"]] == [("fc1", 0)]
+    assert len(r0["warnings"]) == len(r1["warnings"]) == 1
+    assert r0["all_reduces"] == r1["all_reduces"] == 3  # sampled steps 0, 2, 4
+    # the reduced step-0 numbers are the whole batch's: one device on both ranks' tokens
+    torch.manual_seed(0)
+    model = drift_model()
+    monitor = Float8Monitor(model, every=2)
+    with torch.no_grad():
+        model(torch.cat([r0["xs"][0], r1["xs"][0]]))
+    single = {r["layer"]: r for r in monitor.report()}
+    sharded = {r["layer"]: r for r in r0["rows"] if r["step"] == 0 and r["gemm"] == "output"}
+    # fc1 (static input scale, same weight): bitwise the same casts, so the same sums
+    assert sharded["fc1"]["sqnr_db"] == pytest.approx(single["fc1"]["sqnr_db"], abs=1e-6)
+    assert sharded["fc1"]["saturated"] == single["fc1"]["saturated"] > 0.01
+    for name in ("fc2", "fc3"):  # dynamic per-rank scales: close, not equal
+        assert abs(sharded[name]["sqnr_db"] - single[name]["sqnr_db"]) < 1
+    # after the switch fc1 reports its (hp) output only
+    after = [r for r in r0["rows"] if r["layer"] == "fc1" and r["step"] == 4]
+    assert [(r["gemm"], r["fallback"]) for r in after] == [("output", True)]
+    assert after[0]["sqnr_db"] > 40
