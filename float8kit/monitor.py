@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._dynamo.eval_frame import DynamoStance, _set_stance
 
 from float8kit.checkpointing import is_recomputing
 from float8kit.config import GemmRole
@@ -143,6 +144,18 @@ def _layer_input(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+@torch._dynamo.disable
+def _attached_before_compile(monitor: Float8Monitor, fqn: str) -> None:
+    monitor._restore_stance()
+    monitor._pending = {}
+    raise RuntimeError(
+        f"Float8Monitor: layer {fqn!r} ran a sampled step inside a torch.compile graph: the "
+        "monitor was attached to the model before torch.compile. Attach it to the module "
+        "torch.compile returns instead (Float8Monitor(torch.compile(model))): sampled steps "
+        "then run eagerly and all three gemms are measured"
+    )
+
+
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -196,6 +209,7 @@ class Float8Monitor:
         self.fallbacks: list[dict] = []
         self.history: list[dict] = []
         self._sampling = False
+        self._prior_stance: DynamoStance | None = None
         self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
         self._callback_queued = False
         self._layers: dict[str, Float8Linear] = {}
@@ -265,24 +279,43 @@ class Float8Monitor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._restore_stance()
 
     # ------------------------------------------------------------------ hooks
 
+    # The model-level hooks never run compiled (torch._dynamo.disable): under torch.compile
+    # a sampled step runs eagerly (the "force_eager" stance, set here and restored after the
+    # forward), so that the hooks see each layer's own float8 gemm and its autograd node; an
+    # unsampled step runs the compiled graphs, where the layer hooks trace to nothing.
+
+    @torch._dynamo.disable
     def _on_model_forward(self, module, args) -> None:
+        self._restore_stance()
         if self._pending:  # a sampled step with no backward (eval, or forward only)
             self._finalize()
         self.step += 1
         self._sampling = self.step % self.every == 0
+        if self._sampling:
+            self._prior_stance = _set_stance(DynamoStance("force_eager"))
 
+    @torch._dynamo.disable
     def _on_model_output(self, module, args, output) -> None:
+        self._restore_stance()
         if self._sampling and not self._callback_queued:
             # no gemm of this step will run a backward: the step is complete
             self._finalize()
+
+    def _restore_stance(self) -> None:
+        if self._prior_stance is not None:
+            _set_stance(self._prior_stance)
+            self._prior_stance = None
 
     def _forward_hook(self, fqn: str, mod: Float8Linear) -> Callable:
         def hook(module, args, output):
             if not self._sampling or is_recomputing():
                 return
+            if torch.compiler.is_compiling():
+                _attached_before_compile(self, fqn)
             self._measure_forward(fqn, mod, args[0], output)
 
         return hook

@@ -268,3 +268,43 @@ def test_fsdp2_ranks_agree_and_fall_back_together(fsdp2):
     after = [r for r in r0["rows"] if r["layer"] == "fc1" and r["step"] == 4]
     assert [(r["gemm"], r["fallback"]) for r in after] == [("output", True)]
     assert after[0]["sqnr_db"] > 40
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+def test_attach_after_compile_measures_eagerly_and_compiles_the_rest():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    xs = [torch.randn(64, DIM) for _ in range(3)]
+    rows = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = drift_model()
+        if mode == "compiled":
+            model = torch.compile(model)
+        monitor = Float8Monitor(model, every=2)
+        torch._dynamo.utils.counters.clear()
+        for x in xs:
+            model(x).square().mean().backward()
+        rows[mode] = monitor.report()
+        if mode == "compiled":
+            counters = torch._dynamo.utils.counters
+            assert not counters["graph_break"]  # step 1 ran one graph, no break
+            assert counters["stats"]["unique_graphs"] == 1
+    assert len(rows["compiled"]) == 9 and all(r["step"] == 2 for r in rows["compiled"])
+    # sampled steps run eagerly: the same numbers as an eager run's
+    assert [r["sqnr_db"] for r in rows["compiled"]] == [r["sqnr_db"] for r in rows["eager"]]
+
+
+def test_attach_before_compile_raises_naming_the_fix():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = drift_model()
+    Float8Monitor(model, every=1)
+    compiled = torch.compile(model, backend="eager")  # the error is dynamo's tracing, not codegen
+    with pytest.raises(RuntimeError, match=r"Float8Monitor\(torch.compile\(model\)\)"):
+        compiled(torch.randn(8, DIM))
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # not left forcing eager
