@@ -165,10 +165,13 @@ class Float8Monitor:
     layer whose output falls below ``fallback_below_db`` to hp.
 
     Args:
-        model: a converted model (``convert_to_float8_training``); the monitor counts its
-            forwards as steps. Attach it to the module you call (the ``fully_shard``-ed
-            root, or the model before ``torch.compile``: see docs/monitor.md).
-        every: measure on every ``every``-th forward (steps 0, every, 2 * every, ...).
+        model: a converted model (``convert_to_float8_training``): the module you call,
+            i.e. the ``fully_shard``-ed root, and under ``torch.compile`` the module
+            ``torch.compile`` returned (attached before compiling, a sampled step raises).
+            The monitor counts its train-mode forwards as steps (eval forwards are neither
+            counted nor measured); ``monitor.step`` is the last one's number (-1 before the
+            first; set it to continue a resumed run's numbering).
+        every: measure on the steps that are multiples of ``every`` (0, every, 2 * every...).
         fallback_below_db: a layer whose SQNR falls below this on a sampled step runs in hp
             from the next step on (once; a warning names the layer, the dB and the step).
             None: measure only.
@@ -293,6 +296,9 @@ class Float8Monitor:
         self._restore_stance()
         if self._pending:  # a sampled step with no backward (eval, or forward only)
             self._finalize()
+        if not next(iter(self._layers.values())).training:
+            self._sampling = False  # eval forwards are not steps
+            return
         self.step += 1
         self._sampling = self.step % self.every == 0
         if self._sampling:
@@ -322,16 +328,17 @@ class Float8Monitor:
 
     @torch.no_grad()
     def _measure_forward(self, fqn, mod, x, output) -> None:
-        weight = mod.weight
-        bias = None if mod.bias is None else mod.bias.float()
-        ref = F.linear(x.float(), weight.float(), bias)
-        x2d = _layer_input(x)
-        self._pending[(fqn, "output")] = [
-            _power_sums(ref, output),
-            _operand_sums(mod, x2d, "cast_config_input", GemmRole.INPUT, -1),
-            _operand_sums(mod, weight, "cast_config_weight", GemmRole.WEIGHT, -1),
-        ]
-        node = _matmul_node(output) if torch.is_grad_enabled() or output.requires_grad else None
+        x2d = _layer_input(x)  # reads the autocast state: before disabling it
+        with torch.autocast(x.device.type, enabled=False):  # the reference is fp32
+            weight = mod.weight
+            bias = None if mod.bias is None else mod.bias.float()
+            ref = F.linear(x.float(), weight.float(), bias)
+            self._pending[(fqn, "output")] = [
+                _power_sums(ref, output),
+                _operand_sums(mod, x2d, "cast_config_input", GemmRole.INPUT, -1),
+                _operand_sums(mod, weight, "cast_config_weight", GemmRole.WEIGHT, -1),
+            ]
+        node = _matmul_node(output) if output.requires_grad else None
         if node is None:
             return
         x_keep = x2d.detach()
@@ -344,6 +351,10 @@ class Float8Monitor:
 
     @torch.no_grad()
     def _measure_backward(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
+        with torch.autocast(x.device.type, enabled=False):
+            self._measure_backward_fp32(fqn, mod, x, grad_inputs, grad_outputs)
+
+    def _measure_backward_fp32(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
         go = grad_outputs[0].contiguous()
         w = mod.weight  # the unsharded weight again in backward under FSDP2
         go32 = go.float()

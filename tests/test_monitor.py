@@ -130,6 +130,32 @@ def test_monitor_sqnr_equals_independent_fp32_measurement():
             assert abs(rows[(name, gemm)] - db) < 1, (name, gemm, rows[(name, gemm)], db)
 
 
+def test_autocast_reference_stays_fp32_and_eval_forwards_are_not_steps():
+    model = drift_model()
+    monitor = Float8Monitor(model, every=2)
+    seen = {}
+
+    def keep_first(mod, args, out):
+        if not seen:
+            seen.update(x=args[0], out=out)
+
+    model.fc2.register_forward_hook(keep_first)
+    x = torch.randn(64, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().square().mean().backward()
+    model.eval()
+    with torch.no_grad():
+        model(x)  # not a step
+    model.train()
+    assert monitor.step == 0
+    rows = {r["gemm"]: r for r in monitor.report() if r["layer"] == "fc2"}
+    ref = F.linear(seen["x"].float(), model.fc2.weight.float(), model.fc2.bias.float())
+    independent = sqnr(ref, seen["out"])
+    assert seen["out"].dtype == torch.bfloat16 and 20 < independent < 35
+    assert abs(rows["output"]["sqnr_db"] - independent) < 1
+    assert set(rows) == {"output", "grad_input", "grad_weight"}
+
+
 def _count_ops(fn) -> dict:
     counts = {}
 
