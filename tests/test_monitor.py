@@ -334,3 +334,24 @@ def test_attach_before_compile_raises_naming_the_fix():
     with pytest.raises(RuntimeError, match=r"Float8Monitor\(torch.compile\(model\)\)"):
         compiled(torch.randn(8, DIM))
     assert torch._dynamo.eval_frame._stance.stance == "default"  # not left forcing eager
+
+
+# ---------------------------------------------------------------------------- recipes/train.py
+
+
+def test_train_monitor_flag_writes_the_table_and_changes_no_loss(tmp_path):
+    from test_recipes import run_train
+
+    torch.set_num_threads(1)
+    flags = ["--float8", "tensorwise", "--steps", "4", "--eval-every", "0"]
+    plain = run_train(tmp_path / "plain", *flags)
+    monitored = run_train(tmp_path / "mon", *flags, "--monitor", "2")
+    assert [r["loss"] for r in monitored] == [r["loss"] for r in plain]  # measures only
+    rows = [json.loads(s) for s in (tmp_path / "mon" / "monitor.jsonl").read_text().splitlines()]
+    steps = sorted({r["step"] for r in rows})
+    assert steps == [2, 4]  # metrics.jsonl's step numbers
+    per_step = len(rows) // 2
+    layers = {r["layer"] for r in rows}
+    assert per_step == 3 * len(layers) and "output" not in layers  # the hp head is not float8
+    for r in rows:
+        assert 15 < r["sqnr_db"] < 60 and r["saturated"] == 0, r  # float8, not exact
