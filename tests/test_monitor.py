@@ -376,6 +376,15 @@ def test_train_monitor_flag_writes_the_table_and_changes_no_loss(tmp_path):
     assert per_step == 3 * len(layers) and "output" not in layers  # the hp head is not float8
     for r in rows:
         assert 15 < r["sqnr_db"] < 60 and r["saturated"] == 0, r  # float8, not exact
+    # compare.py's per-layer plot draws the last sampled step's rows
+    import compare
+
+    series = compare.plot_monitor(tmp_path, ["plain", "mon"], tmp_path / "monitor.png")
+    assert list(series) == ["mon"]
+    last = [r for r in rows if r["step"] == 4]
+    for gemm, pts in series["mon"].items():
+        assert pts == [(r["layer"], r["sqnr_db"]) for r in last if r["gemm"] == gemm]
+    assert (tmp_path / "monitor.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ---------------------------------------------------------------------------- overhead
