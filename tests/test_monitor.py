@@ -275,7 +275,20 @@ def _worker_fsdp(rank: int, world: int, tmp: str) -> dict:
             model(x).square().mean().backward()
             model.zero_grad()
     dist.all_reduce = real
+    # the same run with the monitor attached before fully_shard
+    torch.manual_seed(0)
+    model = drift_model()
+    before = Float8Monitor(model, every=2, fallback_below_db=15)
+    for name in ("fc1", "fc2", "fc3"):
+        fully_shard(getattr(model, name))
+    fully_shard(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in xs:
+            model(x).square().mean().backward()
+            model.zero_grad()
     return {
+        "rows_attached_before": before.report(all_steps=True),
         "rows": monitor.report(all_steps=True),
         "fallbacks": monitor.fallbacks,
         "all_reduces": len(calls),
@@ -294,6 +307,7 @@ def fsdp2(tmp_path_factory):
 def test_fsdp2_ranks_agree_and_fall_back_together(fsdp2):
     r0, r1 = fsdp2
     assert r0["rows"] == r1["rows"]  # one reduction: every rank reports the same numbers
+    assert r0["rows_attached_before"] == r0["rows"]  # before or after fully_shard: the same
     assert r0["fallbacks"] == r1["fallbacks"]
     assert [(f["layer"], f["step"]) for f in r0["fallbacks"]] == [("fc1", 0)]
     assert len(r0["warnings"]) == len(r1["warnings"]) == 1
