@@ -214,7 +214,8 @@ class Float8Monitor:
         self._sampling = False
         self._prior_stance: DynamoStance | None = None
         self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
-        self._callback_queued = False
+        self._backward_pending = False  # a sampled layer's backward will add rows
+        self._callback_queued = False  # the step's end-of-backward callback is queued
         self._layers: dict[str, Float8Linear] = {}
         for fqn, mod in model.named_modules():
             if isinstance(mod, Float8Linear):
@@ -307,7 +308,7 @@ class Float8Monitor:
     @torch._dynamo.disable
     def _on_model_output(self, module, args, output) -> None:
         self._restore_stance()
-        if self._sampling and not self._callback_queued:
+        if self._sampling and not self._backward_pending:
             # no gemm of this step will run a backward: the step is complete
             self._finalize()
 
@@ -347,7 +348,7 @@ class Float8Monitor:
             self._measure_backward(fqn, mod, x_keep, grad_inputs, grad_outputs)
 
         node.register_hook(backward_hook)
-        self._callback_queued = True
+        self._backward_pending = True
 
     @torch.no_grad()
     def _measure_backward(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
@@ -375,9 +376,9 @@ class Float8Monitor:
                 ),
                 _operand_sums(mod, x, "cast_config_input_for_grad_weight", GemmRole.INPUT, 0),
             ]
-        if self._callback_queued is True:
+        if not self._callback_queued:
             # once per step: complete the step when the whole backward has run
-            self._callback_queued = "queued"
+            self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     # ------------------------------------------------------------------ the step's numbers
@@ -385,13 +386,12 @@ class Float8Monitor:
     def _finalize(self) -> None:
         """Reduce the pending step's sums (one all_reduce under torch.distributed), turn them
         into rows, log them and apply the guardrail."""
+        self._backward_pending = self._callback_queued = False
         if not self._pending:
-            self._callback_queued = False
             return
         keys = sorted(self._pending)
         flat = torch.cat([torch.cat(self._pending[k]) for k in keys]).double()
         self._pending = {}
-        self._callback_queued = False
         world = 1
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size(self.group)
@@ -402,11 +402,9 @@ class Float8Monitor:
                 dist.all_reduce(flat_dev, group=self.group)
                 flat = flat_dev
         values = flat.cpu().tolist()  # the one host sync of a sampled step
-        rows, i, by_key = [], 0, {}
-        for key in keys:
-            n = 2 + _OPERAND_SUMS * 2
-            by_key[key] = values[i : i + n]
-            i += n
+        n = 2 + 2 * _OPERAND_SUMS  # per gemm: powers, then its two operands' sums
+        by_key = {key: values[i * n : (i + 1) * n] for i, key in enumerate(keys)}
+        rows = []
         for layer in self._layers:
             for gemm in GEMMS:
                 v = by_key.get((layer, gemm))
@@ -426,7 +424,8 @@ class Float8Monitor:
             db = 10 * math.log10(signal / noise)
         operands = {}
         for j, (name, _, field, _) in enumerate(_OPERANDS[gemm]):
-            clamped, numel, under, nonzero, scale = v[2 + j * 5 : 7 + j * 5]
+            start = 2 + j * _OPERAND_SUMS
+            clamped, numel, under, nonzero, scale = v[start : start + _OPERAND_SUMS]
             mod = self._layers[layer]
             if not getattr(mod.config, field).enabled or isinstance(mod, _HpFallback):
                 continue
