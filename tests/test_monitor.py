@@ -231,6 +231,30 @@ def test_fallback_survives_a_checkpoint_through_the_monitor_state_dict():
     assert sqnr(ref, resumed.fc1(x)) > 40
 
 
+def test_fallback_on_any_gemm_also_watches_the_backward():
+    # unit-scale data: outputs sit near 28.5-30.5 dB, grad_inputs (e5m2) near 25.5-26.5 dB
+    result = {}
+    for on in ("output", "any"):
+        torch.manual_seed(0)
+        model = drift_model()
+        monitor = Float8Monitor(model, every=1, fallback_below_db=27.5, fallback_on=on)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(torch.randn(64, DIM)).square().mean().backward()
+        rows = {(r["layer"], r["gemm"]): r["sqnr_db"] for r in monitor.report()}
+        result[on] = (rows, [(f["layer"], f["gemm"]) for f in monitor.fallbacks])
+    rows, switched = result["output"]
+    assert min(db for (_, g), db in rows.items() if g == "output") > 27.5 and switched == []
+    rows, switched = result["any"]
+    low = [key for key, db in rows.items() if db < 27.5]
+    assert low and all(g != "output" for _, g in low)
+    # each layer switched once, by its first gemm below the floor
+    first_low = {}
+    for layer, g in low:
+        first_low.setdefault(layer, (layer, g))
+    assert switched == list(first_low.values())
+
+
 def test_argument_errors_name_the_fix():
     with pytest.raises(ValueError, match="every=0"):
         Float8Monitor(drift_model(), every=0)
