@@ -211,12 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
     p.add_argument(
         "--monitor",
+        "--monitor-every",  # under torchrun: its own parser takes --monitor for --monitor-interval
+        dest="monitor",
         type=int,
         default=0,
         metavar="N",
         help="float8kit.Float8Monitor: every N steps, each float8 layer's SQNR against fp32, "
         "saturation and underflow, into OUT/monitor.jsonl (docs/monitor.md); 0 = off. "
-        "FSDP2 then all-gathers weights in bf16 (the monitor needs the hp weight)",
+        "FSDP2 then all-gathers weights in bf16 (the monitor needs the hp weight). Under "
+        "torchrun spell it --monitor-every (torchrun reads --monitor as its --monitor-interval)",
     )
     return p
 
