@@ -27,6 +27,7 @@ from float8kit.experts import (
     default_expert_filter,
 )
 from float8kit.linear import Float8Linear
+from float8kit.monitor import Float8Monitor
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
 from float8kit.scale_state import Float8LoadPlanner, strip_float8_state
 from float8kit.tensor import Float8TrainingTensor
@@ -65,6 +66,8 @@ __all__ = [
     # of a plain checkpoint into a DELAYED/STATIC model
     "strip_float8_state",
     "Float8LoadPlanner",
+    # per-layer float8 numerics during training, with an opt-in hp fallback
+    "Float8Monitor",
     # activation checkpointing: a selective policy that keeps the float8 work
     "checkpoint_policy",
     # internals users may meet (FSDP2 all-gathered weights, debugging)

@@ -11,7 +11,8 @@ thread, so two modes on two cores take the time of the slower one. Runs are inde
 and single-threaded, so running them side by side changes no loss; tokens/s of runs that
 overlap share the machine's memory bandwidth. Then OUT/report.md (the table printed
 at the end) and OUT/loss.png (loss curves) are written from those metrics.jsonl files, so
-every number in the report can be recomputed from them:
+every number in the report can be recomputed from them (with train.py's --monitor N, also
+OUT/monitor.png: each mode's per-layer SQNR at its last sampled step, from MODE/monitor.jsonl):
 
 - train loss: mean of the last 10 logged training losses (one batch is noisy);
 - val loss: the val_loss logged at the last step (fixed validation windows, same for all);
@@ -153,6 +154,46 @@ def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_monitor(out: Path, modes: list[str], path: Path) -> dict[str, dict[str, list]]:
+    """monitor.png: each mode's per-layer SQNR at its last sampled step, one panel per gemm,
+    from OUT/MODE/monitor.jsonl (train.py --monitor N). Returns the plotted series, mode ->
+    gemm -> [(layer, dB)]; nothing is written when no mode has a monitor.jsonl."""
+    series: dict[str, dict[str, list]] = {}
+    for mode in modes:
+        log = out / mode / "monitor.jsonl"
+        if not log.exists() or not log.read_text().strip():
+            continue
+        rows = [json.loads(line) for line in log.read_text().splitlines()]
+        last = max(r["step"] for r in rows)
+        series[mode] = {}
+        for r in rows:
+            if r["step"] == last:
+                series[mode].setdefault(r["gemm"], []).append((r["layer"], r["sqnr_db"]))
+    if not series:
+        return series
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gemms = ["output", "grad_input", "grad_weight"]
+    fig, axes = plt.subplots(len(gemms), 1, figsize=(12, 9), sharex=True)
+    for ax, gemm in zip(axes, gemms, strict=True):
+        for mode, by_gemm in series.items():
+            pts = by_gemm.get(gemm, [])
+            # an exact (hp) gemm is logged as null: drawn as a gap
+            ys = [float("nan") if db is None else db for _, db in pts]
+            ax.plot(range(len(pts)), ys, "o-", label=mode)
+            labels = [layer for layer, _ in pts]
+        ax.set(ylabel="SQNR vs fp32 (dB)", title=f"{gemm} gemm, last sampled step")
+        ax.legend()
+    axes[-1].set_xticks(range(len(labels)), labels, rotation=90, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return series
 
 
 def _forward(name: str, stream) -> None:
@@ -313,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     summary = {"modes": modes, "summaries": summaries, "noise_runs": extra, "noise_pct": noise}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(runs, out / "loss.png", title)
+    if plot_monitor(out, modes, out / "monitor.png"):  # train.py --monitor N was passed
+        with (out / "report.md").open("a") as f:
+            f.write("- per-layer SQNR (--monitor): MODE/monitor.jsonl; plot: monitor.png\n")
     print(f"\n{table}\n\nwrote {out / 'report.md'} and {out / 'loss.png'} ({wall:.0f} s)")
     return summaries
 

@@ -28,11 +28,14 @@ Checkpoint every 30 steps, then continue a run (bitwise the same as never stoppi
 Outputs: OUT/config.json, OUT/metrics.jsonl (one JSON object per step: step, loss, lr,
 tokens_per_s, and val_loss every --eval-every steps), OUT/checkpoints/step_NNNNNN/ (dcp,
 plus manifest.json: the sha256 of every file; --resume verifies it and refuses a corrupt or
-incomplete checkpoint, naming the bad file). Evaluation runs in eval mode and never changes
-the training losses. On CPU each process uses --threads intra-op threads (default 1).
+incomplete checkpoint, naming the bad file), OUT/monitor.jsonl with --monitor N (every N
+steps, each float8 layer's SQNR per gemm: docs/monitor.md). Evaluation runs in eval mode
+and never changes the training losses. On CPU each process uses --threads intra-op threads
+(default 1).
 
 The float8 part of this file is three statements tagged with a "float8" comment (import,
-convert, precompute_scales): without them what is left is the bf16 baseline.
+convert, precompute_scales), plus the optional monitor: without them what is left is the
+bf16 baseline.
 Everything else runs the same in both modes: bf16 autocast over fp32 master weights; the
 lm head (`output`), MoE routers, norms, attention and the loss stay in hp; only the Linear
 gemms inside the blocks (and the MoE experts' grouped gemms) change.
@@ -206,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
         "(a terminal gets a progress bar)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
+    p.add_argument(
+        "--monitor",
+        "--monitor-every",  # under torchrun: its own parser takes --monitor for --monitor-interval
+        dest="monitor",
+        type=int,
+        default=0,
+        metavar="N",
+        help="float8kit.Float8Monitor: every N steps, each float8 layer's SQNR against fp32, "
+        "saturation and underflow, into OUT/monitor.jsonl (docs/monitor.md); 0 = off. "
+        "FSDP2 then all-gathers weights in bf16 (the monitor needs the hp weight). Under "
+        "torchrun spell it --monitor-every (torchrun reads --monitor as its --monitor-interval)",
+    )
     return p
 
 
@@ -222,11 +237,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every", "tp"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("warmup", "eval_every", "checkpoint_every", "threads"):
+    for flag in ("warmup", "eval_every", "checkpoint_every", "threads", "monitor"):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.lr <= 0:
         p.error("--lr must be > 0")
+    if args.monitor and args.tp > 1:
+        p.error("--monitor does not support --tp > 1 (tensor-parallel weights are sharded)")
     return args
 
 
@@ -353,6 +370,7 @@ def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
     # Rowwise float8 all-gather needs a 1-D FSDP mesh: with --tp its weights go in bf16.
     rowwise = args.float8 in ("rowwise", "rowwise_with_gw_hp") and args.tp == 1
     fp8_all_gather = world_size > args.tp and (args.float8 in ("tensorwise", "delayed") or rowwise)
+    fp8_all_gather = fp8_all_gather and not args.monitor  # the monitor needs the hp weight
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 
@@ -575,6 +593,23 @@ def check_out(args: argparse.Namespace) -> None:
         shutil.rmtree(out / "checkpoints")
 
 
+def setup_monitor(args, fwd, out: Path, start: int, rank: int):
+    """float8kit.Float8Monitor on the module the loop calls, numbering steps as
+    metrics.jsonl does (step N = the N-th optimizer step); None without --monitor."""
+    if not args.monitor:
+        return None
+    if args.float8 == "none":
+        print0("--monitor: --float8 none has no float8 layer to measure")
+        return None
+    path = out / "monitor.jsonl"
+    if rank == 0 and path.exists():  # a resumed run keeps the rows up to its checkpoint
+        rows = [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= start]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monitor = float8kit.Float8Monitor(fwd, every=args.monitor, log_path=path)
+    monitor.step = start  # the next forward is step start + 1
+    return monitor
+
+
 def train(args: argparse.Namespace) -> list[dict]:
     """Runs one training job; returns the per-step metrics (also in OUT/metrics.jsonl)."""
     # -- setup; any bad input surfaces here as UsageError/OSError/ValueError
@@ -651,6 +686,7 @@ def train(args: argparse.Namespace) -> list[dict]:
             ]
         mpath.write_text("".join(json.dumps(r) + "\n" for r in records))
     metrics = open(out / "metrics.jsonl", "a") if rank == 0 else None
+    monitor = setup_monitor(args, fwd, out, start, rank)  # float8: optional, per-layer numerics
 
     # -- the loop
     tokens_per_step = args.batch_size * args.seq_len
@@ -716,8 +752,15 @@ def train(args: argparse.Namespace) -> list[dict]:
     bar.close()
     if metrics:
         metrics.close()
+    if monitor is not None and monitor.report():
+        w = monitor.worst(1)[0]
+        print0(
+            f"monitor: lowest SQNR at step {w['step']}: {w['layer']} {w['gemm']} "
+            f"{w['sqnr_db']:.1f} dB (all layers: {out}/monitor.jsonl)"
+        )
     print0(
         f"wrote {out}/ (config.json, metrics.jsonl"
+        + (", monitor.jsonl" if monitor is not None else "")
         + (", checkpoints/)" if args.checkpoint_every else ")")
     )
     return records

@@ -217,6 +217,31 @@ def memory() -> None:
     )
 
 
+def monitor() -> None:
+    """Float8Monitor: the drift case (a STATIC input scale, then 100x data) and its guardrail,
+    and the time of a sampled and an unsampled step (tests/test_monitor.py)."""
+    from tests import test_monitor
+
+    def finite(x):  # JSON has no inf: an exact (hp) result is written as null
+        if isinstance(x, dict):
+            return {k: finite(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [finite(v) for v in x]
+        return None if isinstance(x, float) and not math.isfinite(x) else x
+
+    t0 = time.perf_counter()
+    case = test_monitor.drift_case()
+    write(
+        "monitor",
+        ["tests/test_monitor.py", "float8kit/monitor.py"],
+        {
+            "drift": finite({k: v for k, v in case.items() if k != "warnings"}),
+            "overhead": test_monitor.monitor_overhead(),
+        },
+        time.perf_counter() - t0,
+    )
+
+
 def experts() -> None:
     """float8 MoE experts (tests/test_experts.py): SQNR vs fp32 of two grouped gemms with
     SiLU between, 4 experts, one with no tokens."""
@@ -540,6 +565,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "memory": memory,
+    "monitor": monitor,
     "experts": experts,
     "moe_hf": moe_hf,
     "tp": tp,

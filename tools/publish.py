@@ -37,6 +37,7 @@ DOCS = [
     "docs/tp.md",
     "docs/moe.md",
     "docs/memory.md",
+    "docs/monitor.md",
     "docs/performance.md",
     "docs/torchao.md",
     "docs/numbers.md",
@@ -509,6 +510,55 @@ def memory_table() -> str:
     )
 
 
+def monitor_drift_table() -> str:
+    d = load("monitor")["data"]["drift"]
+
+    def rows_of(report: list[dict]) -> list[list]:
+        return [
+            [
+                f"`{r['layer']}`",
+                r["gemm"],
+                "inf (exact)" if r["sqnr_db"] is None else f(r["sqnr_db"], ".1f"),
+                f"{100 * r['saturated']:.2f}",
+                f"{100 * r['underflow']:.2f}",
+                "hp" if r["fallback"] else "float8",
+            ]
+            for r in report
+        ]
+
+    header = ["layer", "gemm", "SQNR (dB)", "saturated %", "underflow %", "runs in"]
+    fb = d["fallbacks"]
+    switched = ", ".join(f"`{f['layer']}` at step {f['step']} ({f['sqnr_db']:.1f} dB)" for f in fb)
+    return (
+        f"{caption('monitor')}\n\n"
+        f"`monitor.report()` at step {d['report'][0]['step']}, no guardrail:\n\n"
+        + table(header, rows_of(d["report"]))
+        + f"\n\nWith `fallback_below_db=15`: switched {switched or 'nothing'}; at step "
+        f"{d['guarded_report'][0]['step']}:\n\n"
+        + table(header, rows_of(d["guarded_report"]))
+        + "\n\nIndependently, on new 100x data, against fp64: `fc1` (now hp) "
+        f"{_sqnr(d['fc1_independent_db'])}; its float8 path {_sqnr(d['fc1_float8_db'])}."
+    )
+
+
+def monitor_overhead_table() -> str:
+    o = load("monitor")["data"]["overhead"]
+    rows = [
+        [name, f(o[key], ".1f"), f"{o[key] / o['bare_ms']:.2f}x"]
+        for name, key in (
+            ("no monitor", "bare_ms"),
+            ("monitor, unsampled step", "unsampled_ms"),
+            ("monitor, sampled step", "sampled_ms"),
+        )
+    ]
+    return (
+        f"{caption('monitor')}\n\n"
+        f"Forward + backward of {o['depth']} tensorwise float8 linears {o['dim']} x "
+        f"{o['dim']}, {o['tokens']} tokens, one thread; median of {o['repeats']} interleaved "
+        "rounds\n\n" + table(["step", "ms", "vs no monitor"], rows)
+    )
+
+
 def tp_table() -> str:
     d = load("tp")["data"]
     mlp, llama = d["mlp"], d["llama"]
@@ -860,6 +910,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "memory": memory_table,
+    "monitor_drift": monitor_drift_table,
+    "monitor_overhead": monitor_overhead_table,
     "tp": tp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,

@@ -1,0 +1,485 @@
+"""``Float8Monitor``: per-layer float8 numerics measured during training, the worst layer
+named, and an opt-in guardrail that switches a failing layer to hp.
+
+On every ``every``-th forward of the model it is attached to (a *sampled step*), for each
+``Float8Linear`` and each of its three gemms, the monitor measures the float8 result the
+layer actually produced against the same gemm in fp32 on the same operands:
+
+- ``output``: the layer's output (bias included) vs ``F.linear`` in fp32 on the layer's input
+  and weight (a forward hook);
+- ``grad_input`` and ``grad_weight``: the gradients the layer's float8 backward returned (a
+  hook on its autograd node) vs ``grad_output @ weight`` and ``grad_output.T @ input`` in fp32.
+
+For each cast operand of a gemm it also reports the saturated fraction (elements whose
+``|hp * scale|`` exceeds the float8 max and were clamped), the underflow fraction (non-zero hp
+elements that became 0) and the scale. These come from recasting the operand with the layer's
+own cast (``cast_to_float8`` with the layer's scale state, recording nothing): DELAYED and
+STATIC state is read, never changed.
+
+Steps that are not sampled run no extra op: each hook returns after one Python check.
+
+Under FSDP2 (``fully_shard``) every rank measures its own tokens; on a sampled step the
+monitor folds every sum it needs (signal and noise powers, clamped/underflowed/non-zero
+element counts, scales) into one tensor and runs one ``all_reduce(SUM)``, so every rank
+reports the same numbers and takes the same fallback decision.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.eval_frame import DynamoStance, _set_stance
+
+from float8kit.checkpointing import is_recomputing
+from float8kit.config import GemmRole
+from float8kit.linear import Float8Linear, cast_to_float8
+from float8kit.scaling import expand_block_scale, fp8_max
+
+GEMMS = ("output", "grad_input", "grad_weight")
+
+# gemm -> ((operand name, role, cast field, reduce dim) for its two operands)
+_OPERANDS = {
+    "output": (
+        ("input", GemmRole.INPUT, "cast_config_input", -1),
+        ("weight", GemmRole.WEIGHT, "cast_config_weight", -1),
+    ),
+    "grad_input": (
+        ("grad_output", GemmRole.GRAD_OUTPUT, "cast_config_grad_output", -1),
+        ("weight", GemmRole.WEIGHT, "cast_config_weight_for_grad_input", 0),
+    ),
+    "grad_weight": (
+        ("grad_output", GemmRole.GRAD_OUTPUT, "cast_config_grad_output_for_grad_weight", 0),
+        ("input", GemmRole.INPUT, "cast_config_input_for_grad_weight", 0),
+    ),
+}
+# per operand: clamped count, element count, underflowed count, non-zero count, scale
+_OPERAND_SUMS = 5
+
+
+class _HpFallback:
+    """Mixed in front of a ``Float8Linear``'s class (its own, or the class ``fully_shard``
+    made of it) when the monitor switches it to hp: ``nn.Linear``'s forward, same
+    parameters, buffers and state_dict keys (the float8 state stays, unused)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.linear(input, self.weight, self.bias)
+
+
+_HP_CLASSES: dict[type, type] = {}
+
+
+def _hp_class(cls: type) -> type:
+    if cls not in _HP_CLASSES:
+        _HP_CLASSES[cls] = type(f"HpFallback{cls.__name__}", (_HpFallback, cls), {})
+    return _HP_CLASSES[cls]
+
+
+def _operand_sums(
+    mod: Float8Linear, hp: torch.Tensor, field: str, role: GemmRole, reduce_dim: int
+) -> torch.Tensor:
+    """[clamped, numel, underflowed, non-zero, scale] of ``hp`` cast as ``mod`` casts it for
+    one gemm (``scale``: the tensorwise scale, or the smallest of axiswise/blockwise ones).
+    Zeros when that gemm runs in hp. No side effect on ``mod``'s state."""
+    c = mod.config
+    cast = getattr(c, field)
+    if not cast.enabled or isinstance(mod, _HpFallback):
+        return hp.new_zeros(_OPERAND_SUMS, dtype=torch.float64)
+    state_scale, _, scale_set = mod._operand_state(role, record=False)
+    fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
+    scale = fp8._scale
+    if fp8._block is not None:
+        scale = expand_block_scale(scale, fp8._block, fp8._data.shape)
+    scaled = hp.to(torch.float32) * scale
+    data = fp8._data
+    # above the max by more than fp32 rounding: a DYNAMIC scale maps the amax element to
+    # fp8_max up to one ulp of the product, which is not a saturation
+    clamped = (scaled.abs() > fp8_max(data.dtype) * (1 + 2**-20)).sum()
+    nonzero = hp != 0
+    underflow = (nonzero & (data.to(torch.float32) == 0)).sum()
+    return torch.stack(
+        [
+            clamped.double(),
+            torch.tensor(float(hp.numel()), dtype=torch.float64, device=hp.device),
+            underflow.double(),
+            nonzero.sum().double(),
+            fp8._scale.amin().double(),
+        ]
+    )
+
+
+def _power_sums(ref: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
+    """[signal power, noise power] of ``actual`` against ``ref`` (fp64)."""
+    ref = ref.detach().double()
+    return torch.stack([ref.square().sum(), (ref - actual.detach().double()).square().sum()])
+
+
+def _matmul_node(output: torch.Tensor):
+    """The autograd node of the layer's float8 gemm (``_Float8Matmul``), within the few
+    view/add nodes between it and the layer's output; None if not found (no grad)."""
+    frontier = [output.grad_fn]
+    for _ in range(4):
+        nxt = []
+        for node in frontier:
+            if node is None:
+                continue
+            if type(node).__name__ == "_Float8MatmulBackward":
+                return node
+            nxt.extend(n for n, _ in node.next_functions)
+        frontier = nxt
+    return None
+
+
+def _layer_input(x: torch.Tensor) -> torch.Tensor:
+    # what Float8Linear.forward feeds its gemm: the autocast dtype under autocast
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    return x.reshape(-1, x.shape[-1])
+
+
+@torch._dynamo.disable
+def _attached_before_compile(monitor: Float8Monitor, fqn: str) -> None:
+    monitor._restore_stance()
+    monitor._pending = {}
+    raise RuntimeError(
+        f"Float8Monitor: layer {fqn!r} ran a sampled step inside a torch.compile graph: the "
+        "monitor was attached to the model before torch.compile. Attach it to the module "
+        "torch.compile returns instead (Float8Monitor(torch.compile(model))): sampled steps "
+        "then run eagerly and all three gemms are measured"
+    )
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+class Float8Monitor:
+    """Measure each ``Float8Linear``'s float8 error on sampled steps; optionally switch a
+    layer whose output falls below ``fallback_below_db`` to hp.
+
+    Args:
+        model: a converted model (``convert_to_float8_training``): the module you call,
+            i.e. the ``fully_shard``-ed root, and under ``torch.compile`` the module
+            ``torch.compile`` returned (attached before compiling, a sampled step raises).
+            The monitor counts its train-mode forwards as steps (eval forwards are neither
+            counted nor measured); ``monitor.step`` is the last one's number (-1 before the
+            first; set it to continue a resumed run's numbering).
+        every: measure on the steps that are multiples of ``every`` (0, every, 2 * every...).
+        fallback_below_db: a layer whose SQNR falls below this on a sampled step runs in hp
+            from the next step on (once; a warning names the layer, the dB and the step).
+            None: measure only.
+        fallback_on: ``"output"`` (the output gemm decides) or ``"any"`` (any of the three).
+        log_path: append every sampled step's rows to this file as JSON lines (on rank 0
+            under torch.distributed); non-finite dB (an exact result) is written as null.
+        group: the process group to reduce over (default: the world, when initialized).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        every: int = 100,
+        fallback_below_db: float | None = None,
+        fallback_on: str = "output",
+        log_path: str | Path | None = None,
+        group: dist.ProcessGroup | None = None,
+    ):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Float8Monitor: every={every!r} must be an int >= 1 (steps)")
+        if fallback_on not in ("output", "any"):
+            raise ValueError(
+                f"Float8Monitor: fallback_on={fallback_on!r} is not valid: use 'output' or 'any'"
+            )
+        if fallback_below_db is not None and not isinstance(fallback_below_db, (int, float)):
+            raise ValueError(
+                f"Float8Monitor: fallback_below_db={fallback_below_db!r} must be a number (dB) "
+                "or None"
+            )
+        self.model = model
+        self.every = every
+        self.fallback_below_db = fallback_below_db
+        self.fallback_on = fallback_on
+        self.log_path = None if log_path is None else Path(log_path)
+        self.group = group
+        self.step = -1  # the step the last forward belonged to
+        self.fallbacks: list[dict] = []
+        self.history: list[dict] = []
+        self._sampling = False
+        self._prior_stance: DynamoStance | None = None
+        self._pending: dict[tuple[str, str], list[torch.Tensor]] = {}
+        self._backward_pending = False  # a sampled layer's backward will add rows
+        self._callback_queued = False  # the step's end-of-backward callback is queued
+        self._layers: dict[str, Float8Linear] = {}
+        for fqn, mod in model.named_modules():
+            if isinstance(mod, Float8Linear):
+                fqn = fqn.replace("_orig_mod.", "")
+                if mod.config.enable_fsdp_float8_all_gather:
+                    raise ValueError(
+                        f"Float8Monitor: layer {fqn!r} has enable_fsdp_float8_all_gather=True, "
+                        "so its forward sees only the float8 weight and there is no hp weight "
+                        "to measure against; monitor a run with "
+                        "enable_fsdp_float8_all_gather=False"
+                    )
+                self._layers[fqn] = mod
+        if not self._layers:
+            raise ValueError(
+                "Float8Monitor: the model has no Float8Linear; convert it with "
+                "float8kit.convert_to_float8_training first"
+            )
+        self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
+        self._handles.append(model.register_forward_hook(self._on_model_output))
+        for fqn, mod in self._layers.items():
+            # first among the layer's forward hooks: before fully_shard's post-forward
+            # reshards the weight, whenever fully_shard was applied
+            hook = mod.register_forward_hook(self._forward_hook(fqn, mod), prepend=True)
+            self._handles.append(hook)
+
+    # ------------------------------------------------------------------ public
+
+    def report(self, all_steps: bool = False) -> list[dict]:
+        """Rows of the last sampled step (``all_steps``: of every sampled step so far), one
+        per layer and gemm: ``layer``, ``gemm``, ``sqnr_db``, ``saturated``, ``underflow``,
+        ``step``, ``fallback`` and ``operands`` ({name: {saturated, underflow, scale}})."""
+        self._finalize()
+        if all_steps or not self.history:
+            return list(self.history)
+        last = self.history[-1]["step"]
+        return [r for r in self.history if r["step"] == last]
+
+    def worst(self, k: int = 1, gemm: str | None = None) -> list[dict]:
+        """The ``k`` rows of the last sampled step with the lowest SQNR (of ``gemm`` only,
+        when given)."""
+        rows = [r for r in self.report() if gemm is None or r["gemm"] == gemm]
+        return sorted(rows, key=lambda r: r["sqnr_db"])[:k]
+
+    def state_dict(self) -> dict:
+        """What to save next to the model's checkpoint so that a resumed run keeps the
+        layers switched to hp: the fallbacks and the step count."""
+        return {"step": self.step, "fallbacks": [dict(f) for f in self.fallbacks]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore ``state_dict()``: switches the same layers to hp again."""
+        self.step = int(state["step"])
+        for entry in state["fallbacks"]:
+            layer = entry["layer"]
+            if layer not in self._layers:
+                raise KeyError(
+                    f"Float8Monitor.load_state_dict: fallback layer {layer!r} is not a "
+                    f"Float8Linear of this model (layers: {', '.join(self._layers)})"
+                )
+            self._switch_to_hp(layer)
+            if entry not in self.fallbacks:
+                self.fallbacks.append(dict(entry))
+
+    def remove(self) -> None:
+        """Detach the monitor's hooks (layers already switched to hp stay switched)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._restore_stance()
+
+    # ------------------------------------------------------------------ hooks
+
+    # The model-level hooks never run compiled (torch._dynamo.disable): under torch.compile
+    # a sampled step runs eagerly (the "force_eager" stance, set here and restored after the
+    # forward), so that the hooks see each layer's own float8 gemm and its autograd node; an
+    # unsampled step runs the compiled graphs, where the layer hooks trace to nothing.
+
+    @torch._dynamo.disable
+    def _on_model_forward(self, module, args) -> None:
+        self._restore_stance()
+        if self._pending:  # a sampled step with no backward (eval, or forward only)
+            self._finalize()
+        if not next(iter(self._layers.values())).training:
+            self._sampling = False  # eval forwards are not steps
+            return
+        self.step += 1
+        self._sampling = self.step % self.every == 0
+        if self._sampling:
+            self._prior_stance = _set_stance(DynamoStance("force_eager"))
+
+    @torch._dynamo.disable
+    def _on_model_output(self, module, args, output) -> None:
+        self._restore_stance()
+        if self._sampling and not self._backward_pending:
+            # no gemm of this step will run a backward: the step is complete
+            self._finalize()
+
+    def _restore_stance(self) -> None:
+        if self._prior_stance is not None:
+            _set_stance(self._prior_stance)
+            self._prior_stance = None
+
+    def _forward_hook(self, fqn: str, mod: Float8Linear) -> Callable:
+        def hook(module, args, output):
+            if not self._sampling or is_recomputing():
+                return
+            if torch.compiler.is_compiling():
+                _attached_before_compile(self, fqn)
+            self._measure_forward(fqn, mod, args[0], output)
+
+        return hook
+
+    @torch.no_grad()
+    def _measure_forward(self, fqn, mod, x, output) -> None:
+        x2d = _layer_input(x)  # reads the autocast state: before disabling it
+        with torch.autocast(x.device.type, enabled=False):  # the reference is fp32
+            weight = mod.weight
+            bias = None if mod.bias is None else mod.bias.float()
+            ref = F.linear(x.float(), weight.float(), bias)
+            self._pending[(fqn, "output")] = [
+                _power_sums(ref, output),
+                _operand_sums(mod, x2d, "cast_config_input", GemmRole.INPUT, -1),
+                _operand_sums(mod, weight, "cast_config_weight", GemmRole.WEIGHT, -1),
+            ]
+        node = _matmul_node(output) if output.requires_grad else None
+        if node is None:
+            return
+        x_keep = x2d.detach()
+
+        def backward_hook(grad_inputs, grad_outputs):
+            self._measure_backward(fqn, mod, x_keep, grad_inputs, grad_outputs)
+
+        node.register_hook(backward_hook)
+        self._backward_pending = True
+
+    @torch.no_grad()
+    def _measure_backward(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
+        with torch.autocast(x.device.type, enabled=False):
+            self._measure_backward_fp32(fqn, mod, x, grad_inputs, grad_outputs)
+
+    def _measure_backward_fp32(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
+        go = grad_outputs[0].contiguous()
+        w = mod.weight  # the unsharded weight again in backward under FSDP2
+        go32 = go.float()
+        grad_input, grad_weight = grad_inputs[0], grad_inputs[1]
+        if grad_input is not None:
+            ref = go32 @ w.float()
+            self._pending[(fqn, "grad_input")] = [
+                _power_sums(ref, grad_input),
+                _operand_sums(mod, go, "cast_config_grad_output", GemmRole.GRAD_OUTPUT, -1),
+                _operand_sums(mod, w, "cast_config_weight_for_grad_input", GemmRole.WEIGHT, 0),
+            ]
+        if grad_weight is not None:
+            ref = go32.t() @ x.float()
+            self._pending[(fqn, "grad_weight")] = [
+                _power_sums(ref, grad_weight),
+                _operand_sums(
+                    mod, go, "cast_config_grad_output_for_grad_weight", GemmRole.GRAD_OUTPUT, 0
+                ),
+                _operand_sums(mod, x, "cast_config_input_for_grad_weight", GemmRole.INPUT, 0),
+            ]
+        if not self._callback_queued:
+            # once per step: complete the step when the whole backward has run
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    # ------------------------------------------------------------------ the step's numbers
+
+    def _finalize(self) -> None:
+        """Reduce the pending step's sums (one all_reduce under torch.distributed), turn them
+        into rows, log them and apply the guardrail."""
+        self._backward_pending = self._callback_queued = False
+        if not self._pending:
+            return
+        keys = sorted(self._pending)
+        flat = torch.cat([torch.cat(self._pending[k]) for k in keys]).double()
+        self._pending = {}
+        world = 1
+        if dist.is_available() and dist.is_initialized():
+            world = dist.get_world_size(self.group)
+            if world > 1:
+                flat_dev = flat
+                if dist.get_backend(self.group) == "nccl" and not flat.is_cuda:
+                    flat_dev = flat.cuda()
+                dist.all_reduce(flat_dev, group=self.group)
+                flat = flat_dev
+        values = flat.cpu().tolist()  # the one host sync of a sampled step
+        n = 2 + 2 * _OPERAND_SUMS  # per gemm: powers, then its two operands' sums
+        by_key = {key: values[i * n : (i + 1) * n] for i, key in enumerate(keys)}
+        rows = []
+        for layer in self._layers:
+            for gemm in GEMMS:
+                v = by_key.get((layer, gemm))
+                if v is not None:
+                    rows.append(self._row(layer, gemm, v, world))
+        self.history.extend(rows)
+        self._log(rows)
+        self._guardrail(rows)
+
+    def _row(self, layer: str, gemm: str, v: list[float], world: int) -> dict:
+        signal, noise = v[0], v[1]
+        if noise == 0:
+            db = math.inf
+        elif signal == 0:
+            db = -math.inf
+        else:
+            db = 10 * math.log10(signal / noise)
+        operands = {}
+        for j, (name, _, field, _) in enumerate(_OPERANDS[gemm]):
+            start = 2 + j * _OPERAND_SUMS
+            clamped, numel, under, nonzero, scale = v[start : start + _OPERAND_SUMS]
+            mod = self._layers[layer]
+            if not getattr(mod.config, field).enabled or isinstance(mod, _HpFallback):
+                continue
+            operands[name] = {
+                "saturated": clamped / numel if numel else 0.0,
+                "underflow": under / nonzero if nonzero else 0.0,
+                "scale": scale / world,
+            }
+        return {
+            "layer": layer,
+            "gemm": gemm,
+            "sqnr_db": db,
+            "saturated": max((o["saturated"] for o in operands.values()), default=0.0),
+            "underflow": max((o["underflow"] for o in operands.values()), default=0.0),
+            "step": self.step,
+            "fallback": isinstance(self._layers[layer], _HpFallback),
+            "operands": operands,
+        }
+
+    def _log(self, rows: list[dict]) -> None:
+        if self.log_path is None or not rows:
+            return
+        if dist.is_available() and dist.is_initialized() and dist.get_rank(self.group) != 0:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as f:
+            for r in rows:
+                f.write(json.dumps({**r, "sqnr_db": _finite_or_none(r["sqnr_db"])}) + "\n")
+
+    def _guardrail(self, rows: list[dict]) -> None:
+        limit = self.fallback_below_db
+        if limit is None:
+            return
+        for r in rows:
+            if r["fallback"] or (self.fallback_on == "output" and r["gemm"] != "output"):
+                continue
+            if r["sqnr_db"] < limit and not isinstance(self._layers[r["layer"]], _HpFallback):
+                self._switch_to_hp(r["layer"])
+                entry = {
+                    "layer": r["layer"],
+                    "gemm": r["gemm"],
+                    "sqnr_db": r["sqnr_db"],
+                    "step": r["step"],
+                }
+                self.fallbacks.append(entry)
+                warnings.warn(
+                    f"Float8Monitor: layer {r['layer']!r} {r['gemm']} SQNR "
+                    f"{r['sqnr_db']:.1f} dB < fallback_below_db={limit} at step {r['step']} "
+                    f"(saturated {r['saturated']:.2%}, underflow {r['underflow']:.2%}): "
+                    "it runs in hp from the next step on",
+                    stacklevel=2,
+                )
+
+    def _switch_to_hp(self, layer: str) -> None:
+        mod = self._layers[layer]
+        if not isinstance(mod, _HpFallback):
+            mod.__class__ = _hp_class(type(mod))

@@ -1,0 +1,467 @@
+"""Float8Monitor: per-layer SQNR, saturation and underflow on sampled steps, checked against
+independent fp32 measurements; the guardrail's hp fallback; free unsampled steps."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from float8kit import (
+    CastConfig,
+    Float8LinearConfig,
+    Float8Monitor,
+    ScalingType,
+    calibrate,
+    convert_to_float8_training,
+)
+from float8kit.linear import Float8Linear
+from tests.helpers import sqnr
+
+STATIC_INPUT = Float8LinearConfig(cast_config_input=CastConfig(scaling_type=ScalingType.STATIC))
+DIM = 64
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(DIM, 128)
+        self.fc2 = nn.Linear(128, 128)
+        self.fc3 = nn.Linear(128, DIM)
+
+    def forward(self, x):
+        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+def drift_model() -> MLP:
+    """fc1 with a STATIC input scale calibrated on unit-scale data; fc2, fc3 dynamic
+    tensorwise."""
+    model = convert_to_float8_training(MLP())
+    model.fc1 = Float8Linear.from_float(model.fc1, config=STATIC_INPUT)
+    calibrate(model, [torch.randn(32, DIM) for _ in range(4)])
+    return model
+
+
+def train(model, steps, scale=100.0, monitor=None, batch=64):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    for _ in range(steps):
+        x = torch.randn(batch, DIM) * scale
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def drift_case(log_path=None) -> dict:
+    """The drift case: fc1's STATIC input scale calibrated on unit-scale data, then 5
+    training steps on 100x larger data, sampled every 2 steps. Returns the report of the last
+    sampled step without the guardrail, and with ``fallback_below_db=15``: its fallbacks,
+    warnings and last report (tools/measure.py publishes these numbers)."""
+    torch.manual_seed(0)
+    model = drift_model()
+    monitor = Float8Monitor(model, every=2, log_path=log_path)
+    train(model, 3)
+    measured = monitor.report()
+    torch.manual_seed(0)
+    model = drift_model()
+    guarded = Float8Monitor(model, every=2, fallback_below_db=15)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(model, 5)
+    x = torch.randn(16, DIM) * 100
+    ref = F.linear(x.double(), model.fc1.weight.double(), model.fc1.bias.double())
+    return {
+        "report": measured,
+        "fallbacks": guarded.fallbacks,
+        "warnings": [str(w.message) for w in caught if "Float8Monitor" in str(w.message)],
+        "guarded_report": guarded.report(),
+        "fc1_independent_db": sqnr(ref, model.fc1(x)),
+        "fc1_float8_db": sqnr(ref, Float8Linear.forward(model.fc1, x)),
+    }
+
+
+def test_drift_names_the_static_layer_and_the_guardrail_switches_only_it(tmp_path):
+    case = drift_case(tmp_path / "m.jsonl")
+    rows = case["report"]
+    assert {r["step"] for r in rows} == {2}
+    assert len(rows) == 9  # 3 layers x 3 gemms
+    worst = min(rows, key=lambda r: r["sqnr_db"])
+    assert (worst["layer"], worst["gemm"]) == ("fc1", "output")
+    assert worst["sqnr_db"] < 10
+    assert worst["saturated"] > 0.01
+    assert worst["operands"]["input"]["saturated"] > 0.01
+    others = [r for r in rows if r["layer"] != "fc1" and r["gemm"] == "output"]
+    for r in others:
+        assert 24 < r["sqnr_db"] < 31, r
+        assert r["saturated"] == 0
+    # the log holds both sampled steps (0 and 2), one JSON object per row
+    lines = [json.loads(s) for s in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0] * 9 + [2] * 9
+    assert lines[9:] == [{**r, "sqnr_db": r["sqnr_db"]} for r in rows]
+
+    # the guardrail: exactly fc1 falls back, once, with a warning naming it
+    msgs = case["warnings"]
+    assert len(msgs) == 1 and "'fc1'" in msgs[0] and "step 0" in msgs[0]
+    assert [(f["layer"], f["step"]) for f in case["fallbacks"]] == [("fc1", 0)]
+    assert case["fallbacks"][0]["sqnr_db"] < 10
+    fc1 = {r["gemm"]: r for r in case["guarded_report"] if r["layer"] == "fc1"}
+    assert fc1["output"]["fallback"] and fc1["output"]["sqnr_db"] > 40
+    assert not any(r["fallback"] for r in case["guarded_report"] if r["layer"] != "fc1")
+    # and independently: fc1's output now is F.linear's, while its float8 path still fails
+    assert case["fc1_independent_db"] > 40
+    assert case["fc1_float8_db"] < 10
+
+
+def test_monitor_sqnr_equals_independent_fp32_measurement():
+    model = drift_model()
+    monitor = Float8Monitor(model, every=1)
+    seen = {}
+
+    def keep(name):
+        def fwd(mod, args, out):
+            seen[name] = {"input": args[0].detach(), "output": out.detach()}
+
+        def bwd(mod, grad_input, grad_output):
+            seen[name].update(grad_input=grad_input[0], grad_output=grad_output[0])
+
+        return fwd, bwd
+
+    for name in ("fc1", "fc2", "fc3"):
+        fwd, bwd = keep(name)
+        getattr(model, name).register_forward_hook(fwd)
+        getattr(model, name).register_full_backward_hook(bwd)
+    x = torch.randn(64, DIM).requires_grad_()
+    model(x).square().mean().backward()
+    rows = {(r["layer"], r["gemm"]): r["sqnr_db"] for r in monitor.report()}
+    for name in ("fc1", "fc2", "fc3"):
+        mod, s = getattr(model, name), seen[name]
+        w, inp, go = mod.weight.double(), s["input"].double(), s["grad_output"].double()
+        independent = {
+            "output": sqnr(F.linear(inp, w, mod.bias.double()), s["output"]),
+            "grad_input": sqnr(go @ w, s["grad_input"]),
+            "grad_weight": sqnr(go.t() @ inp, mod.weight.grad),
+        }
+        for gemm, db in independent.items():
+            assert 20 < db < 40, (name, gemm, db)  # float8, not a trivial comparison
+            assert abs(rows[(name, gemm)] - db) < 1, (name, gemm, rows[(name, gemm)], db)
+
+
+def test_autocast_reference_stays_fp32_and_eval_forwards_are_not_steps():
+    model = drift_model()
+    monitor = Float8Monitor(model, every=2)
+    seen = {}
+
+    def keep_first(mod, args, out):
+        if not seen:
+            seen.update(x=args[0], out=out)
+
+    model.fc2.register_forward_hook(keep_first)
+    x = torch.randn(64, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().square().mean().backward()
+    model.eval()
+    with torch.no_grad():
+        model(x)  # not a step
+    model.train()
+    assert monitor.step == 0
+    rows = {r["gemm"]: r for r in monitor.report() if r["layer"] == "fc2"}
+    ref = F.linear(seen["x"].float(), model.fc2.weight.float(), model.fc2.bias.float())
+    independent = sqnr(ref, seen["out"])
+    assert seen["out"].dtype == torch.bfloat16 and 20 < independent < 35
+    assert abs(rows["output"]["sqnr_db"] - independent) < 1
+    assert set(rows) == {"output", "grad_input", "grad_weight"}
+
+
+def _count_ops(fn) -> dict:
+    counts = {}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts[str(func)] = counts.get(str(func), 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return counts
+
+
+def test_unsampled_steps_run_no_extra_op():
+    torch.manual_seed(1)
+    model = drift_model()
+    x = torch.randn(32, DIM)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+
+    bare = _count_ops(step)
+    monitor = Float8Monitor(model, every=3)
+    sampled = _count_ops(step)  # step 0
+    unsampled = _count_ops(step)  # step 1
+    assert unsampled == bare
+    assert "aten._local_scalar_dense.default" not in unsampled
+    # the sampled step runs the fp32 gemms: 3 layers x 3 gemms more mm/addmm
+    mm = ("aten.mm.default", "aten.addmm.default")
+    assert sum(sampled.get(k, 0) for k in mm) >= sum(bare.get(k, 0) for k in mm) + 9
+    assert monitor.report()[0]["step"] == 0
+
+
+def test_fallback_survives_a_checkpoint_through_the_monitor_state_dict():
+    model = drift_model()
+    monitor = Float8Monitor(model, every=1, fallback_below_db=15)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, 1)
+    saved = {"model": model.state_dict(), "monitor": monitor.state_dict()}
+    assert set(saved["model"]) == set(drift_model().state_dict())  # keys unchanged
+
+    resumed = drift_model()
+    resumed.load_state_dict(saved["model"])
+    monitor2 = Float8Monitor(resumed, every=1, fallback_below_db=15)
+    monitor2.load_state_dict(saved["monitor"])
+    assert monitor2.fallbacks == monitor.fallbacks and monitor2.step == monitor.step
+    x = torch.randn(16, DIM) * 100
+    torch.testing.assert_close(resumed(x), model(x), rtol=0, atol=0)
+    ref = F.linear(x.double(), resumed.fc1.weight.double(), resumed.fc1.bias.double())
+    assert sqnr(ref, resumed.fc1(x)) > 40
+
+
+def test_fallback_on_any_gemm_also_watches_the_backward():
+    # unit-scale data: outputs sit near 28.5-30.5 dB, grad_inputs (e5m2) near 25.5-26.5 dB
+    result = {}
+    for on in ("output", "any"):
+        torch.manual_seed(0)
+        model = drift_model()
+        monitor = Float8Monitor(model, every=1, fallback_below_db=27.5, fallback_on=on)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(torch.randn(64, DIM)).square().mean().backward()
+        rows = {(r["layer"], r["gemm"]): r["sqnr_db"] for r in monitor.report()}
+        result[on] = (rows, [(f["layer"], f["gemm"]) for f in monitor.fallbacks])
+    rows, switched = result["output"]
+    assert min(db for (_, g), db in rows.items() if g == "output") > 27.5 and switched == []
+    rows, switched = result["any"]
+    low = [key for key, db in rows.items() if db < 27.5]
+    assert low and all(g != "output" for _, g in low)
+    # each layer switched once, by its first gemm below the floor
+    first_low = {}
+    for layer, g in low:
+        first_low.setdefault(layer, (layer, g))
+    assert switched == list(first_low.values())
+
+
+def test_argument_errors_name_the_fix():
+    with pytest.raises(ValueError, match="every=0"):
+        Float8Monitor(drift_model(), every=0)
+    with pytest.raises(ValueError, match="no Float8Linear"):
+        Float8Monitor(MLP())
+    with pytest.raises(ValueError, match="fallback_on"):
+        Float8Monitor(drift_model(), fallback_on="grad")
+    model = convert_to_float8_training(
+        MLP(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    )
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=False"):
+        Float8Monitor(model)
+
+
+# ---------------------------------------------------------------------------- FSDP2, 2 ranks
+
+
+def _worker_fsdp(rank: int, world: int, tmp: str) -> dict:
+    """Every rank: the drift model under FSDP2 (each layer and the root sharded), its own
+    data, the guardrail on; counts the monitor's collectives."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = drift_model()  # the same weights and calibration on every rank
+    for name in ("fc1", "fc2", "fc3"):
+        fully_shard(getattr(model, name))
+    fully_shard(model)
+    monitor = Float8Monitor(model, every=2, fallback_below_db=15)
+    calls, real = [], dist.all_reduce
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_reduce = counting
+    torch.manual_seed(100 + rank)
+    xs = [torch.randn(32, DIM) * 100 for _ in range(5)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            model(x).square().mean().backward()
+            model.zero_grad()
+    dist.all_reduce = real
+    # the same run with the monitor attached before fully_shard
+    torch.manual_seed(0)
+    model = drift_model()
+    before = Float8Monitor(model, every=2, fallback_below_db=15)
+    for name in ("fc1", "fc2", "fc3"):
+        fully_shard(getattr(model, name))
+    fully_shard(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for x in xs:
+            model(x).square().mean().backward()
+            model.zero_grad()
+    return {
+        "rows_attached_before": before.report(all_steps=True),
+        "rows": monitor.report(all_steps=True),
+        "fallbacks": monitor.fallbacks,
+        "all_reduces": len(calls),
+        "warnings": [str(w.message) for w in caught if "Float8Monitor" in str(w.message)],
+        "xs": xs,
+    }
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    from tests.test_fsdp import _spawn
+
+    return _spawn("tests.test_monitor:_worker_fsdp", 2, tmp_path_factory.mktemp("monitor_fsdp2"))
+
+
+def test_fsdp2_ranks_agree_and_fall_back_together(fsdp2):
+    r0, r1 = fsdp2
+    assert r0["rows"] == r1["rows"]  # one reduction: every rank reports the same numbers
+    assert r0["rows_attached_before"] == r0["rows"]  # before or after fully_shard: the same
+    assert r0["fallbacks"] == r1["fallbacks"]
+    assert [(f["layer"], f["step"]) for f in r0["fallbacks"]] == [("fc1", 0)]
+    assert len(r0["warnings"]) == len(r1["warnings"]) == 1
+    assert r0["all_reduces"] == r1["all_reduces"] == 3  # sampled steps 0, 2, 4
+    # the reduced step-0 numbers are the whole batch's: one device on both ranks' tokens
+    torch.manual_seed(0)
+    model = drift_model()
+    monitor = Float8Monitor(model, every=2)
+    with torch.no_grad():
+        model(torch.cat([r0["xs"][0], r1["xs"][0]]))
+    single = {r["layer"]: r for r in monitor.report()}
+    sharded = {r["layer"]: r for r in r0["rows"] if r["step"] == 0 and r["gemm"] == "output"}
+    # fc1 (static input scale, same weight): bitwise the same casts, so the same sums
+    assert sharded["fc1"]["sqnr_db"] == pytest.approx(single["fc1"]["sqnr_db"], abs=1e-6)
+    assert sharded["fc1"]["saturated"] == single["fc1"]["saturated"] > 0.01
+    for name in ("fc2", "fc3"):  # dynamic per-rank scales: close, not equal
+        assert abs(sharded[name]["sqnr_db"] - single[name]["sqnr_db"]) < 1
+    # after the switch fc1 reports its (hp) output only
+    after = [r for r in r0["rows"] if r["layer"] == "fc1" and r["step"] == 4]
+    assert [(r["gemm"], r["fallback"]) for r in after] == [("output", True)]
+    assert after[0]["sqnr_db"] > 40
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+def test_attach_after_compile_measures_eagerly_and_compiles_the_rest():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    xs = [torch.randn(64, DIM) for _ in range(3)]
+    rows = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = drift_model()
+        if mode == "compiled":
+            model = torch.compile(model)
+        monitor = Float8Monitor(model, every=2)
+        torch._dynamo.utils.counters.clear()
+        for x in xs:
+            model(x).square().mean().backward()
+        rows[mode] = monitor.report()
+        if mode == "compiled":
+            counters = torch._dynamo.utils.counters
+            assert not counters["graph_break"]  # step 1 ran one graph, no break
+            assert counters["stats"]["unique_graphs"] == 1
+    assert len(rows["compiled"]) == 9 and all(r["step"] == 2 for r in rows["compiled"])
+    # sampled steps run eagerly: the same numbers as an eager run's
+    assert [r["sqnr_db"] for r in rows["compiled"]] == [r["sqnr_db"] for r in rows["eager"]]
+
+
+def test_attach_before_compile_raises_naming_the_fix():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = drift_model()
+    Float8Monitor(model, every=1)
+    compiled = torch.compile(model, backend="eager")  # the error is dynamo's tracing, not codegen
+    with pytest.raises(RuntimeError, match=r"Float8Monitor\(torch.compile\(model\)\)"):
+        compiled(torch.randn(8, DIM))
+    assert torch._dynamo.eval_frame._stance.stance == "default"  # not left forcing eager
+
+
+# ---------------------------------------------------------------------------- recipes/train.py
+
+
+def test_train_monitor_flag_writes_the_table_and_changes_no_loss(tmp_path):
+    from tests.test_recipes import run_train
+
+    torch.set_num_threads(1)
+    flags = ["--float8", "tensorwise", "--steps", "4", "--eval-every", "0"]
+    plain = run_train(tmp_path / "plain", *flags)
+    monitored = run_train(tmp_path / "mon", *flags, "--monitor", "2")
+    assert [r["loss"] for r in monitored] == [r["loss"] for r in plain]  # measures only
+    rows = [json.loads(s) for s in (tmp_path / "mon" / "monitor.jsonl").read_text().splitlines()]
+    steps = sorted({r["step"] for r in rows})
+    assert steps == [2, 4]  # metrics.jsonl's step numbers
+    per_step = len(rows) // 2
+    layers = {r["layer"] for r in rows}
+    assert per_step == 3 * len(layers) and "output" not in layers  # the hp head is not float8
+    for r in rows:
+        assert 15 < r["sqnr_db"] < 60 and r["saturated"] == 0, r  # float8, not exact
+    # compare.py's per-layer plot draws the last sampled step's rows
+    import compare
+
+    series = compare.plot_monitor(tmp_path, ["plain", "mon"], tmp_path / "monitor.png")
+    assert list(series) == ["mon"]
+    last = [r for r in rows if r["step"] == 4]
+    for gemm, pts in series["mon"].items():
+        assert pts == [(r["layer"], r["sqnr_db"]) for r in last if r["gemm"] == gemm]
+    assert (tmp_path / "monitor.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------------------- overhead
+
+
+def monitor_overhead(dim: int = 512, depth: int = 4, tokens: int = 512, repeats: int = 9) -> dict:
+    """Median wall time (ms) of one forward+backward of ``depth`` tensorwise float8 linears
+    (``dim`` x ``dim``, ``tokens`` rows) without a monitor, and with one on its unsampled
+    and sampled steps (tools/measure.py publishes this; the op count test above is the
+    exact check that an unsampled step adds nothing)."""
+    import statistics
+    import time
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(dim, dim), nn.GELU()]
+    model = convert_to_float8_training(nn.Sequential(*layers))
+    x = torch.randn(tokens, dim)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        model(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        return 1e3 * (time.perf_counter() - t0)
+
+    for _ in range(2):
+        step()  # warm-up
+    times = {"bare_ms": [], "sampled_ms": [], "unsampled_ms": []}
+    for _ in range(repeats):  # interleaved, so that a change of machine load hits all three
+        times["bare_ms"].append(step())
+        monitor = Float8Monitor(model, every=2)
+        times["sampled_ms"].append(step())  # step 0
+        times["unsampled_ms"].append(step())  # step 1
+        monitor.remove()
+    return {
+        "dim": dim,
+        "depth": depth,
+        "tokens": tokens,
+        "repeats": repeats,
+        **{k: statistics.median(v) for k, v in times.items()},
+    }
