@@ -951,6 +951,21 @@ def _demo_gap(mode: str, which: str) -> Callable[[], str]:
     return get
 
 
+def _load_avg(name: str) -> Callable[[], str]:
+    """The 1-minute load average when ``name`` started (2 cores: 2.0 is a full machine)."""
+    return lambda: f"{load(name)['load_avg_1m_5m_15m'][0]:.1f}"
+
+
+def _cpu(name: str) -> Callable[[], str]:
+    """The machine ``name`` ran on: "CPU: AMD EPYC, 2 cores, ..." -> "2 cores (AMD EPYC)"."""
+
+    def render() -> str:
+        model, cores = load(name)["device"].removeprefix("CPU: ").split(", ")[:2]
+        return f"{cores} ({model})"
+
+    return render
+
+
 INLINE: dict[str, Callable[[], str]] = {
     "fsdp.ag_ratio": lambda: "{:.3f}x".format(
         load("fsdp")["data"]["all_gather_bytes_fp8"] / load("fsdp")["data"]["all_gather_bytes_bf16"]
@@ -986,6 +1001,11 @@ INLINE: dict[str, Callable[[], str]] = {
     "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
     "demo.wall_min": lambda: f"{load('demo')['wall_s'] / 60:.1f} min",
     "demo_busy.wall_min": lambda: f"{load('demo_busy')['wall_s'] / 60:.1f} min",
+    **{
+        f"{name}.{what}": fn
+        for name in ("demo", "demo_busy", "suite")
+        for what, fn in (("load", _load_avg(name)), ("cpu", _cpu(name)))
+    },
     "suite.wall_min": lambda: f"{load('suite')['wall_s'] / 60:.1f} min",
     "suite.passed": lambda: str(load("suite")["data"]["passed"]),
     "demo.threads": lambda: str(load("demo")["threads"]),
