@@ -480,7 +480,7 @@ def weight_scale_for_all_gather(
 def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
     """The max of ``amax`` over the ranks of ``group``: one all-reduce (none on one rank)."""
     amax = amax.clone()
-    if dist.get_world_size(group) > 1:
+    if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 

@@ -173,12 +173,17 @@ class _Blockwise(Layout):
         full = torch.zeros(self.grid(where), dtype=torch.float32, device=shard.device)
         if shard.numel() == 0:
             return full
-        lead = where.offset % b if where.dim == 0 else 0
-        first = where.offset // b if where.dim == 0 else 0
-        # the shard's rows in their blocks: ``lead`` zero rows before its first row
-        padded = torch.nn.functional.pad(shard, (0, 0, lead, 0))
-        amax = _nan_to_inf(scaling.block_amax(padded, (b, b)))
-        full[where.slot, first : first + amax.shape[0], : amax.shape[1]] = amax
+        start = where.offset if where.dim == 0 else 0
+        first = start // b
+        # per row and column block, then the max over the rows of each block row: one pass
+        # over the shard (no padding of a few-row shard to whole blocks)
+        n, c = shard.shape
+        cols = torch.nn.functional.pad(shard, (0, -c % b)) if c % b else shard
+        rows = torch.abs(cols).reshape(n, -1, b).amax(-1).to(torch.float32)
+        block = torch.arange(start, start + n, device=shard.device) // b - first
+        amax = rows.new_zeros(((start + n - 1) // b - first + 1, rows.shape[1]))
+        amax.scatter_reduce_(0, block[:, None].expand_as(rows), rows, "amax")
+        full[where.slot, first : first + amax.shape[0], : amax.shape[1]] = _nan_to_inf(amax)
         return full
 
     def shard_scale(self, scale: torch.Tensor, shard: torch.Tensor, where: ShardSpec):
