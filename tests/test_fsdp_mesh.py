@@ -186,6 +186,7 @@ def _check_mesh(results: list[dict], name: str) -> None:
     assert all(r[name, "whole_weight_scales"] for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["2x2", "hsdp", "1x2"])
 def test_float8_all_gather_equals_hp_all_gather(mesh4, name):
     _check_mesh(mesh4, name)
