@@ -16,11 +16,17 @@ a fresh precomputed scale (first step, ``precompute_scales`` not called, or the 
 since) ``fsdp_pre_all_gather`` still computes the right scale itself, at the cost of one small
 all-reduce per weight per all-gather.
 
-Blockwise weights (``blockwise`` recipe) need none of this: each 128x128 block's scale is
-computed from the block itself, so when every rank's shard holds whole 128-row blocks (FSDP2
-shards dim 0 in chunks of ceil(rows / ranks): a multiple of 128 rows), each rank casts its
-shard alone, with no amax collective, and the block scales are all-gathered with the bytes
-(a second, tiny all-gather input). A shard that would cut a block raises, naming the fix.
+Blockwise weights (``blockwise`` recipe): each 128x128 block's scale is computed from the
+block itself, so when every rank's shard holds whole 128-row blocks (FSDP2 shards dim 0 in
+chunks of ceil(rows / ranks): a multiple of 128 rows), each rank casts its shard alone, with
+no amax collective, and the block scales are all-gathered with the bytes (a second, tiny
+all-gather input). Where shards cut blocks, a straddling block's amax is the max of the
+ranks' partial amaxes, reduced like a tensorwise amax (``shard_groups._Blockwise``).
+
+Meshes. On a 2-D mesh (FSDP2 x tensor parallel, HSDP) FSDP2 shards the *outer* weight (the
+TP shard) over the 1-D shard mesh it passes to the hooks; ``shard_spec`` places the shard in
+the global weight from the weight's DTensor placements, and amaxes are reduced over every
+rank of the weight's mesh (``amax_group``), so a tensorwise scale is the whole weight's.
 
 Every rank must make the same choice between the two (the fallback is a collective: one rank
 taking it alone hangs the job), so freshness is judged only by signals that change alike on
@@ -187,11 +193,22 @@ class Float8AllGatherWeight(torch.Tensor):
             tensorwise, (N, 1) rowwise; the same on every rank).
         """
         cast = self._config.cast_config_weight
+        where = shard_spec(self.shape, outer_size, mesh, module)
+        if where.dim not in (None, 0) and cast.scaling_granularity is not (
+            ScalingGranularity.TENSORWISE
+        ):
+            # alike on every rank (FSDP2 shards other dims evenly), before any collective
+            raise ValueError(
+                f"float8kit: {type(module).__name__}({module.extra_repr()}): a "
+                f"{cast.scaling_granularity.value} float8 all-gather weight must be sharded "
+                f"along dim 0 (FSDP2's default); FSDP2 shards it along dim {where.dim} over "
+                f"mesh {mesh}: drop the shard_placement_fn for it, or set "
+                "enable_fsdp_float8_all_gather=False"
+            )
         if self._block_size is not None and not shard_groups.cuts_blocks(
             cast, outer_size[0], mesh.size()
         ):
-            return self._pre_all_gather_blocks(mesh, outer_size, module)
-        where = shard_spec(self.shape, outer_size, mesh, module)
+            return self._pre_all_gather_blocks(mesh, outer_size)
         scale = weight_scale_for_all_gather(self, mesh, module, where)
         groups = shard_groups.layout(cast)
         shard_scale = groups.shard_scale(scale, self._tensor, where)
@@ -216,21 +233,14 @@ class Float8AllGatherWeight(torch.Tensor):
             return cast.block_size
         return None
 
-    def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size, module: nn.Module):
-        """The blockwise ``fsdp_pre_all_gather``: ``((data_uint8, scales_uint8), ())``, both
-        padded to FSDP2's padded shard size; every scale is local to its shard."""
+    def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size):
+        """The blockwise ``fsdp_pre_all_gather`` for shards of whole blocks:
+        ``((data_uint8, scales_uint8), ())``, both padded to FSDP2's padded shard size; every
+        scale is local to its shard."""
         from float8kit.linear import cast_to_float8
 
         b, world = self._block_size, mesh.size()
         chunk = _padded_shard_size(self.shape, outer_size, world)
-        if self.shape[1:] != outer_size[1:] or (world > 1 and chunk[0] % b):
-            raise ValueError(
-                f"float8kit: blockwise float8 all-gather of a {tuple(outer_size)} weight "
-                f"({module.extra_repr()}) over {world} ranks: FSDP2's dim-0 shards of "
-                f"{chunk[0]} rows cut its {b}x{b} scale blocks. Use out_features that give "
-                f"every rank whole blocks (a multiple of {b} x {world}), or keep this layer's "
-                "weight gathered in hp (enable_fsdp_float8_all_gather=False)"
-            )
         config = self._config
         fp8 = cast_to_float8(self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
         data, scale = fp8._data.view(torch.uint8), fp8._scale

@@ -12,8 +12,9 @@ the hook's fallback, or a slice of ``precompute_scales``' single collective.
 This is where a weight granularity whose scales span shards plugs into the float8
 all-gather (float8kit/fsdp.py): a ``Layout`` says how a shard's group amaxes fill the full
 weight's scale shape, which part of the full scale casts the shard, and the granularity of
-the gathered ``Float8TrainingTensor``. Blockwise weights need none of it (each block-aligned
-shard's block scales are its own; fsdp.py gathers them with the bytes).
+the gathered ``Float8TrainingTensor``. Blockwise weights need it only where shards cut
+128-row blocks (a block-aligned shard's block scales are its own; fsdp.py gathers them with
+the bytes). Under tensor parallelism the full shape is the global weight's (``ShardSpec``).
 
 Internal.
 """

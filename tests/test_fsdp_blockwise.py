@@ -145,13 +145,16 @@ def test_blockwise_shards_that_cut_blocks_train_like_one_device(blockwise_ranks)
 
 
 class _Ranks:
-    """A stand-in for the FSDP mesh: the hooks only ask its size."""
+    """A stand-in for the FSDP mesh: the hooks only ask its size and this rank's index."""
 
-    def __init__(self, n: int):
-        self.n = n
+    def __init__(self, n: int, rank: int = 0):
+        self.n, self.rank = n, rank
 
     def size(self) -> int:
         return self.n
+
+    def get_local_rank(self) -> int:
+        return self.rank
 
 
 def test_hooks_gather_a_partial_last_block_like_one_device_cast():
@@ -164,9 +167,10 @@ def test_hooks_gather_a_partial_last_block_like_one_device_cast():
     hp = torch.randn(255, 256)
     module = Float8Linear(256, 255, bias=False, config=BLOCK_AG)
     shards = []
-    for rows in (slice(0, 128), slice(128, 255)):
+    for rank, rows in enumerate((slice(0, 128), slice(128, 255))):
         w = type(module.weight)(hp[rows].clone(), BLOCK_AG)
-        (data, scale), meta = w.fsdp_pre_all_gather(_Ranks(2), hp.shape, (256, 1), module, None)
+        mesh = _Ranks(2, rank)
+        (data, scale), meta = w.fsdp_pre_all_gather(mesh, hp.shape, (256, 1), module, None)
         assert data.shape == (128, 256) and scale.shape == (1, 2 * 4) and meta == ()
         shards.append((data, scale))
     gathered = [torch.cat(parts) for parts in zip(*shards, strict=True)]

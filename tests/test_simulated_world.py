@@ -45,6 +45,9 @@ class FakeMesh:
 
     ndim = 1
 
+    def __repr__(self) -> str:
+        return f"FakeMesh(rank={self.rank}, world={self.world})"
+
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
 
@@ -173,3 +176,17 @@ def test_whole_real_weights(shape, world, recipe):
     full = _weight(*shape)
     weight = simulate_all_gather(full, config, world)
     _assert_single_device_cast(weight, full, config)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
+def test_shards_along_dim_1_raise_naming_layer_mesh_and_fix(recipe):
+    # shard_placement_fn=Shard(1): the row (or block) scales would span the ranks' columns
+    config = _config(recipe)
+    module = _module(config)
+    shard = Float8AllGatherWeight(torch.randn(384, 96), config)
+    mesh = FakeMesh(1, 3)
+    with pytest.raises(ValueError, match="must be sharded along dim 0") as err:
+        shard.fsdp_pre_all_gather(mesh, torch.Size([384, 288]), (288, 1), module, None)
+    msg = str(err.value)
+    assert "Float8Linear(in_features=16" in msg and "FakeMesh" in msg
+    assert "shard_placement_fn" in msg and "enable_fsdp_float8_all_gather=False" in msg
