@@ -821,7 +821,7 @@ def fsdp_mesh_table() -> str:
                 [
                     label,
                     recipe,
-                    sci(x["loss_rel_diff"]),
+                    "0 (**bitwise**)" if x["loss_rel_diff"] == 0 else sci(x["loss_rel_diff"]),
                     ratio,
                     x["precompute_all_reduces"],
                     x["fwd_bwd_extra_all_reduces"],
