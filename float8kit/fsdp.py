@@ -495,7 +495,7 @@ def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
     return amax
 
 
-def mesh_group(mesh) -> dist.ProcessGroup:
+def mesh_group(mesh, layer: str = "") -> dist.ProcessGroup:
     """The process group of all ranks of ``mesh`` (a DeviceMesh of any dims): the mesh's own
     on a 1-D mesh, the default group when the mesh spans every rank, else the flattened
     mesh's (named dims needed: DeviceMesh._flatten)."""
@@ -505,8 +505,8 @@ def mesh_group(mesh) -> dist.ProcessGroup:
         return dist.group.WORLD
     if not mesh.mesh_dim_names:
         raise ValueError(
-            f"float8kit: float8 all-gather weights on the {mesh.ndim}-D mesh {mesh} need "
-            "one all-reduce over all its ranks, which needs a mesh with named dims "
+            f"float8kit: {layer or 'float8 all-gather weights'} on the {mesh.ndim}-D mesh {mesh}: "
+            "its amaxes need one all-reduce over all the mesh's ranks, which needs named dims "
             "(init_device_mesh(..., mesh_dim_names=...)); or pass precompute_scales(group=...)"
         )
     return mesh._flatten().get_group()
@@ -519,7 +519,7 @@ def amax_group(module: nn.Module, shard_mesh) -> dist.ProcessGroup:
 
     weight = module.weight
     if isinstance(weight, DTensor) and weight.device_mesh.ndim > 1:
-        return mesh_group(weight.device_mesh)
+        return mesh_group(weight.device_mesh, f"{type(module).__name__}({module.extra_repr()})")
     return shard_mesh.get_group() if shard_mesh.size() > 1 else None
 
 
