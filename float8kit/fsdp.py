@@ -16,11 +16,17 @@ a fresh precomputed scale (first step, ``precompute_scales`` not called, or the 
 since) ``fsdp_pre_all_gather`` still computes the right scale itself, at the cost of one small
 all-reduce per weight per all-gather.
 
-Blockwise weights (``blockwise`` recipe) need none of this: each 128x128 block's scale is
-computed from the block itself, so when every rank's shard holds whole 128-row blocks (FSDP2
-shards dim 0 in chunks of ceil(rows / ranks): a multiple of 128 rows), each rank casts its
-shard alone, with no amax collective, and the block scales are all-gathered with the bytes
-(a second, tiny all-gather input). A shard that would cut a block raises, naming the fix.
+Blockwise weights (``blockwise`` recipe): each 128x128 block's scale is computed from the
+block itself, so when every rank's shard holds whole 128-row blocks (FSDP2 shards dim 0 in
+chunks of ceil(rows / ranks): a multiple of 128 rows), each rank casts its shard alone, with
+no amax collective, and the block scales are all-gathered with the bytes (a second, tiny
+all-gather input). Where shards cut blocks, a straddling block's amax is the max of the
+ranks' partial amaxes, reduced like a tensorwise amax (``shard_groups._Blockwise``).
+
+Meshes. On a 2-D mesh (FSDP2 x tensor parallel, HSDP) FSDP2 shards the *outer* weight (the
+TP shard) over the 1-D shard mesh it passes to the hooks; ``shard_spec`` places the shard in
+the global weight from the weight's DTensor placements, and amaxes are reduced over every
+rank of the weight's mesh (``amax_group``), so a tensorwise scale is the whole weight's.
 
 Every rank must make the same choice between the two (the fallback is a collective: one rank
 taking it alone hangs the job), so freshness is judged only by signals that change alike on
@@ -58,7 +64,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from float8kit import scaling, shard_groups
+from float8kit import dtensor, scaling, shard_groups
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
 from float8kit.identity import HpIdentity
 from float8kit.shard_groups import ShardSpec
@@ -189,13 +195,26 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
             padding), and the scale the gathered weight needs (the full weight's: shape ()
             tensorwise, (N, 1) rowwise; the same on every rank).
         """
-        if self._block_size is not None:
-            return self._pre_all_gather_blocks(mesh, outer_size, module)
-        where = ShardSpec.of(self.shape, outer_size, _mesh_rank(mesh), mesh.size())
+        cast = self._config.cast_config_weight
+        where = shard_spec(self.shape, outer_size, mesh, module)
+        if where.dim not in (None, 0) and cast.scaling_granularity is not (
+            ScalingGranularity.TENSORWISE
+        ):
+            # alike on every rank (FSDP2 shards other dims evenly), before any collective
+            raise ValueError(
+                f"float8kit: {type(module).__name__}({module.extra_repr()}): a "
+                f"{cast.scaling_granularity.value} float8 all-gather weight must be sharded "
+                f"along dim 0 (FSDP2's default); FSDP2 shards it along dim {where.dim} over "
+                f"mesh {mesh}: drop the shard_placement_fn for it, or set "
+                "enable_fsdp_float8_all_gather=False"
+            )
+        if self._block_size is not None and not shard_groups.cuts_blocks(
+            cast, outer_size[0], mesh.size()
+        ):
+            return self._pre_all_gather_blocks(mesh, outer_size)
         scale = weight_scale_for_all_gather(self, mesh, module, where)
-        shard_scale = shard_groups.layout(self._config.cast_config_weight).shard_scale(
-            scale, self._tensor, where
-        )
+        groups = shard_groups.layout(cast)
+        shard_scale = groups.shard_scale(scale, self._tensor, where)
         data = scaling.to_fp8_saturated(self._tensor, shard_scale, self._fp8_dtype)
         # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
         # uint8 input lets FSDP2 gather fp8 weights and hp biases in one uint8 buffer.
@@ -205,6 +224,9 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
             padded = data.new_zeros(padded_size)
             padded[: data.size(0)].copy_(data)
             data = padded
+        scale = groups.gathered_scale(scale, where)  # the outer (FSDP2-unsharded) weight's
+        if self._block_size is not None:  # blocks cut by the shards: whole-block scales
+            return (data,), (scale, outer_size[0])
         return (data,), (scale,)
 
     @property
@@ -214,21 +236,14 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
             return cast.block_size
         return None
 
-    def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size, module: nn.Module):
-        """The blockwise ``fsdp_pre_all_gather``: ``((data_uint8, scales_uint8), ())``, both
-        padded to FSDP2's padded shard size; every scale is local to its shard."""
+    def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size):
+        """The blockwise ``fsdp_pre_all_gather`` for shards of whole blocks:
+        ``((data_uint8, scales_uint8), ())``, both padded to FSDP2's padded shard size; every
+        scale is local to its shard."""
         from float8kit.linear import cast_to_float8
 
         b, world = self._block_size, mesh.size()
         chunk = _padded_shard_size(self.shape, outer_size, world)
-        if self.shape[1:] != outer_size[1:] or (world > 1 and chunk[0] % b):
-            raise ValueError(
-                f"float8kit: blockwise float8 all-gather of a {tuple(outer_size)} weight "
-                f"({module.extra_repr()}) over {world} ranks: FSDP2's dim-0 shards of "
-                f"{chunk[0]} rows cut its {b}x{b} scale blocks. Use out_features that give "
-                f"every rank whole blocks (a multiple of {b} x {world}), or keep this layer's "
-                "weight gathered in hp (enable_fsdp_float8_all_gather=False)"
-            )
         config = self._config
         fp8 = cast_to_float8(self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
         data, scale = fp8._data.view(torch.uint8), fp8._scale
@@ -247,13 +262,15 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
 
     def _post_all_gather_blocks(self, all_gather_outputs, metadata, param_dtype, out):
         b = self._block_size
-        if len(all_gather_outputs) == 1:  # a single rank: the scales came as metadata
-            (data,), (scale,) = all_gather_outputs, metadata
+        if len(all_gather_outputs) == 1:  # the scales came as metadata (replicated)
+            (data,), (scale, *rows) = all_gather_outputs, metadata
             if out is not None:
                 _refill_scale(out, scale)
                 return None
+            # shards that cut blocks: drop the padding rows (a view, as rowwise below)
+            fp8 = data[: rows[0]] if rows else data
             weight = Float8TrainingTensor(
-                data.view(self._fp8_dtype),
+                fp8.view(self._fp8_dtype),
                 scale.clone(),
                 param_dtype,
                 GemmRole.WEIGHT,
@@ -461,33 +478,137 @@ def weight_scale_for_all_gather(
             )
             setattr(module, _SCALE_ATTR, None)
     state_scale, amax_record, scale_set = module._operand_state(GemmRole.WEIGHT, module.training)
+    # Under tensor parallelism the DELAYED/STATIC buffers are replicated DTensors: their
+    # local tensors share the storage (a recorded amax lands in the buffer).
+    state_scale, amax_record = dtensor.local(state_scale), dtensor.local(amax_record)
     amax = None
     if needs_amax(cast, amax_record is not None, scale_set):
         amax = groups.group_amaxes(weight._tensor, where)
         if kind is ScalingType.DYNAMIC or not scale_set:
-            amax = _all_reduce_max(amax, mesh)  # the scale needs the whole weight's amax
+            # the scale needs the whole weight's amax: over every mesh dim it is sharded on
+            amax = _all_reduce_max(amax, amax_group(module, mesh))
     return operand_scale(cast, GemmRole.WEIGHT, config, amax, state_scale, amax_record, scale_set)
 
 
-def _all_reduce_max(amax: torch.Tensor, mesh) -> torch.Tensor:
-    """The max of ``amax`` over the ranks of ``mesh``: one all-reduce (none on one rank)."""
+def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
+    """The max of ``amax`` over the ranks of ``group``: one all-reduce (none on one rank)."""
     amax = amax.clone()
-    if mesh.size() > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
 
 
-def _group_amaxes(name: str, m: nn.Module) -> torch.Tensor:
-    """The group amaxes of ``m``'s local weight shard in the full weight's scale shape."""
-    weight = m.weight
-    mesh = weight.device_mesh
-    if mesh.ndim != 1:
+def mesh_group(mesh, layer: str = "") -> dist.ProcessGroup:
+    """The process group of all ranks of ``mesh`` (a DeviceMesh of any dims): the mesh's own
+    on a 1-D mesh, the default group when the mesh spans every rank, else the flattened
+    mesh's (named dims needed: DeviceMesh._flatten)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    if not mesh.mesh_dim_names:
         raise ValueError(
-            f"float8kit: {name}: rowwise float8 all-gather weights are supported on a 1-D "
-            f"FSDP2 mesh only, got a {mesh.ndim}-D mesh: set enable_fsdp_float8_all_gather=False"
+            f"float8kit: {layer or 'float8 all-gather weights'} on the {mesh.ndim}-D mesh {mesh}: "
+            "its amaxes need one all-reduce over all the mesh's ranks, which needs named dims "
+            "(init_device_mesh(..., mesh_dim_names=...)); or pass precompute_scales(group=...)"
         )
+    return mesh._flatten().get_group()
+
+
+def amax_group(module: nn.Module, shard_mesh) -> dist.ProcessGroup:
+    """The group over which a float8 all-gather weight's amaxes are reduced: every rank
+    holding a part of it (FSDP2's shard mesh, and the TP / HSDP dims of its DTensor mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    weight = module.weight
+    if isinstance(weight, DTensor) and weight.device_mesh.ndim > 1:
+        return mesh_group(weight.device_mesh, f"{type(module).__name__}({module.extra_repr()})")
+    return shard_mesh.get_group() if shard_mesh.size() > 1 else None
+
+
+_SHARD_MESH_ATTR = "_float8_shard_mesh"
+
+
+def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) -> ShardSpec:
+    """Where this rank's shard of ``module.weight`` sits (``ShardSpec``), from FSDP2's shard
+    ``mesh`` and outer size and the weight's DTensor placements (tensor parallel / HSDP
+    dims); remembers ``mesh`` on ``module`` for ``precompute_scales``."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    setattr(module, _SHARD_MESH_ATTR, mesh)
+    rank, world = _mesh_rank(mesh), mesh.size()
+    weight = module.weight
+    if not isinstance(weight, DTensor) or weight.device_mesh.ndim == 1:
+        return ShardSpec.of(shard_shape, outer_size, rank, world)
+    spmd = weight.device_mesh
+    fsdp_dim = _fsdp_mesh_dim(spmd, mesh)
+    # the outer weight: the DTensor with FSDP2's dim replicated (the TP shard, or all of it)
+    placements = [Replicate() if i == fsdp_dim else p for i, p in enumerate(weight.placements)]
+    outer_shape, outer_offset = compute_local_shape_and_global_offset(
+        weight.shape, spmd, placements
+    )
+    if tuple(outer_shape) != tuple(outer_size):
+        raise ValueError(
+            f"float8kit: float8 all-gather weight ({module.extra_repr()}) on mesh {spmd}: "
+            f"FSDP2's unsharded size {tuple(outer_size)} is not the weight's shard "
+            f"{tuple(outer_shape)} on the mesh dims other than FSDP2's shard dim"
+        )
+    coord = spmd.get_coordinate()
+    others = [d for d in range(spmd.ndim) if d != fsdp_dim]
+    slot, n_slots = 0, 1
+    for d in others:
+        slot, n_slots = slot * spmd.size(d) + coord[d], n_slots * spmd.size(d)
+    return ShardSpec.of(
+        shard_shape,
+        outer_size,
+        rank,
+        world,
+        full_shape=torch.Size(weight.shape),
+        outer_offset=tuple(outer_offset),
+        slot=slot,
+        n_slots=n_slots,
+    )
+
+
+def _fsdp_mesh_dim(spmd, shard_mesh) -> int:
+    """The dim of the weight's DeviceMesh ``spmd`` that is FSDP2's 1-D ``shard_mesh``."""
+    ranks = shard_mesh.mesh.flatten().tolist()
+    coord = spmd.get_coordinate()
+    for d in range(spmd.ndim):
+        index = tuple(slice(None) if i == d else c for i, c in enumerate(coord))
+        if spmd.mesh[index].flatten().tolist() == ranks:
+            return d
+    raise ValueError(f"float8kit: FSDP2's shard mesh {shard_mesh} is not a dim of {spmd}")
+
+
+def _precompute_spec(m: nn.Module) -> ShardSpec | None:
+    """``m``'s shard placement for ``precompute_scales``: from FSDP2's shard mesh that the
+    hook remembered, or the weight's own mesh when 1-D; None on a multi-dim mesh before the
+    first all-gather (alike on every rank: the hook then reduces itself)."""
+    weight = m.weight
+    mesh = getattr(m, _SHARD_MESH_ATTR, None)
+    if mesh is None:
+        if weight.device_mesh.ndim != 1:
+            return None
+        mesh = weight.device_mesh
     shard = weight._local_tensor._tensor
-    where = ShardSpec.of(shard.shape, weight.shape, _mesh_rank(mesh), mesh.size())
+    spmd = weight.device_mesh
+    if spmd.ndim == 1:
+        outer = weight.shape
+    else:  # the outer size is the global one with the non-FSDP dims' sharding applied
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        d = _fsdp_mesh_dim(spmd, mesh)
+        placements = [Replicate() if i == d else p for i, p in enumerate(weight.placements)]
+        outer, _ = compute_local_shape_and_global_offset(weight.shape, spmd, placements)
+    return shard_spec(shard.shape, torch.Size(outer), mesh, m)
+
+
+def _group_amaxes(m: nn.Module, where: ShardSpec) -> torch.Tensor:
+    """The group amaxes of ``m``'s local weight shard in the full weight's scale shape."""
+    shard = m.weight._local_tensor._tensor
     return shard_groups.layout(m.config.cast_config_weight).group_amaxes(shard, where)
 
 
@@ -550,25 +671,30 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     # to copy to the device. Rowwise weights follow, one slice per weight. A blockwise
     # weight's scales are local to its shard: nothing to reduce.
     groups: dict[tuple, list[nn.Module]] = {}
-    others: list[tuple[str, nn.Module]] = []
-    for name, m in sharded:
+    others: list[tuple[nn.Module, ShardSpec]] = []
+    for _, m in sharded:
         cast = m.config.cast_config_weight
-        if (
-            cast.scaling_type is not ScalingType.DYNAMIC
-            or cast.scaling_granularity is ScalingGranularity.BLOCKWISE
-        ):
+        if cast.scaling_type is not ScalingType.DYNAMIC:
             continue
+        where = _precompute_spec(m)
+        if where is None:
+            continue
+        mesh = getattr(m, _SHARD_MESH_ATTR, None) or m.weight.device_mesh
+        if cast.scaling_granularity is ScalingGranularity.BLOCKWISE and not (
+            shard_groups.cuts_blocks(cast, where.outer_shape[0], mesh.size())
+        ):
+            continue  # whole blocks on every shard: each rank's block scales are its own
         if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
             groups.setdefault((cast, m.config.round_scales_to_power_of_2), []).append(m)
         else:
-            others.append((name, m))
+            others.append((m, where))
     if not groups and not others:
         return []
-    mods = [m for rows in groups.values() for m in rows] + [m for _, m in others]
+    mods = [m for rows in groups.values() for m in rows] + [m for m, _ in others]
     n_tensorwise = len(mods) - len(others)
     tensorwise = [m.weight._local_tensor._tensor for m in mods[:n_tensorwise]]
     pieces = [local_amaxes(tensorwise)] if tensorwise else []
-    group_amaxes = [_group_amaxes(name, m) for name, m in others]
+    group_amaxes = [_group_amaxes(m, where) for m, where in others]
     amaxes = torch.cat(pieces + [g.reshape(-1) for g in group_amaxes])
     stamps = [(weakref.ref(m.weight), m.weight._version) for m in mods]
 

@@ -213,14 +213,19 @@ _PROVIDERS: list[Callable[[nn.Module], list[Contribution]]] = [
 
 
 def _default_group(module: nn.Module) -> dist.ProcessGroup | None:
-    """The FSDP mesh's process group (from the first DTensor parameter on a 1-D mesh), else
-    None (the default group)."""
+    """All ranks of the model's widest DeviceMesh: the mesh of its DTensor parameter with
+    the most dims (FSDP2's mesh; on a 2-D (dp, tp) mesh or HSDP, every rank of it, since a
+    tensorwise weight sharded over dp and tp needs the max over both, even where norms or the
+    embedding are dp-only). None (the default group) when nothing is a DTensor."""
     from torch.distributed.tensor import DTensor
 
+    from float8kit.fsdp import mesh_group
+
+    widest = None
     for p in module.parameters():
-        if isinstance(p, DTensor) and p.device_mesh.ndim == 1:
-            return p.device_mesh.get_group()
-    return None
+        if isinstance(p, DTensor) and (widest is None or p.device_mesh.ndim > widest.ndim):
+            widest = p.device_mesh
+    return None if widest is None else mesh_group(widest)
 
 
 def precompute_scales(module: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
@@ -235,9 +240,10 @@ def precompute_scales(module: nn.Module, *, group: dist.ProcessGroup | None = No
 
     Args:
         module: the (possibly FSDP2-wrapped and compiled) model.
-        group: process group of the all-reduce; default: the FSDP mesh's group if the
-            model has one (1-D mesh), else the default group. With a multi-dimensional mesh
-            (HSDP, TP) pass the group explicitly if the default group is not right.
+        group: process group of the all-reduce; default: every rank of the model's widest
+            DeviceMesh (the FSDP2 mesh; on a 2-D (dp, tp) mesh or HSDP all dp x tp, or
+            replicate x shard, ranks; the flattened mesh when it spans fewer than all
+            ranks), else the default group.
     """
     # Scale-set flags from an earlier call, before the providers read them.
     _SCALES_SET.poll()

@@ -364,13 +364,10 @@ def build_model(
 
 
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
-    # float8 all-gather for the tensorwise and rowwise recipes. Blockwise weights are
-    # all-gathered in bf16 here: their float8 all-gather needs every rank's shard to be
-    # whole 128-row blocks, which the small presets' dims on a few ranks are not.
-    # Rowwise float8 all-gather needs a 1-D FSDP mesh: with --tp its weights go in bf16.
-    rowwise = args.float8 in ("rowwise", "rowwise_with_gw_hp") and args.tp == 1
-    fp8_all_gather = world_size > args.tp and (args.float8 in ("tensorwise", "delayed") or rowwise)
-    fp8_all_gather = fp8_all_gather and not args.monitor  # the monitor needs the hp weight
+    # float8 all-gather for every recipe, on a 1-D or a 2-D (dp, tp) mesh (docs/fsdp.md),
+    # except with --monitor, which measures against the hp weight
+    recipes = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise")
+    fp8_all_gather = world_size > args.tp and args.float8 in recipes and not args.monitor
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 

@@ -412,9 +412,53 @@ def fsdp_blockwise() -> None:
                 "fwd_bwd_all_reduces": r["fwd_bwd_all_reduces"],
                 "steps": len(r["split"]),
             }
+        # shards that cut 128-row blocks: 1024- and 256-row weights on 3 ranks
+        r = ranks[0]
+        data["cut_ranks3"] = {
+            "local_rows": r["cut_local_rows"],
+            "split_rel_diff": t._rel_diff(r["cut_split"], r["cut_ref"]),
+            "same_batch_bitwise": all(x["cut_replicated"] == r["cut_ref"] for x in ranks),
+            "precompute_all_reduces": r["cut_precompute_all_reduces"],
+            "fwd_bwd_all_reduces": r["cut_fwd_bwd_all_reduces"],
+        }
     write(
         "fsdp_blockwise",
         ["tests/test_fsdp_blockwise.py", "tests/test_fsdp.py"],
+        data,
+        time.perf_counter() - t0,
+    )
+
+
+def fsdp_mesh() -> None:
+    """tests/test_fsdp_mesh.py's run (4 gloo ranks: FSDP2 x TP 2x2 and 1x2, HSDP 2x2), every
+    recipe with and without float8 all-gather; losses of all ranks, bytes of rank 0."""
+    from tests import test_fsdp as t
+    from tests import test_fsdp_mesh as m
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        ranks = t._spawn("tests.test_fsdp_mesh:_worker_mesh", 4, Path(tmp))
+    r0 = ranks[0]
+    data: dict = {"steps": m.STEPS, "dim": m.DIM, "hidden": m.HIDDEN, "batch": m.BATCH}
+    for mesh in ("2x2", "hsdp", "1x2"):
+        bf16 = r0[mesh, "tensorwise", False, "all_gather_bytes"]
+        data[mesh] = {
+            recipe: {
+                "loss_rel_diff": max(
+                    t._rel_diff(r[mesh, recipe, True], r[mesh, recipe, False]) for r in ranks
+                ),
+                "all_gather_bytes_fp8": r0[mesh, recipe, True, "all_gather_bytes"],
+                "all_gather_bytes_bf16": bf16,
+                "precompute_all_reduces": r0[mesh, recipe, True, "precompute_all_reduces"],
+                "fwd_bwd_extra_all_reduces": r0[mesh, recipe, True, "fwd_bwd_all_reduces"]
+                - r0[mesh, recipe, False, "fwd_bwd_all_reduces"],
+            }
+            for recipe in m.RECIPES
+        }
+        data[mesh]["whole_weight_scales"] = all(r[mesh, "whole_weight_scales"] for r in ranks)
+    write(
+        "fsdp_mesh",
+        ["tests/test_fsdp_mesh.py", "tests/test_fsdp.py"],
         data,
         time.perf_counter() - t0,
     )
@@ -564,6 +608,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "outliers": outliers,
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
+    "fsdp_mesh": fsdp_mesh,
     "memory": memory,
     "monitor": monitor,
     "experts": experts,

@@ -898,6 +898,48 @@ def perf_table() -> str:
     )
 
 
+def fsdp_mesh_table() -> str:
+    """Mesh x recipe: float8 vs hp all-gather losses, dp all-gather bytes, collectives."""
+    d = load("fsdp_mesh")["data"]
+    names = {"2x2": "FSDP2 x TP 2x2", "hsdp": "HSDP 2x2", "1x2": "FSDP2 x TP 1x2"}
+    rows = []
+    for mesh, label in names.items():
+        for recipe, x in d[mesh].items():
+            if recipe == "whole_weight_scales":
+                continue
+            bf16 = x["all_gather_bytes_bf16"]
+            ratio = f"{x['all_gather_bytes_fp8'] / bf16:.3f}x" if bf16 else "- (one dp rank)"
+            rows.append(
+                [
+                    label,
+                    recipe,
+                    "0 (**bitwise**)" if x["loss_rel_diff"] == 0 else sci(x["loss_rel_diff"]),
+                    ratio,
+                    x["precompute_all_reduces"],
+                    x["fwd_bwd_extra_all_reduces"],
+                ]
+            )
+    scales = all(d[m]["whole_weight_scales"] for m in names)
+    return (
+        caption("fsdp_mesh")
+        + f"; {d['steps']} AdamW steps, dim {d['dim']}, hidden {d['hidden']}, batch "
+        + f"{d['batch']} per dp rank; tensorwise scale = whole weight's on every mesh: "
+        + ("yes" if scales else "NO")
+        + "\n\n"
+        + table(
+            [
+                "mesh",
+                "recipe",
+                "loss rel diff vs hp all-gather",
+                "dp all-gather bytes fp8 / bf16",
+                "precompute_scales collectives",
+                "extra fwd+bwd collectives",
+            ],
+            rows,
+        )
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo": lambda: compare_table("demo"),
     "tiny": lambda: compare_table("tiny"),
@@ -909,6 +951,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "outliers": outliers_table,
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
+    "fsdp_mesh": fsdp_mesh_table,
     "memory": memory_table,
     "monitor_drift": monitor_drift_table,
     "monitor_overhead": monitor_overhead_table,
