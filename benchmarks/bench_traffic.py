@@ -216,29 +216,31 @@ def minimum_bytes(recipe: str, m: int, k: int, n: int) -> int:
     two fp8 layouts (input: output gemm's A and grad_weight's B; weight: output's B and
     grad_input's B transposed; grad_output: grad_input's A and grad_weight's A transposed).
 
-    - dynamic (tensorwise, rowwise): one read for the amax(es) (all the scales one operand
-      needs, row and column amaxes included, come from one pass), one read that writes
-      every layout: 2 + 2 + layouts.
+    - a scale that needs the whole tensor (dynamic tensorwise) needs its own amax pass
+      before the cast: 2 + 2 + layouts.
+    - a scale local to a slice the casting pass holds (a row, a column tile, a 1x128 tile,
+      a 128x128 block) gets its amax in that pass: 2 + layouts per distinct cast. rowwise
+      casts each operand twice (row scales for one gemm, column scales for the other),
+      each cast one layout: 2 + 1 + 2 + 1.
+      blockwise's two activation casts (1x128 tiles for one gemm, 128x1 for the other)
+      are both local to one 128x128 region: one read writes both, 2 + 1 + 1.
     - delayed, static: the scale is known before the cast; delayed's amax record rides in
       the cast pass: 2 + layouts.
-    - blockwise: a 1x128 tile's or 128x128 block's amax is local to the pass that casts it:
-      2 + layouts (a 128x128 weight block's scale serves both gemms, but the kernel still
-      takes B column-major: two layouts).
     - hp gemms (bf16, the grad_weight of rowwise_with_gw_hp) read the bf16 operand in place.
     Scale math (a few scalars or M + N floats) is not counted.
     """
     mk, kn, mn = m * k, k * n, m * n
     if recipe == "bf16":
         return 0
-    if recipe == "tensorwise" or recipe == "rowwise":
+    if recipe in ("tensorwise", "rowwise"):
         return 6 * (mk + kn + mn)
     if recipe in ("delayed", "static", "blockwise"):
         return 4 * (mk + kn + mn)
     if recipe == "rowwise_with_gw_hp":
-        # input and grad_output: one fp8 layout (output / grad_input gemm), grad_weight reads
-        # them in bf16; weight: rowwise for output, tensorwise for grad_input (two casts
-        # with different scales, each one layout): amax pass + one pass writing both
-        return 5 * mk + 6 * kn + 5 * mn
+        # input and grad_output: one row-scaled cast each (2 + 1); weight: a row-scaled cast
+        # (output gemm) and a tensorwise one (grad_input), whose amax the row pass also
+        # finds (the max of the row amaxes): 2 + 1 + 2 + 1
+        return 3 * mk + 6 * kn + 3 * mn
     raise ValueError(f"minimum_bytes: no minimum defined for recipe {recipe!r}")
 
 
@@ -352,7 +354,9 @@ def main() -> int:
     for shape in (parse_shape(s) for s in args.shapes.split(",")):
         m, k, n = shape
         ratio = SEED_SHAPE[0] // m
-        proportional = all(s == d * ratio for s, d in zip(SEED_SHAPE, shape)) and ratio > 1
+        proportional = (
+            all(s == d * ratio for s, d in zip(SEED_SHAPE, shape, strict=True)) and ratio > 1
+        )
         for impl, recipe in jobs:
             t0 = time.perf_counter()
             got = count("float8kit" if impl == "bf16" else impl, recipe, m, k, n, ao_float8)

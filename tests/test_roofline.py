@@ -15,7 +15,6 @@ from float8kit import roofline
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_traffic  # noqa: E402
 
-
 # ----------------------------------------------------------------------------
 # the count
 
