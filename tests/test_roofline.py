@@ -143,9 +143,8 @@ def test_errors_name_the_fix():
 
 
 def test_auto_module_filter_converts_where_predicted_and_aligned():
-    model = nn.Sequential(
-        nn.Linear(8192, 16384), nn.Linear(16384, 8192), nn.Linear(256, 256), nn.Linear(8200, 8192)
-    )
+    dims = [(8192, 16384), (16384, 8192), (256, 256), (8200, 8192)]
+    model = [nn.Linear(k, n, device="meta") for k, n in dims]  # no 1 GB of weights
     fn = float8kit.auto_module_filter("tensorwise", device="h100", tokens=16384)
     keep = [fn(mod, str(i)) for i, mod in enumerate(model)]
     assert keep == [True, True, False, False]  # big wins; small loses; 8200 unaligned
@@ -165,3 +164,31 @@ def test_auto_module_filter_converts_where_predicted_and_aligned():
     )
     assert not any(isinstance(m, float8kit.Float8Linear) for m in converted)
     assert math.isfinite(roofline.predicted_speedup(1, 16, 16))
+
+
+def test_train_filter_auto_converts_what_the_model_predicts():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import train
+
+    def build(*flags):
+        args = train.parse_args(["--preset", "tiny", "--float8", "tensorwise", *flags])
+        return args, train.build_model(args, torch.device("cpu"), 1, False)
+
+    args, model = build("--filter", "auto", "--filter-device", "b200")
+    tokens = args.batch_size * args.seq_len
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name != "output":
+            want = (
+                mod.in_features % 16 == 0
+                and mod.out_features % 16 == 0
+                and roofline.predicted_speedup(
+                    tokens, mod.in_features, mod.out_features, "tensorwise", "b200"
+                )
+                >= 1.0
+            )
+            assert isinstance(mod, float8kit.Float8Linear) == want, name
+    # the tiny preset's layers are far below any crossover: nothing is converted, where the
+    # default filter converts every aligned block Linear
+    assert not any(isinstance(m, float8kit.Float8Linear) for m in model.modules())
+    _, default = build()
+    assert any(isinstance(m, float8kit.Float8Linear) for m in default.modules())
