@@ -1,9 +1,11 @@
 """float8kit.roofline (predicted speedup, calibration, auto filter) and the kernel-traffic
 count of benchmarks/bench_traffic.py, on hand-computed cases."""
 
+import json
 import math
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -19,13 +21,36 @@ import bench_traffic  # noqa: E402
 # the count
 
 
+class _Stop(Exception):
+    """Raised in place of inductor's code generation: the count is taken before it, and
+    the C++ compile after it is what makes a CPU compile slow."""
+
+
+def _stopped(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, _Stop):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _count(fn, *args):
+    from torch._inductor import scheduler
+
+    def stop(self):
+        raise _Stop
+
     torch._dynamo.reset()
     with (
+        mock.patch.object(scheduler.Scheduler, "codegen", stop),
         bench_traffic.record_kernels() as graphs,
         torch._inductor.config.patch(force_disable_caches=True),
     ):
-        torch.compile(fn, fullgraph=True)(*args)
+        try:
+            torch.compile(fn, fullgraph=True)(*args)
+        except Exception as e:  # noqa: BLE001  (inductor wraps what the backend raised)
+            if not _stopped(e):
+                raise
     torch._dynamo.reset()
     return graphs
 
@@ -192,3 +217,24 @@ def test_train_filter_auto_converts_what_the_model_predicts():
     assert not any(isinstance(m, float8kit.Float8Linear) for m in model.modules())
     _, default = build()
     assert any(isinstance(m, float8kit.Float8Linear) for m in default.modules())
+
+
+def test_traffic_model_is_the_measured_count():
+    # roofline.TRAFFIC is bench_traffic's per-element split as committed in numbers/
+    rows = json.loads(
+        (Path(__file__).resolve().parents[1] / "numbers" / "traffic.json").read_text()
+    )
+    measured = {
+        r["recipe"]: r
+        for r in rows["rows"]
+        if r["impl"] == "float8kit" and r.get("per_element") and not r.get("scaled_from")
+    }
+    assert set(measured) == set(roofline.TRAFFIC)
+    for recipe, t in roofline.TRAFFIC.items():
+        pe = measured[recipe]["per_element"]
+        assert (t.input, t.weight, t.grad_output) == (
+            pe["input"],
+            pe["weight"],
+            pe["grad_output"],
+        ), recipe
+        assert t.kernels == measured[recipe]["kernels"], recipe
