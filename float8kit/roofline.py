@@ -204,7 +204,8 @@ def calibrate(
 
     Args:
         rows: ``benchmarks/bench_linear.py`` JSON rows (``M, K, N, mode, recipe, bf16_ms,
-            float8kit_ms``) measured on ``device``; fwd_bwd rows of ``recipe`` are used.
+            float8kit_ms``, ``compiled``) measured on ``device``; the fwd_bwd rows of
+            ``recipe`` are used, only the compiled ones where there are any.
         device: the device they were measured on.
         recipe: whose float8 rows calibrate the fp8 rate.
 
@@ -214,6 +215,9 @@ def calibrate(
     1 GFLOP per gemm) count: small shapes measure launch costs, not rates.
     """
     dev, tr, base = device_spec(device), traffic_for(recipe), Efficiency()
+    rows = list(rows)
+    if any(r.get("compiled") for r in rows):  # the traffic model is the compiled graph's
+        rows = [r for r in rows if r.get("compiled")]
     bf16, fp8 = [], []
     for r in rows:
         if r.get("mode") != "fwd_bwd" or r.get("recipe") != recipe:
