@@ -238,3 +238,23 @@ def test_traffic_model_is_the_measured_count():
             pe["grad_output"],
         ), recipe
         assert t.kernels == measured[recipe]["kernels"], recipe
+
+
+@pytest.mark.slow
+def test_bench_traffic_script_bf16_rows(tmp_path):
+    # the script end to end on its cheapest recipe: a bf16 layer moves nothing outside its
+    # three gemms, each of which reads two bf16 operands and writes one
+    import subprocess
+
+    out = tmp_path / "traffic.json"
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_traffic.py"
+    args = ["--shapes", "256x512x1024", "--recipes", "bf16", "--no-torchao", "--json", str(out)]
+    subprocess.run([sys.executable, str(script), *args], check=True, capture_output=True)
+    rows = json.loads(out.read_text())["rows"]
+    m, k, n = 256, 512, 1024
+    (bf16,) = [r for r in rows if r["impl"] == "bf16" and r["shape"] == [m, k, n]]
+    assert (bf16["bytes"], bf16["kernels"], bf16["gemms"], bf16["graphs"]) == (0, 0, 3, 2)
+    assert bf16["gemm_bytes"] == 3 * 2 * (m * k + k * n + m * n)
+    (scaled,) = [r for r in rows if r["impl"] == "bf16" and r["shape"] == [4096, 8192, 16384]]
+    assert scaled["scaled_from"] == [m, k, n] and scaled["gemm_bytes"] == 256 * bf16["gemm_bytes"]
+    assert [r["bytes"] for r in rows if r["impl"] == "minimum"] == [0, 0]
