@@ -29,6 +29,7 @@ from float8kit.experts import (
 from float8kit.linear import Float8Linear
 from float8kit.monitor import Float8Monitor
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
+from float8kit.roofline import auto_module_filter
 from float8kit.scale_state import Float8LoadPlanner, strip_float8_state
 from float8kit.tensor import Float8TrainingTensor
 from float8kit.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
@@ -39,6 +40,7 @@ __all__ = [
     # converting a model
     "convert_to_float8_training",
     "default_module_filter",
+    "auto_module_filter",
     "Float8Linear",
     # MoE expert weights (torch._grouped_mm / F.grouped_mm in float8)
     "convert_experts_to_float8_training",

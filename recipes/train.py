@@ -173,6 +173,21 @@ def build_parser() -> argparse.ArgumentParser:
         "recipe (dims multiples of 16, of 128 for blockwise). Default: output,router",
     )
     p.add_argument(
+        "--filter",
+        choices=["default", "auto"],
+        default="default",
+        help="which Linears (after --filter-fqns) go float8: default = float8kit's default "
+        "filter (aligned dims); auto = float8kit.auto_module_filter, only those the roofline "
+        "model predicts faster in float8 on --filter-device at this run's tokens per step "
+        "and data-parallel rank (docs/performance.md)",
+    )
+    p.add_argument(
+        "--filter-device",
+        default="h100",
+        choices=["h100", "h200", "b200"],
+        help="the GPU --filter auto predicts for (default h100)",
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=int,
         default=0,
@@ -307,14 +322,22 @@ def print0(*args, **kwargs) -> None:
 # model: build, convert to float8, shard
 
 
-def layer_filter(args: argparse.Namespace, config):
-    """The Linears that go float8: float8kit's default filter for the recipe, minus the
+def layer_filter(args: argparse.Namespace, config, tokens: int | None = None):
+    """The Linears that go float8: float8kit's default filter for the recipe (or, with
+    --filter auto, the predicted winners at ``tokens`` per step and rank), minus the
     modules whose name contains one of --filter-fqns."""
     skip = [f for f in args.filter_fqns.split(",") if f]
+    auto = None
+    if getattr(args, "filter", "default") == "auto":
+        auto = float8kit.auto_module_filter(
+            args.float8, device=args.filter_device, tokens=tokens or args.batch_size * args.seq_len
+        )
 
     def keep_float8(mod: torch.nn.Module, fqn: str) -> bool:
         if any(f in fqn for f in skip):
             return False
+        if auto is not None:
+            return auto(mod, fqn)
         return float8kit.default_module_filter(mod, fqn, config)
 
     return keep_float8
@@ -337,7 +360,11 @@ def build_model(
         )
         float8kit.convert_experts_to_float8_training(  # float8: Linears (no head/router), experts
             float8kit.convert_to_float8_training(
-                model, config=config, module_filter_fn=layer_filter(args, config)
+                model,
+                config=config,
+                module_filter_fn=layer_filter(
+                    args, config, args.batch_size * args.seq_len // (world_size // args.tp)
+                ),
             )
         )
     if world_size > 1:

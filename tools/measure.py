@@ -21,6 +21,7 @@ count.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -553,6 +554,95 @@ def roofline() -> None:  # reads bench_linear's file: run after it
     bench("roofline", "roofline", "--threads", "1", "--linear-json", "numbers/bench_linear.json")
 
 
+def traffic() -> None:
+    """Bytes and kernels outside the gemms of one compiled Linear per recipe, float8kit vs
+    torchao vs the minimum (benchmarks/bench_traffic.py, from inductor's scheduler)."""
+    wall = run("benchmarks/bench_traffic.py", "--json", "numbers/traffic.json")
+    path = NUMBERS / "traffic.json"
+    path.write_text(
+        json.dumps(
+            {**json.loads(path.read_text()), "wall_s": round(wall, 1)}, indent=2, allow_nan=False
+        )
+        + "\n"
+    )
+
+
+# seed 002's shapes (torchao's float8 README, H100): 1024x2048x1024 measured 0.80x and
+# 4096x8192x16384 1.39x for tensorwise; the ones between fill in the curve
+SEED_SHAPES = [
+    (1024, 2048, 1024),
+    (2048, 4096, 2048),
+    (4096, 4096, 4096),
+    (4096, 8192, 8192),
+    (4096, 8192, 16384),
+]
+SEED_MEASURED = {(1024, 2048, 1024): 0.80, (4096, 8192, 16384): 1.39}
+
+
+def roofline_predicted() -> None:
+    """float8kit.roofline's predicted fwd+bwd speedup per seed 002 shape, recipe and device
+    (uncalibrated efficiencies), and where auto_module_filter and torchao's
+    _auto_filter_for_recipe disagree."""
+    from torch import nn
+
+    from float8kit import roofline
+
+    t0 = time.perf_counter()
+    rows = []
+    for device in roofline.DEVICES:
+        for recipe in roofline.TRAFFIC:
+            for m, k, n in SEED_SHAPES:
+                p = roofline.predict(m, k, n, recipe, device)
+                rows.append(
+                    {
+                        "device": device,
+                        "recipe": recipe,
+                        "shape": [m, k, n],
+                        "speedup": round(p["speedup"], 4),
+                        "bf16_ms": round(p["bf16_ms"], 5),
+                        "float8_ms": round(p["float8_ms"], 5),
+                        "traffic_ms": round(p["traffic_ms"], 5),
+                        "seed_measured": SEED_MEASURED.get((m, k, n))
+                        if (device, recipe) == ("h100", "tensorwise")
+                        else None,
+                    }
+                )
+    ao_float8, _ = common.import_torchao_float8()
+    filters = []
+    dims = [1024, 2048, 4096, 8192, 16384]
+    for recipe in ("tensorwise", "rowwise"):
+        ao = ao_float8._auto_filter_for_recipe(recipe, filter_fqns=[])
+        for tokens in (4096, 16384):
+            ours = roofline.auto_module_filter(recipe, device="h100", tokens=tokens)
+            for k in dims:
+                for n in dims:
+                    lin = nn.Linear(k, n, bias=False, device="meta")
+                    filters.append(
+                        {
+                            "recipe": recipe,
+                            "tokens": tokens,
+                            "K": k,
+                            "N": n,
+                            "float8kit": ours(lin, "layer"),
+                            "torchao": ao(lin, "layer"),
+                            "speedup": round(roofline.predicted_speedup(tokens, k, n, recipe), 4),
+                        }
+                    )
+    eff = roofline.Efficiency()
+    write(
+        "roofline_predicted",
+        ["float8kit/roofline.py"],
+        {
+            "devices": {k: dataclasses.asdict(v) for k, v in roofline.DEVICES.items()},
+            "efficiency": dataclasses.asdict(eff),
+            "traffic": {k: dataclasses.asdict(v) for k, v in roofline.TRAFFIC.items()},
+            "rows": rows,
+            "filters": filters,
+        },
+        time.perf_counter() - t0,
+    )
+
+
 def bench_train() -> None:
     bench(
         "bench_train",
@@ -622,6 +712,8 @@ NAMES: dict[str, Callable[[], None]] = {
     "bench_comm": bench_comm,
     "bench_linear": bench_linear,
     "roofline": roofline,
+    "traffic": traffic,
+    "roofline_predicted": roofline_predicted,
     "bench_train": bench_train,
     "suite": suite,
 }

@@ -940,6 +940,112 @@ def fsdp_mesh_table() -> str:
     )
 
 
+def traffic_table() -> str:
+    """benchmarks/bench_traffic.py: bytes outside the gemms per recipe, float8kit vs torchao
+    vs the minimum, per shape (the seed 002 shape scaled from its /16 measurement)."""
+    d = load("traffic")
+    rows, out = d["rows"], []
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
+    for shape in shapes:
+        at = [r for r in rows if tuple(r["shape"]) == shape]
+        by = {(r["impl"], r["recipe"]): r for r in at}
+        for recipe in dict.fromkeys(r["recipe"] for r in at if r["impl"] != "minimum"):
+            fk = by.get(("float8kit", recipe)) or by.get(("bf16", recipe))
+            ao = by.get(("torchao", recipe))
+            low = by.get(("minimum", recipe))
+            pe = fk.get("per_element")
+            out.append(
+                [
+                    "x".join(map(str, shape)) + (" (scaled)" if fk.get("scaled_from") else ""),
+                    recipe,
+                    f(fk["bytes"] / 1e6, ".4g"),
+                    f(ao["bytes"] / 1e6, ".4g") if ao else "-",
+                    f(low["bytes"] / 1e6, ".4g"),
+                    f(fk["bytes"] / low["bytes"]) if low["bytes"] else "-",
+                    f(fk["bytes"] / ao["bytes"], ".4f") if ao else "-",
+                    f"{fk['kernels']} / {ao['kernels']}" if ao else str(fk["kernels"]),
+                    "/".join(f"{pe[k]:g}" for k in ("input", "weight", "grad_output"))
+                    if pe
+                    else "-",
+                ]
+            )
+    return f"{caption('traffic')}\n\n" + table(
+        [
+            "M x K x N",
+            "recipe",
+            "float8kit MB",
+            "torchao MB",
+            "minimum MB",
+            "float8kit / minimum",
+            "float8kit / torchao",
+            "kernels fk / ao",
+            "B per element in / w / go (fk)",
+        ],
+        out,
+    )
+
+
+def roofline_predicted_table() -> str:
+    """float8kit.roofline: predicted fwd+bwd speedup per seed 002 shape, recipe, device."""
+    d = load("roofline_predicted")["data"]
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in d["rows"]))
+    out = []
+    for device in d["devices"]:
+        for recipe in d["traffic"]:
+            got = {
+                tuple(r["shape"]): r
+                for r in d["rows"]
+                if r["device"] == device and r["recipe"] == recipe
+            }
+            cells = []
+            for s in shapes:
+                r = got[s]
+                seen = r.get("seed_measured")
+                cells.append(f"{r['speedup']:.2f}x" + (f" (seed: {seen:.2f}x)" if seen else ""))
+            out.append([device, recipe, *cells])
+    e = d["efficiency"]
+    return (
+        f"{caption('roofline_predicted')}; efficiencies (uncalibrated): bf16 gemm "
+        f"{e['bf16_gemm']}, fp8 gemm {e['fp8_gemm']}, HBM {e['hbm']}\n\n"
+        + table(["device", "recipe", *("x".join(map(str, s)) for s in shapes)], out)
+    )
+
+
+def auto_filter_table() -> str:
+    """Where float8kit.auto_module_filter (H100) and torchao's _auto_filter_for_recipe differ."""
+    d = load("roofline_predicted")["data"]
+    rows = [x for x in d["filters"] if x["float8kit"] != x["torchao"]]
+    n = len(d["filters"])
+    out = [
+        [
+            x["recipe"],
+            x["tokens"],
+            x["K"],
+            x["N"],
+            f(x["speedup"]),
+            "yes" if x["float8kit"] else "no",
+            "yes" if x["torchao"] else "no",
+        ]
+        for x in rows
+    ]
+    return (
+        f"{caption('roofline_predicted')}; {len(rows)} of {n} (recipe, tokens, K, N) cases "
+        "differ\n\n"
+        + table(
+            [
+                "recipe",
+                "tokens (M)",
+                "K",
+                "N",
+                "predicted speedup",
+                "float8kit converts",
+                "torchao converts",
+            ],
+            out,
+        )
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo": lambda: compare_table("demo"),
     "tiny": lambda: compare_table("tiny"),
@@ -963,6 +1069,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "bench_comm_small": lambda: bench_comm_table("bench_comm_small"),
     "bench_linear": bench_linear_table,
     "roofline": roofline_table,
+    "traffic": traffic_table,
+    "roofline_predicted": roofline_predicted_table,
+    "auto_filter": auto_filter_table,
     "bench_train": lambda: bench_train_table("bench_train"),
     "bench_train_compiled": lambda: bench_train_table("bench_train_compiled"),
 }
