@@ -76,7 +76,7 @@ def dequantize_sum(received: torch.Tensor, chunk: int, config: Float8ReduceScatt
 
 def _op_factor(op, group_size: int) -> float:
     """What a reduce op multiplies the sum by: SUM 1, AVG 1/size, PREMUL_SUM its factor."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = op if isinstance(op, dist.ReduceOp.RedOpType) else op.op
     if kind == dist.ReduceOp.SUM:
         return 1.0
     if kind == dist.ReduceOp.AVG:

@@ -9,8 +9,12 @@ reduce dtypes, recipes, float8 all-gather, divide factors and uneven/empty shard
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from float8kit import (
@@ -22,6 +26,7 @@ from float8kit import (
 )
 from float8kit.reduce_scatter import dequantize_sum, payload_bytes, quantize_chunks
 from tests.helpers import sqnr
+from tests.test_fsdp import _data, _shard, _spawn, _uneven_net
 
 # ---------------------------------------------------------------------------- in-process
 
@@ -137,9 +142,184 @@ def test_config_errors_name_the_field(kwargs, match):
         Float8ReduceScatterConfig(**kwargs)
 
 
+def test_reduce_ops_fsdp2_passes():
+    from float8kit.reduce_scatter import _op_factor
+
+    assert _op_factor(dist.ReduceOp.SUM, 3) == 1.0
+    assert _op_factor(dist.ReduceOp.AVG, 4) == 0.25
+    assert _op_factor(dist._make_nccl_premul_sum(0.125), 3) == 0.125
+    with pytest.raises(ValueError, match="SUM, AVG and PREMUL_SUM"):
+        _op_factor(dist.ReduceOp.MAX, 2)
+
+
 def test_enable_without_fully_shard_raises_naming_the_fix():
     model = nn.Sequential(nn.Linear(16, 16))
     with pytest.raises(ValueError, match="call fully_shard on the blocks and the root first"):
         enable_float8_reduce_scatter(model)
     with pytest.raises(TypeError, match="Float8ReduceScatterConfig"):
         enable_float8_reduce_scatter(model, config=Float8LinearConfig())
+
+
+# ---------------------------------------------------------------------------- gloo ranks
+
+STEPS = 20
+LR = 1e-3
+TENSORWISE = Float8LinearConfig()
+
+
+class _SentBytes:
+    """Bytes each rank hands to ``all_to_all_single`` / ``reduce_scatter_single`` (their
+    inputs: what the rank sends), while active."""
+
+    NAMES = ("all_to_all_single", "reduce_scatter_single")
+
+    def __enter__(self):
+        self.bytes = dict.fromkeys(self.NAMES, 0)
+        self.orig = {n: getattr(dist, n) for n in self.NAMES}
+
+        def counter(name):
+            def counted(*args, **kwargs):
+                t = kwargs["input"] if "input" in kwargs else args[1]
+                self.bytes[name] += t.numel() * t.element_size()
+                return self.orig[name](*args, **kwargs)
+
+            return counted
+
+        for n in self.NAMES:
+            setattr(dist, n, counter(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.orig.items():
+            setattr(dist, n, f)
+
+
+def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
+    """The uneven 32 -> 1040 -> 16 -> 2 net (3 ranks: shards 347/347/346, 6/6/4, 1/1/0 rows),
+    each rank its own batch; every variant run with FSDP2's default reduce-scatter and with
+    the float8 one. Rank 0 keeps the first-step full gradients, the losses and the bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world,))
+    hsdp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    batch = 8
+    xs, ys = _data(steps, batch * world, 32, 2)
+    local = slice(rank * batch, (rank + 1) * batch)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+    def run(qgz, config=TENSORWISE, n_steps=1, divide=None, mesh=mesh, **fsdp_kwargs):
+        model = _uneven_net(config)
+        _shard(model, mesh, [model[0], model[2], model[4]], **fsdp_kwargs)
+        if divide is not None:
+            for m in (model, model[0], model[2], model[4]):
+                m.set_gradient_divide_factor(divide)
+                # gloo has no PREMUL_SUM: the default reduce-scatter needs a SUM and a
+                # separate division; the float8 one takes PREMUL_SUM's factor itself
+                m.set_force_sum_reduction_for_comms(not qgz)
+        if qgz:
+            assert enable_float8_reduce_scatter(model) is model
+            assert enable_float8_reduce_scatter(model) is model  # a second call: no-op
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        out = {"losses": []}
+        for step in range(n_steps):
+            loss = F.mse_loss(model(xs[step, local]).float(), ys[step, local])
+            if step == 0:
+                with _SentBytes() as sent:
+                    loss.backward()
+                out["bytes"] = sent.bytes
+                grads = [p.grad.full_tensor().float() for p in model.parameters()]
+                out["grads"] = grads if rank == 0 else None
+            else:
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            loss = loss.detach()
+            dist.all_reduce(loss)
+            out["losses"].append(loss.item() / world)
+        return out
+
+    res: dict = {"shard_rows": None}
+    model = _uneven_net(TENSORWISE)
+    _shard(model, mesh, [model[0], model[2], model[4]])
+    res["shard_rows"] = [model[i].weight.to_local().shape[0] for i in (0, 2, 4)]
+    variants = {
+        "fp32": {"n_steps": steps},
+        "bf16": {"mp_policy": bf16},
+        "fp8_all_gather": {
+            "config": dataclasses.replace(TENSORWISE, enable_fsdp_float8_all_gather=True)
+        },
+        "divide_by_1": {"divide": 1.0},
+        "hsdp": {"mesh": hsdp_mesh},
+    }
+    for name in ("rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"):
+        variants[name] = {"config": Float8LinearConfig.from_recipe_name(name)}
+    for name, kwargs in variants.items():
+        res[name] = {"default": run(False, **kwargs), "float8": run(True, **kwargs)}
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def qgz_ranks(request, tmp_path_factory):
+    world = request.param
+    tmp = tmp_path_factory.mktemp(f"qgz{world}")
+    return world, _spawn("tests.test_reduce_scatter:_worker_qgz", world, tmp)[0]
+
+
+def _grad_sqnr(run: dict) -> float:
+    """SQNR of the float8 run's first-step gradients (all parameters as one vector) against
+    the default reduce-scatter's."""
+    ref = torch.cat([g.flatten() for g in run["default"]["grads"]])
+    return sqnr(ref, torch.cat([g.flatten() for g in run["float8"]["grads"]]))
+
+
+@pytest.mark.slow
+def test_bytes_sent_under_030x_of_fp32_reduce_scatter(qgz_ranks):
+    world, r = qgz_ranks
+    if world == 3:
+        assert r["shard_rows"] == [347, 6, 1]  # rank 0's rows; rank 2 holds an empty shard
+    default, fp8 = r["fp32"]["default"]["bytes"], r["fp32"]["float8"]["bytes"]
+    assert default["all_to_all_single"] == 0 and fp8["reduce_scatter_single"] == 0
+    ratio = fp8["all_to_all_single"] / default["reduce_scatter_single"]
+    bf16 = r["bf16"]["default"]["bytes"]["reduce_scatter_single"]
+    print(f"{world} ranks: float8 / fp32 reduce-scatter bytes {ratio:.3f}")
+    assert 0.25 <= ratio <= 0.30
+    # bf16 reduce dtype: float8 sends the same bytes, about half of the bf16 reduce-scatter.
+    assert r["bf16"]["float8"]["bytes"]["all_to_all_single"] == fp8["all_to_all_single"]
+    assert fp8["all_to_all_single"] / bf16 <= 0.6
+
+
+@pytest.mark.slow
+def test_first_step_gradients_and_late_losses_match_default(qgz_ranks):
+    world, r = qgz_ranks
+    losses = {k: r["fp32"][k]["losses"] for k in ("default", "float8")}
+    late = {k: sum(v[15:20]) / 5 for k, v in losses.items()}
+    gap = late["float8"] / late["default"] - 1
+    print(f"{world} ranks: grad SQNR {_grad_sqnr(r['fp32']):.1f} dB, loss gap {gap:+.2%}")
+    assert _grad_sqnr(r["fp32"]) >= 25
+    assert abs(gap) <= 0.02
+    assert losses["float8"][0] == losses["default"][0]  # the same forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "bf16",
+        "fp8_all_gather",
+        "divide_by_1",
+        "hsdp",
+        "rowwise",
+        "rowwise_with_gw_hp",
+        "delayed",
+        "blockwise",
+    ],
+)
+def test_every_setup_keeps_gradients(qgz_ranks, variant):
+    world, r = qgz_ranks
+    db = _grad_sqnr(r[variant])
+    print(f"{world} ranks, {variant}: first-step grad SQNR {db:.1f} dB")
+    assert db >= 25
+    if variant == "divide_by_1":  # a sum, not a mean, for both reduce-scatters
+        ref, got = r["fp32"]["default"]["grads"][0], r[variant]["float8"]["grads"][0]
+        assert sqnr(ref * world, got) >= 25
