@@ -323,3 +323,17 @@ def test_every_setup_keeps_gradients(qgz_ranks, variant):
     if variant == "divide_by_1":  # a sum, not a mean, for both reduce-scatters
         ref, got = r["fp32"]["default"]["grads"][0], r[variant]["float8"]["grads"][0]
         assert sqnr(ref * world, got) >= 25
+
+
+def test_train_flag_without_fsdp_is_refused(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--out", str(tmp_path), "--float8-reduce-scatter"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--float8-reduce-scatter changes FSDP2's" in err and "at least 2 data-parallel" in err
