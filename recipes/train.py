@@ -137,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--float8-reduce-scatter",
         action="store_true",
         help="FSDP2 only: send the gradient reduce-scatter as blockwise e4m3 over one "
-        "all-to-all, summed in fp32 on arrival (qgZ; ~0.26x the bytes of fp32)",
+        "all-to-all, summed in fp32 on arrival (qgZ: one byte per gradient plus one fp32 "
+        "scale per 128, instead of four bytes)",
     )
     p.add_argument(
         "--tp",

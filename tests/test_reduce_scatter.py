@@ -211,6 +211,9 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
 
     def run(qgz, config=TENSORWISE, n_steps=1, divide=None, mesh=mesh, rs=None, **fsdp_kwargs):
         model = _uneven_net(config)
+        if fsdp_kwargs.pop("compiled", False):
+            # the 1040-wide layer compiled as an FSDP2 block would be (one compile: its cost)
+            model[0] = torch.compile(model[0], fullgraph=True)
         _shard(model, mesh, [model[0], model[2], model[4]], **fsdp_kwargs)
         if divide is not None:
             for m in (model, model[0], model[2], model[4]):
@@ -261,6 +264,10 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
         variants[name] = {"config": Float8LinearConfig.from_recipe_name(name)}
     for name, kwargs in variants.items():
         res[name] = {"default": run(False, **kwargs), "float8": run(True, **kwargs)}
+    if world == 2:  # compile once (test_compiled_layer_... runs on 2 ranks only)
+        torch._dynamo.reset()
+        res["compiled"] = run(True, n_steps=3, compiled=True)
+        res["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     return res
 
 
@@ -304,6 +311,18 @@ def test_first_step_gradients_and_late_losses_match_default(qgz_ranks):
     assert _grad_sqnr(r["fp32"]) >= 25
     assert abs(gap) <= 0.02
     assert losses["float8"][0] == losses["default"][0]  # the same forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qgz_ranks", [2], indirect=True, ids=["2ranks"])
+def test_compiled_layer_gives_the_eager_gradients_bitwise(qgz_ranks):
+    # FSDP2 runs its post-backward (and so the reduce-scatter) outside the compiled graph.
+    world, r = qgz_ranks
+    eager, compiled = r["fp32"]["float8"], r["compiled"]
+    assert r["graph_breaks"] == 0
+    assert compiled["losses"] == eager["losses"][:3]
+    for a, b in zip(compiled["grads"], eager["grads"], strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.slow
