@@ -157,7 +157,8 @@ def enable_float8_reduce_scatter(
     if not isinstance(module, FSDPModule):
         has_fsdp = any(isinstance(m, FSDPModule) for m in module.modules())
         where = (
-            "it is not the root FSDP2 module: pass the model that fully_shard(model) wrapped"
+            "only modules inside it are FSDP2 modules: call fully_shard(model) on the root too "
+            "(or pass the root that fully_shard wrapped)"
             if has_fsdp
             else "it is not sharded with FSDP2: call fully_shard on the blocks and the root first"
         )

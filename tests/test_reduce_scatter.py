@@ -200,7 +200,7 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
     each rank its own batch; every variant run with FSDP2's default reduce-scatter and with
     the float8 one. Rank 0 keeps the first-step full gradients, the losses and the bytes."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     hsdp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
@@ -264,6 +264,21 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
         variants[name] = {"config": Float8LinearConfig.from_recipe_name(name)}
     for name, kwargs in variants.items():
         res[name] = {"default": run(False, **kwargs), "float8": run(True, **kwargs)}
+    if world == 2:  # API errors that need real FSDP2 modules
+        model = _uneven_net(TENSORWISE)
+        for i in (0, 2, 4):
+            fully_shard(model[i], mesh=mesh)
+        res["errors"] = {}
+        try:  # the blocks are sharded, the root is not
+            enable_float8_reduce_scatter(model)
+        except ValueError as e:
+            res["errors"]["unsharded_root"] = str(e)
+        fully_shard(model, mesh=mesh)
+        enable_float8_reduce_scatter(model)
+        try:
+            enable_float8_reduce_scatter(model, config=Float8ReduceScatterConfig(dtype=E5M2))
+        except ValueError as e:
+            res["errors"]["other_config"] = str(e)
     if world == 2:  # compile once (test_compiled_layer_... runs on 2 ranks only)
         torch._dynamo.reset()
         res["compiled"] = run(True, n_steps=3, compiled=True)
@@ -323,6 +338,16 @@ def test_compiled_layer_gives_the_eager_gradients_bitwise(qgz_ranks):
     assert compiled["losses"] == eager["losses"][:3]
     for a, b in zip(compiled["grads"], eager["grads"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qgz_ranks", [2], indirect=True, ids=["2ranks"])
+def test_enable_on_a_partly_sharded_model_or_twice_with_another_config_raises(qgz_ranks):
+    errors = qgz_ranks[1]["errors"]
+    assert "only modules inside it are FSDP2 modules" in errors["unsharded_root"]
+    assert "fully_shard(model)" in errors["unsharded_root"]
+    assert "already enabled" in errors["other_config"]
+    assert "float8_e5m2" in errors["other_config"]
 
 
 @pytest.mark.slow
