@@ -15,6 +15,7 @@ from float8kit.config import (
     Float8ExpertsConfig,
     Float8LinearConfig,
     Float8Recipe,
+    Float8ReduceScatterConfig,
     GemmConfig,
     GemmRole,
     ScalingGranularity,
@@ -29,6 +30,7 @@ from float8kit.experts import (
 from float8kit.linear import Float8Linear
 from float8kit.monitor import Float8Monitor
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
+from float8kit.reduce_scatter import enable_float8_reduce_scatter
 from float8kit.roofline import auto_module_filter
 from float8kit.scale_state import Float8LoadPlanner, strip_float8_state
 from float8kit.tensor import Float8TrainingTensor
@@ -60,6 +62,9 @@ __all__ = [
     "precompute_scales",
     "precompute_float8_dynamic_scale_for_fsdp",
     "calibrate",
+    # FSDP2 gradient reduce-scatter in blockwise float8 (qgZ)
+    "enable_float8_reduce_scatter",
+    "Float8ReduceScatterConfig",
     # tensor and sequence parallel (parallelize_module styles)
     "Float8ColwiseParallel",
     "Float8RowwiseParallel",
@@ -83,6 +88,7 @@ torch.serialization.add_safe_globals(
         Float8TrainingTensor,
         Float8LinearConfig,
         Float8ExpertsConfig,
+        Float8ReduceScatterConfig,
         CastConfig,
         GemmConfig,
         ScalingType,

@@ -466,6 +466,45 @@ class Float8ExpertsConfig:
                 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Float8ReduceScatterConfig:
+    """How ``enable_float8_reduce_scatter`` sends FSDP2's gradient reduce-scatter (qgZ).
+
+    Each rank's reduce-scatter input is cut into blocks of ``block_size`` elements along the
+    flattened gradient; every block gets its own scale (``fp8 = saturate(hp * scale)``) and
+    travels as float8 bytes plus one fp32 scale in a single all-to-all. The receiving rank
+    dequantizes and sums in fp32.
+    """
+
+    # float8 format of the sent gradients: e4m3 (more mantissa; blocks cover the range)
+    dtype: torch.dtype = E4M3
+    # elements per scale along the flattened gradient (fp32 scales: 4 / block_size bytes each)
+    block_size: int = 128
+    # floor every block scale to a power of two (exact rescaling)
+    round_scales_to_power_of_2: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in FP8_DTYPES:
+            raise ValueError(
+                f"Float8ReduceScatterConfig.dtype={self.dtype!r} must be torch.float8_e4m3fn "
+                "(float8kit.E4M3) or torch.float8_e5m2 (float8kit.E5M2)"
+            )
+        if (
+            not isinstance(self.block_size, int)
+            or isinstance(self.block_size, bool)
+            or self.block_size < 1
+        ):
+            raise ValueError(
+                f"Float8ReduceScatterConfig.block_size={self.block_size!r} must be a positive "
+                "int (elements per scale, e.g. 128)"
+            )
+        if not isinstance(self.round_scales_to_power_of_2, bool):
+            raise ValueError(
+                "Float8ReduceScatterConfig.round_scales_to_power_of_2="
+                f"{self.round_scales_to_power_of_2!r} must be a bool"
+            )
+
+
 class Float8Recipe(enum.Enum):
     """Named presets for ``Float8LinearConfig.from_recipe_name``."""
 

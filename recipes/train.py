@@ -35,7 +35,8 @@ and never changes the training losses. On CPU each process uses --threads intra-
 
 The float8 part of this file is three statements tagged with a "float8" comment (import,
 convert, precompute_scales), plus the optional monitor: without them what is left is the
-bf16 baseline.
+bf16 baseline. Under FSDP2, --float8-reduce-scatter adds a fourth, opt-in one: the
+gradients' reduce-scatter in float8.
 Everything else runs the same in both modes: bf16 autocast over fp32 master weights; the
 lm head (`output`), MoE routers, norms, attention and the loss stay in hp; only the Linear
 gemms inside the blocks (and the MoE experts' grouped gemms) change.
@@ -135,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument(
+        "--float8-reduce-scatter",
+        action="store_true",
+        help="FSDP2 only: send the gradient reduce-scatter as blockwise e4m3 over one "
+        "all-to-all, summed in fp32 on arrival (qgZ: one byte per gradient plus one fp32 "
+        "scale per 128, instead of four bytes)",
+    )
     p.add_argument(
         "--tp",
         type=int,
@@ -283,6 +291,11 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
         raise UsageError(f"--tp > 1 is not supported with the MoE preset {args.preset!r}")
     if world_size % args.tp:
         raise UsageError(f"--tp {args.tp} must divide the {world_size} processes")
+    if args.float8_reduce_scatter and world_size // args.tp < 2:
+        raise UsageError(
+            "--float8-reduce-scatter changes FSDP2's gradient reduce-scatter: run with at "
+            "least 2 data-parallel processes (torchrun --nproc_per_node=2, more than --tp)"
+        )
     if args.seq_len % args.tp:
         raise UsageError(
             f"--seq-len {args.seq_len} must be divisible by --tp {args.tp} (sequence parallel "
@@ -387,6 +400,8 @@ def build_model(
             for block in model.layers:
                 fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
             fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+            if args.float8_reduce_scatter:  # opt-in: float8 gradient reduce-scatter (qgZ)
+                float8kit.enable_float8_reduce_scatter(model)
     return model
 
 

@@ -401,7 +401,7 @@ def test_compare_help_lists_the_train_flags_it_passes_through():
     help_text = r.stdout.split("passed to train.py unchanged")[1]
     for flag in ("--preset", "--steps", "--seed", "--lr", "--filter-fqns", "--compile"):
         assert flag in help_text, flag
-    for flag in ("--float8", "--out ", "--resume", "--overwrite"):  # set per run by compare.py
+    for flag in ("--float8 ", "--out ", "--resume", "--overwrite"):  # set per run by compare.py
         assert flag not in help_text, flag
 
 

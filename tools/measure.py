@@ -465,6 +465,100 @@ def fsdp_mesh() -> None:
     )
 
 
+def qgz() -> None:
+    """tests/test_reduce_scatter.py's gloo runs (2 and 3 ranks): FSDP2's default gradient
+    reduce-scatter against the float8 one (qgZ); rank 0's numbers."""
+    import statistics
+
+    from tests import test_fsdp as t
+    from tests import test_reduce_scatter as q
+
+    t0 = time.perf_counter()
+    data = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 3):
+            (Path(tmp) / str(world)).mkdir()
+            r = t._spawn("tests.test_reduce_scatter:_worker_qgz", world, Path(tmp) / str(world))[0]
+            fp32 = r["fp32"]
+            late = {k: statistics.fmean(fp32[k]["losses"][15:20]) for k in ("default", "float8")}
+            data[f"ranks{world}"] = {
+                "steps": len(fp32["default"]["losses"]),
+                "shard_rows_rank0": r["shard_rows"],
+                "bytes_fp32_reduce_scatter": fp32["default"]["bytes"]["reduce_scatter_single"],
+                "bytes_bf16_reduce_scatter": r["bf16"]["default"]["bytes"]["reduce_scatter_single"],
+                "bytes_float8_all_to_all": fp32["float8"]["bytes"]["all_to_all_single"],
+                "grad_sqnr_db": {
+                    v: q._grad_sqnr(r[v]) for v in r if isinstance(r[v], dict) and "float8" in r[v]
+                },
+                "late_loss": late,
+                "late_loss_gap": late["float8"] / late["default"] - 1,
+                # the best of the timed steps: on a shared machine the median moves with load
+                "backward_ms_best": {
+                    k: 1000 * min(fp32[k]["backward_s"]) for k in ("default", "float8")
+                },
+                "backward_steps_timed": len(fp32["default"]["backward_s"]),
+            }
+    write(
+        "qgz",
+        ["tests/test_reduce_scatter.py", "tests/test_fsdp.py", "float8kit/reduce_scatter.py"],
+        data,
+        time.perf_counter() - t0,
+    )
+
+
+def qgz_train() -> None:
+    """recipes/train.py on 2 gloo processes (torchrun), --float8 tensorwise, with and without
+    --float8-reduce-scatter, tiny and small presets (their default steps), plus the default
+    run with --seed 1 for the seed noise. Losses and tokens/s as compare.py summarizes them."""
+    import compare
+
+    t0 = time.perf_counter()
+    data = {}
+    for preset in ("tiny", "small"):
+        runs = {}
+        for name, flags in (
+            ("default", []),
+            ("float8_reduce_scatter", ["--float8-reduce-scatter"]),
+            ("default_seed1", ["--seed", "1"]),
+        ):
+            out = RUNS / "qgz_train" / f"{preset}_{name}"
+            run(
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "recipes/train.py",
+                "--preset",
+                preset,
+                "--float8",
+                "tensorwise",
+                "--quiet",
+                "--overwrite",
+                "--out",
+                str(out.relative_to(REPO)),
+                *flags,
+            )
+            lines = (out / "metrics.jsonl").read_text().splitlines()
+            runs[name] = compare.summarize([json.loads(line) for line in lines])
+        ref = runs["default"]
+        data[preset] = {
+            "runs": runs,
+            **{
+                f"{which}_pct": {
+                    k: 100 * (runs[other][k] - ref[k]) / ref[k] for k in ("train_loss", "val_loss")
+                }
+                for which, other in (("gap", "float8_reduce_scatter"), ("noise", "default_seed1"))
+            },
+        }
+    write(
+        "qgz_train",
+        ["recipes/train.py", "recipes/compare.py", "recipes/model.py", "recipes/data.py"]
+        + ["float8kit/reduce_scatter.py"],
+        data,
+        time.perf_counter() - t0,
+    )
+
+
 def tp() -> None:
     """tests/test_tp.py's multi-process runs (2 and 4 gloo ranks); rank 0's numbers."""
     from tests import test_tp as t
@@ -699,6 +793,8 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "fsdp_mesh": fsdp_mesh,
+    "qgz": qgz,
+    "qgz_train": qgz_train,
     "memory": memory,
     "monitor": monitor,
     "experts": experts,

@@ -1046,6 +1046,73 @@ def auto_filter_table() -> str:
     )
 
 
+def qgz_table() -> str:
+    d = load("qgz")["data"]
+    rows = []
+    for world in (2, 3):
+        r = d[f"ranks{world}"]
+        fp8, f32, b16 = (
+            r["bytes_float8_all_to_all"],
+            r["bytes_fp32_reduce_scatter"],
+            r["bytes_bf16_reduce_scatter"],
+        )
+        db = r["grad_sqnr_db"]
+        setups = {k: v for k, v in db.items() if k != "e5m2"}
+        ms = r["backward_ms_best"]
+        rows.append(
+            [
+                world,
+                f"{fp8:,} / {f32:,} = **{fp8 / f32:.3f}x** (bf16: {b16:,}, {fp8 / b16:.3f}x)",
+                f"**{db['fp32']:.1f}** (e5m2: {db['e5m2']:.1f}; every setup >= "
+                f"{min(setups.values()):.1f})",
+                f"{r['late_loss']['default']:.4f} / {r['late_loss']['float8']:.4f} "
+                f"({100 * r['late_loss_gap']:+.2f}%)",
+                f"{ms['default']:.1f} / {ms['float8']:.1f}",
+            ]
+        )
+    return f"{caption('qgz')}\n\n" + table(
+        [
+            "ranks",
+            "bytes sent in one backward: float8 all-to-all / fp32 reduce-scatter",
+            "first-step grad SQNR vs default, dB",
+            f"mean loss steps 16-{d['ranks2']['steps']}: default / float8",
+            f"backward ms (best of {d['ranks2']['backward_steps_timed']} steps): default / float8",
+        ],
+        rows,
+    )
+
+
+def qgz_train_table() -> str:
+    d = load("qgz_train")["data"]
+    rows = []
+    for preset, p in d.items():
+        runs = p["runs"]
+        ref, q = runs["default"], runs["float8_reduce_scatter"]
+        rows.append(
+            [
+                f"{preset} ({ref['steps']} steps)",
+                f"{ref['train_loss']:.4f} / {q['train_loss']:.4f}",
+                f"**{p['gap_pct']['train_loss']:+.2f}%**",
+                f"{ref['val_loss']:.4f} / {q['val_loss']:.4f}",
+                f"**{p['gap_pct']['val_loss']:+.2f}%**",
+                f"{p['noise_pct']['train_loss']:+.2f}% / {p['noise_pct']['val_loss']:+.2f}%",
+                f"{ref['tokens_per_s']:,.0f} / {q['tokens_per_s']:,.0f}",
+            ]
+        )
+    return f"{caption('qgz_train')}\n\n" + table(
+        [
+            "preset",
+            "train loss: default / float8 RS",
+            "gap",
+            "val loss: default / float8 RS",
+            "gap",
+            "seed noise (seed 1 vs 0): train / val",
+            "tokens/s: default / float8 RS",
+        ],
+        rows,
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "demo": lambda: compare_table("demo"),
     "tiny": lambda: compare_table("tiny"),
@@ -1058,6 +1125,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "fsdp_mesh": fsdp_mesh_table,
+    "qgz": qgz_table,
+    "qgz_train": qgz_train_table,
     "memory": memory_table,
     "monitor_drift": monitor_drift_table,
     "monitor_overhead": monitor_overhead_table,

@@ -1,0 +1,396 @@
+"""qgZ float8 gradient reduce-scatter (float8kit/reduce_scatter.py).
+
+In-process: the quantize -> exchange -> dequantize-sum path for N simulated ranks against an
+fp64 sum (outliers, zeros, tiny values, inf/NaN), config and API errors. On real gloo ranks
+(2 and 3, one spawn each): FSDP2 training with the float8 reduce-scatter against the same
+run with FSDP2's default one (bytes sent, first-step gradient SQNR, late-step losses), across
+reduce dtypes, recipes, float8 all-gather, divide factors and uneven/empty shards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from float8kit import (
+    E4M3,
+    E5M2,
+    Float8LinearConfig,
+    Float8ReduceScatterConfig,
+    enable_float8_reduce_scatter,
+)
+from float8kit.reduce_scatter import dequantize_sum, payload_bytes, quantize_chunks
+from tests.helpers import sqnr
+from tests.test_fsdp import _data, _shard, _spawn, _uneven_net
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def _exchange(inputs: list[torch.Tensor], config: Float8ReduceScatterConfig) -> torch.Tensor:
+    """The float8 reduce-scatter of ``inputs`` (one flat tensor per simulated rank): each rank
+    quantizes, the all-to-all hands rank r row r of every sender, r dequantizes and sums.
+    Returns the concatenated outputs (the full reduced gradient)."""
+    world = len(inputs)
+    chunk = inputs[0].numel() // world
+    sends = [quantize_chunks(x, world, config) for x in inputs]
+    outs = [
+        dequantize_sum(torch.stack([sends[s][r] for s in range(world)]), chunk, config)
+        for r in range(world)
+    ]
+    return torch.cat(outs)
+
+
+def TINY(chunk: int) -> slice:  # noqa: N802  (a constant that depends on the chunk)
+    """Blocks 3-6 of the second chunk (block-aligned: a block mixing tiny and normal values
+    flushes the tiny ones to zero, as any per-block scale must)."""
+    return slice(chunk + 3 * 128, chunk + 7 * 128)
+
+
+def _hard_gradients(world: int, chunk: int) -> list[torch.Tensor]:
+    """Per-rank gradients with outliers, an all-zero stretch and a tiny-valued stretch."""
+    g = torch.Generator().manual_seed(0)
+    inputs = []
+    for r in range(world):
+        x = torch.randn(world * chunk, generator=g) * 1e-3
+        x[17 + r] = 3.0  # outliers: one per rank, in the first chunk
+        x[chunk : chunk + 300] = 0  # zeros on every rank
+        x[TINY(chunk)] *= 1e-30  # tiny values, whole blocks of them
+        inputs.append(x)
+    return inputs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dequantized_sum_against_fp64(world):
+    chunk = 1000  # not a multiple of 128: every chunk ends with a padded block
+    inputs = _hard_gradients(world, chunk)
+    ref = sum(x.double() for x in inputs)
+    result = {}
+    for name, dtype in (("e4m3", E4M3), ("e5m2", E5M2)):
+        got = _exchange(inputs, Float8ReduceScatterConfig(dtype=dtype))
+        assert got.dtype == torch.float32 and got.shape == ref.shape
+        tiny = TINY(chunk)
+        result[name] = (sqnr(ref, got), sqnr(ref[tiny], got[tiny]))
+        # zeros stay exactly zero; the outliers are their block's amax: exact
+        assert torch.equal(got[chunk : chunk + 300], torch.zeros(300))
+        bulk = slice(200, chunk)  # blocks without an outlier
+        result[name] += (sqnr(ref[bulk], got[bulk]),)
+    print(f"{world} ranks, SQNR (all, tiny, bulk) dB: {result}")
+    e4m3, e5m2 = result["e4m3"], result["e5m2"]
+    # Blockwise scales: tiny values keep the same relative precision as normal ones.
+    assert min(e4m3) >= 28 and abs(e4m3[1] - e4m3[2]) < 3
+    # e4m3's extra mantissa bit is worth ~6 dB over e5m2; blocks make e5m2's range useless.
+    assert min(e5m2) >= 22 and e4m3[2] - e5m2[2] >= 4
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_nonfinite_gradients_stay_visible(dtype):
+    world, chunk = 3, 512
+    inputs = _hard_gradients(world, chunk)
+    inputs[1][700] = float("inf")
+    inputs[2][1300] = float("nan")
+    inputs[0][100] = float("-inf")
+    config = Float8ReduceScatterConfig(dtype=dtype)
+    got = _exchange(inputs, config)
+    ref = sum(x.double() for x in inputs)
+    bad = ~torch.isfinite(ref)
+    assert bad.sum() == 3
+    # Every non-finite reference element is non-finite in the result (its whole block is).
+    assert (~torch.isfinite(got[bad])).all()
+    nonfinite_blocks = (~torch.isfinite(got)).view(world, chunk // 128, 128).all(-1)
+    assert nonfinite_blocks.sum() == 3  # exactly the three blocks that held inf/NaN
+    clean = torch.isfinite(got)
+    assert sqnr(ref[clean], got[clean]) >= (28 if dtype == E4M3 else 22)
+    # GradScaler's check: the sharded gradients hold a non-finite value.
+    assert not torch.isfinite(got).all()
+
+
+def test_bytes_per_element_and_power_of_2_scales():
+    world, chunk = 2, 4096
+    inputs = _hard_gradients(world, chunk)
+    config = Float8ReduceScatterConfig()
+    sent = quantize_chunks(inputs[0], world, config)
+    assert sent.dtype == torch.uint8
+    assert sent.numel() == world * payload_bytes(chunk, config) == world * 32 * (128 + 4)
+    assert sent.numel() / (inputs[0].numel() * 4) == pytest.approx(0.2578, abs=1e-4)
+    ref = sum(x.double() for x in inputs)
+    fp32_scales = sqnr(ref, _exchange(inputs, config))
+    pow2 = _exchange(inputs, Float8ReduceScatterConfig(round_scales_to_power_of_2=True))
+    # Power-of-2 scales lose at most a few dB (up to half of e4m3's range goes unused).
+    assert sqnr(ref, pow2) >= fp32_scales - 4
+    blocks = 16
+    small = Float8ReduceScatterConfig(block_size=blocks)
+    assert payload_bytes(chunk, small) == chunk // blocks * (blocks + 4)
+    assert sqnr(ref, _exchange(inputs, small)) >= fp32_scales - 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dtype": torch.bfloat16}, "Float8ReduceScatterConfig.dtype"),
+        ({"block_size": 0}, "Float8ReduceScatterConfig.block_size"),
+        ({"block_size": 128.0}, "Float8ReduceScatterConfig.block_size"),
+        ({"round_scales_to_power_of_2": 1}, "round_scales_to_power_of_2"),
+    ],
+)
+def test_config_errors_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Float8ReduceScatterConfig(**kwargs)
+
+
+def test_reduce_ops_fsdp2_passes():
+    from float8kit.reduce_scatter import _op_factor
+
+    assert _op_factor(dist.ReduceOp.SUM, 3) == 1.0
+    assert _op_factor(dist.ReduceOp.AVG, 4) == 0.25
+    assert _op_factor(dist._make_nccl_premul_sum(0.125), 3) == 0.125
+    with pytest.raises(ValueError, match="SUM, AVG and PREMUL_SUM"):
+        _op_factor(dist.ReduceOp.MAX, 2)
+
+
+def test_enable_without_fully_shard_raises_naming_the_fix():
+    model = nn.Sequential(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match="call fully_shard on the blocks and the root first"):
+        enable_float8_reduce_scatter(model)
+    with pytest.raises(TypeError, match="Float8ReduceScatterConfig"):
+        enable_float8_reduce_scatter(model, config=Float8LinearConfig())
+
+
+# ---------------------------------------------------------------------------- gloo ranks
+
+STEPS = 20
+LR = 1e-3
+TENSORWISE = Float8LinearConfig()
+
+
+class _SentBytes:
+    """Bytes each rank hands to ``all_to_all_single`` / ``reduce_scatter_single`` (their
+    inputs: what the rank sends), while active."""
+
+    NAMES = ("all_to_all_single", "reduce_scatter_single")
+
+    def __enter__(self):
+        self.bytes = dict.fromkeys(self.NAMES, 0)
+        self.orig = {n: getattr(dist, n) for n in self.NAMES}
+
+        def counter(name):
+            def counted(*args, **kwargs):
+                t = kwargs["input"] if "input" in kwargs else args[1]
+                self.bytes[name] += t.numel() * t.element_size()
+                return self.orig[name](*args, **kwargs)
+
+            return counted
+
+        for n in self.NAMES:
+            setattr(dist, n, counter(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.orig.items():
+            setattr(dist, n, f)
+
+
+def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
+    """The uneven 32 -> 1040 -> 16 -> 2 net (3 ranks: shards 347/347/346, 6/6/4, 1/1/0 rows),
+    each rank its own batch; every variant run with FSDP2's default reduce-scatter and with
+    the float8 one. Rank 0 keeps the first-step full gradients, the losses and the bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    hsdp_mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    batch = 8
+    xs, ys = _data(steps, batch * world, 32, 2)
+    local = slice(rank * batch, (rank + 1) * batch)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+    def run(qgz, config=TENSORWISE, n_steps=1, divide=None, mesh=mesh, rs=None, **fsdp_kwargs):
+        model = _uneven_net(config)
+        if fsdp_kwargs.pop("compiled", False):
+            # the 1040-wide layer compiled as an FSDP2 block would be (one compile: its cost)
+            model[0] = torch.compile(model[0], fullgraph=True)
+        _shard(model, mesh, [model[0], model[2], model[4]], **fsdp_kwargs)
+        if divide is not None:
+            for m in (model, model[0], model[2], model[4]):
+                m.set_gradient_divide_factor(divide)
+                # gloo has no PREMUL_SUM: the default reduce-scatter needs a SUM and a
+                # separate division; the float8 one takes PREMUL_SUM's factor itself
+                m.set_force_sum_reduction_for_comms(not qgz)
+        if qgz:
+            assert enable_float8_reduce_scatter(model, config=rs) is model
+            assert enable_float8_reduce_scatter(model, config=rs) is model  # no-op
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        out = {"losses": [], "backward_s": []}
+        for step in range(n_steps):
+            loss = F.mse_loss(model(xs[step, local]).float(), ys[step, local])
+            if step == 0:
+                with _SentBytes() as sent:
+                    loss.backward()
+                out["bytes"] = sent.bytes
+                grads = [p.grad.full_tensor().float() for p in model.parameters()]
+                out["grads"] = grads if rank == 0 else None
+            else:
+                dist.barrier()  # time this rank's backward, not the wait for the others
+                t0 = time.perf_counter()
+                loss.backward()
+                out["backward_s"].append(time.perf_counter() - t0)
+            opt.step()
+            opt.zero_grad()
+            loss = loss.detach()
+            dist.all_reduce(loss)
+            out["losses"].append(loss.item() / world)
+        return out
+
+    res: dict = {"shard_rows": None}
+    model = _uneven_net(TENSORWISE)
+    _shard(model, mesh, [model[0], model[2], model[4]])
+    res["shard_rows"] = [model[i].weight.to_local().shape[0] for i in (0, 2, 4)]
+    variants = {
+        "fp32": {"n_steps": steps},
+        "bf16": {"mp_policy": bf16},
+        "fp8_all_gather": {
+            "config": dataclasses.replace(TENSORWISE, enable_fsdp_float8_all_gather=True)
+        },
+        "divide_by_1": {"divide": 1.0},
+        "hsdp": {"mesh": hsdp_mesh},
+        "e5m2": {"rs": Float8ReduceScatterConfig(dtype=E5M2)},
+    }
+    for name in ("rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"):
+        variants[name] = {"config": Float8LinearConfig.from_recipe_name(name)}
+    for name, kwargs in variants.items():
+        res[name] = {"default": run(False, **kwargs), "float8": run(True, **kwargs)}
+    if world == 2:  # API errors that need real FSDP2 modules
+        model = _uneven_net(TENSORWISE)
+        for i in (0, 2, 4):
+            fully_shard(model[i], mesh=mesh)
+        res["errors"] = {}
+        try:  # the blocks are sharded, the root is not
+            enable_float8_reduce_scatter(model)
+        except ValueError as e:
+            res["errors"]["unsharded_root"] = str(e)
+        fully_shard(model, mesh=mesh)
+        enable_float8_reduce_scatter(model)
+        try:
+            enable_float8_reduce_scatter(model, config=Float8ReduceScatterConfig(dtype=E5M2))
+        except ValueError as e:
+            res["errors"]["other_config"] = str(e)
+    if world == 2:  # compile once (test_compiled_layer_... runs on 2 ranks only)
+        torch._dynamo.reset()
+        res["compiled"] = run(True, n_steps=3, compiled=True)
+        res["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return res
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2ranks", "3ranks"])
+def qgz_ranks(request, tmp_path_factory):
+    world = request.param
+    tmp = tmp_path_factory.mktemp(f"qgz{world}")
+    return world, _spawn("tests.test_reduce_scatter:_worker_qgz", world, tmp)[0]
+
+
+def _grad_sqnr(run: dict) -> float:
+    """SQNR of the float8 run's first-step gradients (all parameters as one vector) against
+    the default reduce-scatter's."""
+    ref = torch.cat([g.flatten() for g in run["default"]["grads"]])
+    return sqnr(ref, torch.cat([g.flatten() for g in run["float8"]["grads"]]))
+
+
+@pytest.mark.slow
+def test_bytes_sent_under_030x_of_fp32_reduce_scatter(qgz_ranks):
+    world, r = qgz_ranks
+    if world == 3:
+        assert r["shard_rows"] == [347, 6, 1]  # rank 0's rows; rank 2 holds an empty shard
+    default, fp8 = r["fp32"]["default"]["bytes"], r["fp32"]["float8"]["bytes"]
+    assert default["all_to_all_single"] == 0 and fp8["reduce_scatter_single"] == 0
+    ratio = fp8["all_to_all_single"] / default["reduce_scatter_single"]
+    bf16 = r["bf16"]["default"]["bytes"]["reduce_scatter_single"]
+    print(f"{world} ranks: float8 / fp32 reduce-scatter bytes {ratio:.3f}")
+    assert 0.25 <= ratio <= 0.30
+    # bf16 reduce dtype: float8 sends the same bytes, about half of the bf16 reduce-scatter.
+    assert r["bf16"]["float8"]["bytes"]["all_to_all_single"] == fp8["all_to_all_single"]
+    assert fp8["all_to_all_single"] / bf16 <= 0.6
+
+
+@pytest.mark.slow
+def test_first_step_gradients_and_late_losses_match_default(qgz_ranks):
+    world, r = qgz_ranks
+    losses = {k: r["fp32"][k]["losses"] for k in ("default", "float8")}
+    late = {k: sum(v[15:20]) / 5 for k, v in losses.items()}
+    gap = late["float8"] / late["default"] - 1
+    print(f"{world} ranks: grad SQNR {_grad_sqnr(r['fp32']):.1f} dB, loss gap {gap:+.2%}")
+    assert _grad_sqnr(r["fp32"]) >= 25
+    assert abs(gap) <= 0.02
+    assert losses["float8"][0] == losses["default"][0]  # the same forward
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qgz_ranks", [2], indirect=True, ids=["2ranks"])
+def test_compiled_layer_gives_the_eager_gradients_bitwise(qgz_ranks):
+    # FSDP2 runs its post-backward (and so the reduce-scatter) outside the compiled graph.
+    world, r = qgz_ranks
+    eager, compiled = r["fp32"]["float8"], r["compiled"]
+    assert r["graph_breaks"] == 0
+    assert compiled["losses"] == eager["losses"][:3]
+    for a, b in zip(compiled["grads"], eager["grads"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qgz_ranks", [2], indirect=True, ids=["2ranks"])
+def test_enable_on_a_partly_sharded_model_or_twice_with_another_config_raises(qgz_ranks):
+    errors = qgz_ranks[1]["errors"]
+    assert "only modules inside it are FSDP2 modules" in errors["unsharded_root"]
+    assert "fully_shard(model)" in errors["unsharded_root"]
+    assert "already enabled" in errors["other_config"]
+    assert "float8_e5m2" in errors["other_config"]
+
+
+@pytest.mark.slow
+def test_e4m3_beats_e5m2_on_real_gradients(qgz_ranks):
+    world, r = qgz_ranks
+    e4m3, e5m2 = _grad_sqnr(r["fp32"]), _grad_sqnr(r["e5m2"])
+    print(f"{world} ranks: first-step grad SQNR e4m3 {e4m3:.1f} dB, e5m2 {e5m2:.1f} dB")
+    assert e4m3 - e5m2 >= 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "bf16",
+        "fp8_all_gather",
+        "divide_by_1",
+        "hsdp",
+        "rowwise",
+        "rowwise_with_gw_hp",
+        "delayed",
+        "blockwise",
+    ],
+)
+def test_every_setup_keeps_gradients(qgz_ranks, variant):
+    world, r = qgz_ranks
+    db = _grad_sqnr(r[variant])
+    print(f"{world} ranks, {variant}: first-step grad SQNR {db:.1f} dB")
+    assert db >= 25
+    if variant == "divide_by_1":  # a sum, not a mean, for both reduce-scatters
+        ref, got = r["fp32"]["default"]["grads"][0], r[variant]["float8"]["grads"][0]
+        assert sqnr(ref * world, got) >= 25
+
+
+def test_train_flag_without_fsdp_is_refused(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--preset", "tiny", "--out", str(tmp_path), "--float8-reduce-scatter"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--float8-reduce-scatter changes FSDP2's" in err and "at least 2 data-parallel" in err
