@@ -14,13 +14,14 @@ DELAYED/STATIC state (see ``scale_state``) reaches it through ``Float8Linear._op
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
 
 from float8kit import dtensor, scale_state, scaling, shared_cast
-from float8kit.checkpointing import is_recomputing
+from float8kit.checkpointing import is_recomputing, kept_cast
 from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
@@ -244,13 +245,19 @@ def input_for_backward(
         return hp
     kept = shared_cast.lookup(share, second, 0, config, hp.dtype)
     if kept is None:
-        kept = cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
+        with kept_cast():  # checkpoint_policy keeps this cast's data
+            kept = cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
         shared_cast.store(share, second, 0, config, hp.dtype, kept)
     return kept
 
 
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
     return dtensor.dequantize(t)
+
+
+# Re-cast the float8 weight in backward rather than keep it (see _Float8Matmul.forward);
+# False only in tests, which compare against keeping it.
+_RECAST_WEIGHT = True
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -321,9 +328,14 @@ class _Float8Matmul(torch.autograd.Function):
                 # another layer's cast of the same tensor (shared_cast; DYNAMIC only)
                 x = shared_cast.lookup(share, c.cast_config_input, -1, c, input_hp.dtype)
             if x is None:
-                x = cast_to_float8(
-                    input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+                # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy)
+                kept = ctx.needs_input_grad[1] and _reusable(
+                    c.cast_config_input, c.cast_config_input_for_grad_weight
                 )
+                with kept_cast() if kept else contextlib.nullcontext():
+                    x = cast_to_float8(
+                        input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+                    )
             w = (
                 weight
                 if weight_is_fp8
@@ -351,7 +363,12 @@ class _Float8Matmul(torch.autograd.Function):
         # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.
         # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy.
         ctx.w_recast = None
-        if keep_w and not weight_is_fp8 and not isinstance(weight, dtensor.DTensor):
+        if (
+            _RECAST_WEIGHT
+            and keep_w
+            and not weight_is_fp8
+            and not isinstance(weight, dtensor.DTensor)
+        ):
             ctx.w_recast = (w._scale, w._data.dtype, w._block)
             keep_w = False
         ctx.save_for_backward(x_saved, w if keep_w else weight)
