@@ -217,6 +217,21 @@ def memory() -> None:
     )
 
 
+def memory_blocks() -> None:
+    """Bytes kept for backward by one transformer block (an HF LlamaDecoderLayer and the
+    recipes' Block), every recipe, without checkpointing, with recompute_norms, with
+    checkpoint_policy and with full checkpointing (tests/test_memory_blocks.py)."""
+    from tests import test_memory_blocks
+
+    t0 = time.perf_counter()
+    write(
+        "memory_blocks",
+        ["tests/test_memory_blocks.py", "tests/test_memory.py", "recipes/model.py"],
+        test_memory_blocks.memory_table(),
+        time.perf_counter() - t0,
+    )
+
+
 def experts() -> None:
     """float8 MoE experts (tests/test_experts.py): SQNR vs fp32 of two grouped gemms with
     SiLU between, 4 experts, one with no tokens."""
@@ -506,6 +521,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "memory": memory,
+    "memory_blocks": memory_blocks,
     "experts": experts,
     "tp": tp,
     "tiny": tiny,

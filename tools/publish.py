@@ -467,6 +467,52 @@ def memory_table() -> str:
     )
 
 
+def memory_blocks_table() -> str:
+    d = load("memory_blocks")["data"]
+    names = {"hf_llama": "HF `LlamaDecoderLayer` (bf16)", "recipes": "recipes' `Block` (autocast)"}
+    modes = {
+        "none": "-",
+        "recompute_norms": "`recompute_norms`",
+        "policy": "`checkpoint_policy`",
+        "full": "full",
+    }
+    rows = []
+    for kind, block_rows in d["blocks"].items():
+        for r in block_rows:
+            rows.append(
+                [
+                    names[kind],
+                    "bf16" if r["recipe"] == "bf16" else r["recipe"],
+                    modes[r["mode"]],
+                    f"{r['bytes_at_128'] / 2**20:.2f}",
+                    f(r["bytes_per_token"], ".0f"),
+                    f"**{r['ratio_vs_bf16']:.2f}x**",
+                    f"{r['total_ratio_vs_bf16']:.2f}x",
+                ]
+            )
+    t1, t2 = d["tokens"]
+    return (
+        f"{caption('memory_blocks')}\n\n"
+        f"One block, hidden {d['dim']}, {d['heads']} heads, SwiGLU {d['hidden']}: bytes kept "
+        f"for backward (saved tensors and tensors the forward made that are still alive, "
+        f"each storage once; parameters, buffers and the output excluded), at {t1} tokens and "
+        f"per token (slope from {t1} to {t2} tokens), against the bf16 block without "
+        "checkpointing\n\n"
+        + table(
+            [
+                "block",
+                "recipe",
+                "checkpointing",
+                f"MiB at {t1}",
+                "bytes / token",
+                "vs bf16 / token",
+                f"vs bf16 at {t1}",
+            ],
+            rows,
+        )
+    )
+
+
 def tp_table() -> str:
     d = load("tp")["data"]
     mlp, llama = d["mlp"], d["llama"]
@@ -817,6 +863,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "memory": memory_table,
+    "memory_blocks": memory_blocks_table,
     "tp": tp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
