@@ -59,9 +59,9 @@ _KEPT_CASTS = 0
 
 @contextlib.contextmanager
 def kept_cast():
-    """Marks the casts run inside as ones whose float8 copy a layer keeps for backward (the
-    input's copy for the grad_weight gemm): ``checkpoint_policy`` keeps their data and
-    recomputes every other cast (the weight's, a rowwise input's output-gemm cast)."""
+    """Marks the casts run inside as ones whose float8 copy ``checkpoint_policy`` keeps: the
+    input's copy for the grad_weight gemm, and the weight's cast; it recomputes every other
+    cast (an input cast only the output gemm reads)."""
     global _KEPT_CASTS
     _KEPT_CASTS += 1
     try:
@@ -77,14 +77,16 @@ def checkpoint_policy(
 
     For ``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` (the
     ``context_fn`` of ``checkpoint(..., use_reentrant=False)`` or ``checkpoint_wrapper``).
-    ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm) and
-    the float8 data of the casts backward reads (the input's copy for the grad_weight gemm,
-    1 byte per element: what the layer saves for backward anyway, so the recomputed forward
-    reuses it instead of casting again); also the ops in ``save_ops``.
-    ``PREFER_RECOMPUTE``: everything else, including the weight's cast (backward re-casts
-    the hp weight with its stored scale) and a rowwise input's output-gemm cast. Under
-    ``torch.compile`` the policy cannot tell the casts apart and keeps them all. Gradients
-    are bitwise those of the same model without checkpointing.
+    ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm), the
+    float8 data of the input casts backward reads (the input's copy for the grad_weight
+    gemm, 1 byte per element: what the layer saves for backward anyway, so the recomputed
+    forward reuses it instead of casting again) and of the weight casts (per layer, not per
+    token); also the ops in ``save_ops``. ``PREFER_RECOMPUTE``: everything else, including
+    an input cast that only the output gemm reads (rowwise: scaled along dim 1, while
+    backward reads the dim-0 copy), which costs one cast per layer in backward and saves
+    1 byte per input element. Under ``torch.compile`` the policy cannot tell the casts apart
+    and keeps them all. Gradients are bitwise those of the same model without
+    checkpointing.
 
     Args:
         save_ops: more ops to keep, e.g. ``{torch.ops.aten._scaled_dot_product_flash_attention

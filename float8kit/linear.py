@@ -336,13 +336,13 @@ class _Float8Matmul(torch.autograd.Function):
                     x = cast_to_float8(
                         input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
                     )
-            w = (
-                weight
-                if weight_is_fp8
-                else cast_to_float8(
-                    weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
-                )
-            )
+            w = weight
+            if not weight_is_fp8:
+                # per layer, not per token: checkpoint_policy keeps it (no cast recomputed)
+                with kept_cast():
+                    w = cast_to_float8(
+                        weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
+                    )
             output = torch.mm(x, w.t())
         else:
             x, w = input_hp, weight

@@ -216,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory",
         action="store_true",
         help="print the activation bytes one forward of this model and batch keeps for "
-        "backward, for bf16 and for --float8 (with and without --recompute-norms), and exit",
+        "backward, in bf16 and in the chosen float8 recipe, with and without recomputed "
+        "norms, and exit",
     )
     return p
 

@@ -895,6 +895,12 @@ def _fsdp_blockwise_ratio(world: int) -> str:
     return "{:.3f}x".format(d["all_gather_bytes_fp8"] / d["all_gather_bytes_bf16"])
 
 
+def _block_ratio(recipe: str, mode: str) -> str:
+    rows = load("memory_blocks")["data"]["blocks"]["hf_llama"]
+    r = next(r for r in rows if r["recipe"] == recipe and r["mode"] == mode)
+    return f"{r['ratio_vs_bf16']:.2f}x"
+
+
 def _demo_gap(mode: str, which: str) -> Callable[[], str]:
     def get() -> str:
         s = load("demo")["data"]["summaries"]
@@ -933,6 +939,8 @@ INLINE: dict[str, Callable[[], str]] = {
     "numerics.old_scale_off_e4m3": lambda: "{:.1%}".format(
         load("numerics")["data"]["old_scale_form_off_share"]["torch.float8_e4m3fn"]
     ),
+    "memory_blocks.hf_tensorwise": lambda: _block_ratio("tensorwise", "none"),
+    "memory_blocks.hf_tensorwise_norms": lambda: _block_ratio("tensorwise", "recompute_norms"),
     "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
     "demo.train_gap": _demo_gap("tensorwise", "train_loss"),
     "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
