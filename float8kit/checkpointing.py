@@ -58,16 +58,21 @@ _KEPT_CASTS = 0
 
 
 @contextlib.contextmanager
-def kept_cast():
-    """Marks the casts run inside as ones whose float8 copy ``checkpoint_policy`` keeps: the
-    input's copy for the grad_weight gemm, and the weight's cast; it recomputes every other
-    cast (an input cast only the output gemm reads)."""
+def _marking():
     global _KEPT_CASTS
     _KEPT_CASTS += 1
     try:
         yield
     finally:
         _KEPT_CASTS -= 1
+
+
+def kept_cast():
+    """Marks the casts run inside as ones whose float8 copy ``checkpoint_policy`` keeps: the
+    input's copy for the grad_weight gemm, and the weight's cast; it recomputes every other
+    cast (an input cast only the output gemm reads). Nothing while compiling (the policy
+    keeps every cast there)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _marking()
 
 
 def checkpoint_policy(

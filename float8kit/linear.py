@@ -361,17 +361,20 @@ class _Float8Matmul(torch.autograd.Function):
         # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
         # parameter (kept anyway) and the scale, and redo the cast in backward
         # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.
-        # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy.
-        ctx.w_recast = None
+        # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy,
+        # and so does a compiled graph, whose partitioner picks what is kept (dynamo also
+        # refuses the scale, an intermediate, as a saved tensor of this Function).
+        ctx.w_recast, w_scale_kept = None, None
         if (
             _RECAST_WEIGHT
             and keep_w
+            and not torch.compiler.is_compiling()
             and not weight_is_fp8
             and not isinstance(weight, dtensor.DTensor)
         ):
-            ctx.w_recast = (w._scale, w._data.dtype, w._block)
+            ctx.w_recast, w_scale_kept = (w._data.dtype, w._block), w._scale
             keep_w = False
-        ctx.save_for_backward(x_saved, w if keep_w else weight)
+        ctx.save_for_backward(x_saved, w if keep_w else weight, w_scale_kept)
         ctx.config = c
         ctx.w_state = (
             w_scale,
@@ -396,14 +399,15 @@ class _Float8Matmul(torch.autograd.Function):
             grad_input = grad_output.new_zeros(x_shape)
             return grad_input, grad_weight, None, *(None,) * 10
         c = ctx.config
-        x_saved, w_saved = ctx.saved_tensors
+        x_saved, w_saved, w_scale_kept = ctx.saved_tensors
         grad_output = grad_output.contiguous()
 
         # grad_input = grad_output @ weight, reducing N
         go_cast = c.cast_config_grad_output
         if go_cast.enabled:
             go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
-            w_gi = _weight_for_grad_input(w_saved, c, ctx.w_state, ctx.w_recast)
+            recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
+            w_gi = _weight_for_grad_input(w_saved, c, ctx.w_state, recast)
             grad_input = torch.mm(go, w_gi)
         else:
             grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
