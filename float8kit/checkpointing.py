@@ -68,10 +68,9 @@ def _marking():
 
 
 def kept_cast():
-    """Marks the casts run inside as ones whose float8 copy ``checkpoint_policy`` keeps: the
-    input's copy for the grad_weight gemm, and the weight's cast; it recomputes every other
-    cast (an input cast only the output gemm reads). Nothing while compiling (the policy
-    keeps every cast there)."""
+    """Marks the casts run inside as ones whose float8 copy ``checkpoint_policy`` keeps (the
+    input's copy for the grad_weight gemm); it recomputes every other cast. Nothing while
+    compiling (the policy keeps every cast there)."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else _marking()
 
 
@@ -82,16 +81,16 @@ def checkpoint_policy(
 
     For ``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` (the
     ``context_fn`` of ``checkpoint(..., use_reentrant=False)`` or ``checkpoint_wrapper``).
-    ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm), the
-    float8 data of the input casts backward reads (the input's copy for the grad_weight
+    ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm) and
+    the float8 data of the input casts backward reads (the input's copy for the grad_weight
     gemm, 1 byte per element: what the layer saves for backward anyway, so the recomputed
-    forward reuses it instead of casting again) and of the weight casts (per layer, not per
-    token); also the ops in ``save_ops``. ``PREFER_RECOMPUTE``: everything else, including
-    an input cast that only the output gemm reads (rowwise: scaled along dim 1, while
-    backward reads the dim-0 copy), which costs one cast per layer in backward and saves
-    1 byte per input element. Under ``torch.compile`` the policy cannot tell the casts apart
-    and keeps them all. Gradients are bitwise those of the same model without
-    checkpointing.
+    forward reuses it instead of casting again); also the ops in ``save_ops``.
+    ``PREFER_RECOMPUTE``: everything else, including the weight's cast (a weight-sized
+    float8 tensor per layer, which would outweigh the per-token savings of short sequences)
+    and an input cast that only the output gemm reads (rowwise: scaled along dim 1, while
+    backward reads the dim-0 copy): one or two casts per layer in backward. Under
+    ``torch.compile`` the policy cannot tell the casts apart and keeps them all. Gradients
+    are bitwise those of the same model without checkpointing.
 
     Args:
         save_ops: more ops to keep, e.g. ``{torch.ops.aten._scaled_dot_product_flash_attention

@@ -338,11 +338,9 @@ class _Float8Matmul(torch.autograd.Function):
                     )
             w = weight
             if not weight_is_fp8:
-                # per layer, not per token: checkpoint_policy keeps it (no cast recomputed)
-                with kept_cast():
-                    w = cast_to_float8(
-                        weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
-                    )
+                w = cast_to_float8(
+                    weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
+                )
             output = torch.mm(x, w.t())
         else:
             x, w = input_hp, weight

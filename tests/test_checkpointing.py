@@ -140,10 +140,10 @@ def test_selective_policy_keeps_float8_gemm_outputs_and_casts(recipe):
     gemms, casts = counts["none"]
     assert gemms == 2 * layers
     assert counts["full"] == (gemms + layers, casts + casts_fwd * layers)
-    # the policy recomputes no gemm; it recomputes one cast per layer in rowwise: the input
-    # scaled along dim 1, which only the output gemm reads (backward reads the dim-0 copy,
-    # kept), so that 1 byte per input element is not kept
-    recast = {"tensorwise": 0, "rowwise": 1}[recipe]
+    # the policy recomputes no gemm; it recomputes the weight cast (a weight-sized float8
+    # tensor per layer not kept) and in rowwise the input scaled along dim 1, which only the
+    # output gemm reads (backward reads the dim-0 copy, kept): 1 byte per element not kept
+    recast = {"tensorwise": 1, "rowwise": 2}[recipe]
     assert counts["selective"] == (gemms, casts + recast * layers), counts
     for ac in ("full", "selective"):
         for a, b in zip(grads[ac], grads["none"], strict=True):

@@ -173,10 +173,12 @@ def hf_table():
 def test_hf_block_keeps_less_than_bf16_without_checkpointing(hf_table):
     rows = hf_table["blocks"]["hf_llama"]
     for recipe in RECIPES:
-        r = _row(rows, recipe, "none")
-        # never more than bf16, in all (per-layer float8 weight copies included)
-        assert r["total_ratio_vs_bf16"] <= 1.0, r
-        assert r["ratio_vs_bf16"] <= 1.0, r
+        for mode in ("none", "recompute_norms", "policy"):
+            r = _row(rows, recipe, mode)
+            # never more than bf16, in all at 128 tokens (a float8 weight copy kept per
+            # layer would count here: none is) and per token
+            assert r["total_ratio_vs_bf16"] <= 1.0, r
+            assert r["ratio_vs_bf16"] <= 1.0, r
     # one float8 copy of the q/k/v input and one of the gate/up input: the dynamic recipes
     # reach the target without help (measured 0.92x; 0.98x with a copy per layer)
     for recipe in ("tensorwise", "rowwise", "blockwise"):
