@@ -253,3 +253,27 @@ def test_shared_cast_is_one_storage_and_follows_versions():
     ref = cast_to_float8(h.detach(), c.cast_config_input, GemmRole.INPUT, -1, c)
     assert torch.equal(fp8[2]._data.view(torch.uint8), ref._data.view(torch.uint8))
     assert not torch.equal(fp8[0]._data.view(torch.uint8), ref._data.view(torch.uint8))
+
+
+def test_recompute_norms_keeps_the_module_tree_and_is_idempotent():
+    block, _, _ = hf_block("tensorwise")
+    keys = list(block.state_dict())
+    names = float8kit.recompute_norms(block)
+    assert names == ["input_layernorm", "post_attention_layernorm"]
+    assert float8kit.recompute_norms(block) == names  # again: nothing new
+    assert list(block.state_dict()) == keys
+    assert type(block.input_layernorm).__name__ == "LlamaRMSNorm"
+    assert float8kit.recompute_norms(block, lambda m, fqn: False) == names
+    lone = recipes_model.RMSNorm(DIM, 1e-5)
+    assert float8kit.recompute_norms(lone) == [""]
+
+
+def test_train_memory_report(capsys):
+    import train
+
+    train.main(["--preset", "tiny", "--float8", "rowwise", "--memory", "--batch-size", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()[1:]
+    ratios = {s.split("  ")[0]: float(s.split()[-1].rstrip("x")) for s in map(str.strip, lines)}
+    assert ratios["bf16"] == 1.0
+    assert ratios["rowwise + recompute_norms"] < ratios["rowwise"] < 1.0
+    assert ratios["bf16 + recompute_norms"] < 1.0
