@@ -216,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory",
         action="store_true",
         help="print the activation bytes one forward of this model and batch keeps for "
-        "backward, in bf16 and in the chosen float8 recipe, with and without recomputed "
-        "norms, and exit",
+        "backward, in bf16 and in the chosen float8 recipe (every recipe when none), with "
+        "and without recomputed norms, and exit",
     )
     return p
 
@@ -770,10 +770,11 @@ def activation_bytes(args: argparse.Namespace) -> int:
 def memory_report(args: argparse.Namespace) -> str:
     """--memory: activation bytes per recipe, measured here (CPU, one process)."""
     tokens = args.batch_size * args.seq_len
-    runs = [("none", False), ("none", True), (args.float8, False), (args.float8, True)]
+    modes = [m for m in FLOAT8_MODES if m != "none"] if args.float8 == "none" else [args.float8]
+    runs = [(mode, norms) for mode in ["none", *modes] for norms in (False, True)]
     lines = [f"activation bytes kept for backward, {args.preset}, {tokens} tokens:"]
     ref = None
-    for mode, norms in dict.fromkeys(runs):
+    for mode, norms in runs:
         n = activation_bytes(
             argparse.Namespace(**{**vars(args), "float8": mode, "recompute_norms": norms})
         )
