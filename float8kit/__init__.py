@@ -7,7 +7,7 @@ import torch
 
 from float8kit import ops as _ops  # noqa: F401  (registers the op table)
 from float8kit.calibrate import calibrate
-from float8kit.checkpointing import checkpoint_policy
+from float8kit.checkpointing import checkpoint_policy, default_norm_filter, recompute_norms
 from float8kit.config import (
     E4M3,
     E5M2,
@@ -75,8 +75,11 @@ __all__ = [
     "Float8LoadPlanner",
     # per-layer float8 numerics during training, with an opt-in hp fallback
     "Float8Monitor",
-    # activation checkpointing: a selective policy that keeps the float8 work
+    # activation checkpointing: a selective policy that keeps the float8 work, and norms
+    # recomputed in backward (activation memory of un-checkpointed blocks)
     "checkpoint_policy",
+    "recompute_norms",
+    "default_norm_filter",
     # internals users may meet (FSDP2 all-gathered weights, debugging)
     "Float8TrainingTensor",
     "Float8ExpertWeight",

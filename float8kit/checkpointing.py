@@ -21,10 +21,12 @@ recomputed::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import float8kit.gemm  # noqa: F401  (registers float8kit::grouped_mm_fp32)
 from float8kit.config import FP8_DTYPES
@@ -56,6 +58,28 @@ def _is_float8_cast(op, args, kwargs) -> bool:
     return False
 
 
+# How many casts whose float8 copy backward reads are running now (``kept_cast``): eager,
+# the policy keeps those casts' data and recomputes the others.
+_KEPT_CASTS = 0
+
+
+@contextlib.contextmanager
+def _marking():
+    global _KEPT_CASTS
+    _KEPT_CASTS += 1
+    try:
+        yield
+    finally:
+        _KEPT_CASTS -= 1
+
+
+def kept_cast():
+    """Marks the casts run inside as ones whose float8 copy ``checkpoint_policy`` keeps (the
+    input's copy for the grad_weight gemm); it recomputes every other cast. Nothing while
+    compiling (the policy keeps every cast there)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _marking()
+
+
 def checkpoint_policy(
     save_ops: Iterable[torch._ops.OpOverload] = (),
 ) -> Callable[..., CheckpointPolicy]:
@@ -65,10 +89,15 @@ def checkpoint_policy(
     ``context_fn`` of ``checkpoint(..., use_reentrant=False)`` or ``checkpoint_wrapper``).
     ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm, a
     float8 expert weight's grouped gemm: ``torch._scaled_grouped_mm`` or its emulation) and
-    the float8 data of every cast (1 byte per element: what the layer saves for backward
-    anyway, so the recomputed forward reuses it instead of casting again); also the ops in
-    ``save_ops``. ``PREFER_RECOMPUTE``: everything else. Gradients are bitwise those of the
-    same model without checkpointing.
+    the float8 data of the input casts backward reads (the input's copy for the grad_weight
+    gemm, 1 byte per element: what the layer saves for backward anyway, so the recomputed
+    forward reuses it instead of casting again); also the ops in ``save_ops``.
+    ``PREFER_RECOMPUTE``: everything else, including the weight's cast (a weight-sized
+    float8 tensor per layer, which would outweigh the per-token savings of short sequences)
+    and an input cast that only the output gemm reads (rowwise: scaled along dim 1, while
+    backward reads the dim-0 copy): one or two casts per layer in backward. Under
+    ``torch.compile`` the policy cannot tell the casts apart and keeps them all. Gradients
+    are bitwise those of the same model without checkpointing.
 
     Args:
         save_ops: more ops to keep, e.g. ``{torch.ops.aten._scaled_dot_product_flash_attention
@@ -80,7 +109,9 @@ def checkpoint_policy(
     extra = frozenset(save_ops)
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in extra or _is_float8_gemm(op, args) or _is_float8_cast(op, args, kwargs):
+        if op in extra or _is_float8_gemm(op, args):
+            return CheckpointPolicy.MUST_SAVE
+        if _is_float8_cast(op, args, kwargs) and (_KEPT_CASTS or torch.compiler.is_compiling()):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -94,3 +125,68 @@ def is_recomputing() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def default_norm_filter(module: nn.Module, fqn: str) -> bool:
+    """``recompute_norms``' default choice: ``nn.LayerNorm``, ``nn.RMSNorm`` and any module
+    whose class name ends in ``RMSNorm`` or ``LayerNorm`` (``LlamaRMSNorm``, the recipes'
+    ``RMSNorm``)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(
+        ("RMSNorm", "LayerNorm")
+    )
+
+
+_RECOMPUTED_CLASSES: dict[type, type] = {}
+
+
+def _recomputed_class(cls: type) -> type:
+    if cls not in _RECOMPUTED_CLASSES:
+
+        def forward(self, *args, **kwargs):
+            if not torch.is_grad_enabled():
+                return cls.forward(self, *args, **kwargs)
+            return checkpoint(cls.forward, self, *args, use_reentrant=False, **kwargs)
+
+        _RECOMPUTED_CLASSES[cls] = type(
+            cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__}
+        )
+    return _RECOMPUTED_CLASSES[cls]
+
+
+def recompute_norms(
+    module: nn.Module,
+    norm_filter: Callable[[nn.Module, str], bool] | None = None,
+) -> list[str]:
+    """Recompute the norms in backward instead of keeping what they save: each chosen norm
+    keeps only its input (the residual stream) for backward.
+
+    Why: a float8 linear keeps a float8 copy of its input, not the hp norm output that feeds
+    it, but the norm itself still keeps hp tensors for its own backward (Llama's RMSNorm:
+    its input upcast to fp32 and its bf16 output, 6 bytes per element in a bf16 model), which
+    cancels most of the float8 saving (the fused norm + cast of Transformer Engine has the
+    same motive). A recomputed norm is a cheap elementwise pass in backward. Gradients are
+    bitwise unchanged.
+
+    Each chosen module's class is swapped in place for a subclass whose ``forward`` runs the
+    original one under ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` (no change
+    to parameters, state_dict keys, hooks or the library that defined the norm). Idempotent.
+    Under a block-level checkpoint (``checkpoint_policy``, full AC) the norms are recomputed
+    anyway: this is for blocks that are not checkpointed.
+
+    Args:
+        module: the model (or a block).
+        norm_filter: ``(module, fqn) -> bool``, which modules to recompute;
+            ``default_norm_filter`` when None.
+
+    Returns:
+        The fqns of the modules that now recompute.
+    """
+    chosen = default_norm_filter if norm_filter is None else norm_filter
+    names = []
+    for fqn, mod in module.named_modules():
+        if type(mod) in _RECOMPUTED_CLASSES.values():
+            names.append(fqn)
+        elif chosen(mod, fqn):
+            mod.__class__ = _recomputed_class(type(mod))
+            names.append(fqn)
+    return names

@@ -14,13 +14,14 @@ DELAYED/STATIC state (see ``scale_state``) reaches it through ``Float8Linear._op
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
 
-from float8kit import dtensor, scale_state, scaling
-from float8kit.checkpointing import is_recomputing
+from float8kit import dtensor, scale_state, scaling, shared_cast
+from float8kit.checkpointing import is_recomputing, kept_cast
 from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
@@ -166,7 +167,7 @@ def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bo
 
 
 def _weight_for_grad_input(
-    w_saved: torch.Tensor, config: Float8LinearConfig, state: tuple
+    w_saved: torch.Tensor, config: Float8LinearConfig, state: tuple, recast: tuple | None = None
 ) -> Float8TrainingTensor:
     """The weight as the grad_input gemm needs it: cast per ``cast_config_weight_for_grad_input``
     with its scales along dim 0 (reducing N) or tensorwise.
@@ -176,8 +177,25 @@ def _weight_for_grad_input(
     all-gather delivers) it is re-cast from its dequantized values, which are exact.
     Between power-of-2 scales (the config requires them there) the re-cast only shifts
     exponents: it equals casting the hp weight, except for values in float8's subnormal
-    range. Never used with the wrong axis: ``scaled_mm`` checks the scales' dim."""
+    range. Never used with the wrong axis: ``scaled_mm`` checks the scales' dim.
+
+    ``recast``: (scale, float8 dtype, block) of the output gemm's weight cast, when forward
+    kept the hp weight (a parameter, kept anyway) instead of that float8 copy: the same cast
+    is redone here with the stored scale, bitwise the copy forward made, and no weight-sized
+    float8 tensor lives from forward to backward."""
     cast = config.cast_config_weight_for_grad_input
+    if recast is not None:
+        scale, fp8_dtype, block = recast
+        return hp_to_float8(
+            w_saved,
+            scale,
+            fp8_dtype,
+            GemmRole.WEIGHT,
+            None,
+            config,
+            guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
+            block=block,
+        )
     if dtensor.is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
         if _reusable(config.cast_config_weight, cast, weight=True):
             return w_saved
@@ -191,6 +209,7 @@ def input_for_backward(
     x: torch.Tensor,
     config: Float8LinearConfig,
     x_state: tuple[torch.Tensor | None, torch.Tensor | None, bool],
+    share: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What ``_Float8Matmul`` saves of the input for its grad_weight gemm (which reduces M,
     the input's dim 0): the one save decision for the input, so that a new granularity
@@ -210,20 +229,35 @@ def input_for_backward(
         config: the layer's config.
         x_state: the input's DELAYED/STATIC state for its second use (``operand_scale``'s
             ``state_scale``, ``amax_record``, ``scale_set``).
+        share: the tensor the layer's shared casts are keyed on (``shared_cast.source_for``),
+            or None: the float8 copy kept here is stored there, or taken from there when
+            another layer already made it from the same tensor in this forward.
     """
     first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
     if _reusable(first, second):
+        if dtensor.is_float8(x):
+            shared_cast.store(share, first, -1, config, input_hp.dtype, x)
         return x
     # An input that came in float8 (cast before a tensor-parallel all-gather) goes on
     # from its hp values.
     hp = _as_hp(input_hp)
     if not second.enabled:
         return hp
-    return cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
+    kept = shared_cast.lookup(share, second, 0, config, hp.dtype)
+    if kept is None:
+        with kept_cast():  # checkpoint_policy keeps this cast's data
+            kept = cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
+        shared_cast.store(share, second, 0, config, hp.dtype, kept)
+    return kept
 
 
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
     return dtensor.dequantize(t)
+
+
+# Re-cast the float8 weight in backward rather than keep it (see _Float8Matmul.forward);
+# False only in tests, which compare against keeping it.
+_RECAST_WEIGHT = True
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -272,6 +306,7 @@ class _Float8Matmul(torch.autograd.Function):
         go_scale: torch.Tensor | None = None,
         go_amax: torch.Tensor | None = None,
         go_set: bool = False,
+        share: torch.Tensor | None = None,
     ):
         c = config
         ctx.w_dtype = weight.dtype
@@ -286,20 +321,26 @@ class _Float8Matmul(torch.autograd.Function):
         if input_is_fp8 and not c.cast_config_input.enabled:
             input_hp, input_is_fp8 = _as_hp(input_hp), False
         if c.cast_config_input.enabled:
-            x = (
-                input_hp
-                if input_is_fp8
-                else cast_to_float8(
-                    input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+            x = None
+            if input_is_fp8:
+                x = input_hp
+            elif _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight):
+                # another layer's cast of the same tensor (shared_cast; DYNAMIC only)
+                x = shared_cast.lookup(share, c.cast_config_input, -1, c, input_hp.dtype)
+            if x is None:
+                # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy)
+                kept = ctx.needs_input_grad[1] and _reusable(
+                    c.cast_config_input, c.cast_config_input_for_grad_weight
                 )
-            )
-            w = (
-                weight
-                if weight_is_fp8
-                else cast_to_float8(
+                with kept_cast() if kept else contextlib.nullcontext():
+                    x = cast_to_float8(
+                        input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+                    )
+            w = weight
+            if not weight_is_fp8:
+                w = cast_to_float8(
                     weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
                 )
-            )
             output = torch.mm(x, w.t())
         else:
             x, w = input_hp, weight
@@ -312,8 +353,26 @@ class _Float8Matmul(torch.autograd.Function):
             c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
         )
         # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
-        x_saved = input_for_backward(input_hp, x, c, x_state) if ctx.needs_input_grad[1] else None
-        ctx.save_for_backward(x_saved, w if keep_w else weight)
+        x_saved = (
+            input_for_backward(input_hp, x, c, x_state, share) if ctx.needs_input_grad[1] else None
+        )
+        # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
+        # parameter (kept anyway) and the scale, and redo the cast in backward
+        # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.
+        # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy,
+        # and so does a compiled graph, whose partitioner picks what is kept (dynamo also
+        # refuses the scale, an intermediate, as a saved tensor of this Function).
+        ctx.w_recast, w_scale_kept = None, None
+        if (
+            _RECAST_WEIGHT
+            and keep_w
+            and not torch.compiler.is_compiling()
+            and not weight_is_fp8
+            and not isinstance(weight, dtensor.DTensor)
+        ):
+            ctx.w_recast, w_scale_kept = (w._data.dtype, w._block), w._scale
+            keep_w = False
+        ctx.save_for_backward(x_saved, w if keep_w else weight, w_scale_kept)
         ctx.config = c
         ctx.w_state = (
             w_scale,
@@ -336,16 +395,18 @@ class _Float8Matmul(torch.autograd.Function):
             x_shape, w_shape, w_device = ctx.shapes
             grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
             grad_input = grad_output.new_zeros(x_shape)
-            return grad_input, grad_weight, None, *(None,) * 9
+            return grad_input, grad_weight, None, *(None,) * 10
         c = ctx.config
-        x_saved, w_saved = ctx.saved_tensors
+        x_saved, w_saved, w_scale_kept = ctx.saved_tensors
         grad_output = grad_output.contiguous()
 
         # grad_input = grad_output @ weight, reducing N
         go_cast = c.cast_config_grad_output
         if go_cast.enabled:
             go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
-            grad_input = torch.mm(go, _weight_for_grad_input(w_saved, c, ctx.w_state))
+            recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
+            w_gi = _weight_for_grad_input(w_saved, c, ctx.w_state, recast)
+            grad_input = torch.mm(go, w_gi)
         else:
             grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
 
@@ -370,7 +431,7 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
             grad_weight = grad_weight.to(ctx.w_dtype)
-        return grad_input, grad_weight, None, *(None,) * 9
+        return grad_input, grad_weight, None, *(None,) * 10
 
 
 class Float8Linear(nn.Linear):
@@ -489,6 +550,9 @@ class Float8Linear(nn.Linear):
             scale_state.count_delayed_forward(self._fp8_forward_count, c.stale_delayed_warn_after)
         weight = self.weight
         device_type = input.device.type
+        # keyed on the input as passed (before autocast): linears that read one tensor share
+        # the float8 copy they keep for backward (float8kit/shared_cast.py)
+        share = shared_cast.source_for(input)
         if torch.is_autocast_enabled(device_type) and input.is_floating_point():
             # Only the input: _Float8Matmul casts an fp32 weight to float8 directly.
             input = input.to(torch.get_autocast_dtype(device_type))
@@ -502,7 +566,7 @@ class Float8Linear(nn.Linear):
             )
         # (scale, amax record, scale set) per operand, in GemmRole's order
         states = [t for role in GemmRole for t in self._operand_state(role, record)]
-        out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states)
+        out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states, share)
         # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
         # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).
         output = torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))

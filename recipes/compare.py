@@ -231,7 +231,7 @@ def run_modes(runs: dict[str, list[str]], out: Path, jobs: int) -> None:
 
 
 # train.py's flags that compare.py sets per run
-PER_RUN = ("float8", "out", "resume", "checkpoint_every", "overwrite")
+PER_RUN = ("float8", "out", "resume", "checkpoint_every", "overwrite", "memory")
 
 
 def passthrough_help() -> str:

@@ -244,6 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
         "FSDP2 then all-gathers weights in bf16 (the monitor needs the hp weight). Under "
         "torchrun spell it --monitor-every (torchrun reads --monitor as its --monitor-interval)",
     )
+    p.add_argument(
+        "--recompute-norms",
+        action="store_true",
+        help="recompute the RMSNorms in backward (float8kit.recompute_norms): less activation "
+        "memory, bitwise the same gradients",
+    )
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="print the activation bytes one forward of this model and batch keeps for "
+        "backward, in bf16 and in the chosen float8 recipe (every recipe when none), with "
+        "and without recomputed norms, and exit",
+    )
     return p
 
 
@@ -380,6 +393,8 @@ def build_model(
                 ),
             )
         )
+    if args.recompute_norms:
+        float8kit.recompute_norms(model)
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -805,8 +820,59 @@ def train(args: argparse.Namespace) -> list[dict]:
     return records
 
 
+def _storages(t: torch.Tensor):
+    # a float8 tensor's memory is its inner tensors (fp8 data, scales), not the hp size
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.nn.Parameter:
+        for name in t.__tensor_flatten__()[0]:
+            yield from _storages(getattr(t, name))
+    else:
+        yield t
+
+
+def activation_bytes(args: argparse.Namespace) -> int:
+    """Bytes the tensors autograd saves in one forward of this model on a batch of random
+    tokens take (each storage once, a float8 tensor by its fp8 bytes; parameters excluded)."""
+    model, _ = setup_model(args, torch.device("cpu"), 1)
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        for inner in _storages(t):
+            if (ptr := inner.untyped_storage().data_ptr()) not in skip:
+                seen[ptr] = inner.untyped_storage().nbytes()
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g) for _ in "xy")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(torch.device("cpu")):
+        model(x, y).backward()
+    return sum(seen.values())
+
+
+def memory_report(args: argparse.Namespace) -> str:
+    """--memory: activation bytes per recipe, measured here (CPU, one process)."""
+    tokens = args.batch_size * args.seq_len
+    modes = [m for m in FLOAT8_MODES if m != "none"] if args.float8 == "none" else [args.float8]
+    runs = [(mode, norms) for mode in ["none", *modes] for norms in (False, True)]
+    lines = [f"activation bytes kept for backward, {args.preset}, {tokens} tokens:"]
+    ref = None
+    for mode, norms in runs:
+        n = activation_bytes(
+            argparse.Namespace(**{**vars(args), "float8": mode, "recompute_norms": norms})
+        )
+        ref = ref or n
+        label = ("bf16" if mode == "none" else mode) + (" + recompute_norms" if norms else "")
+        lines.append(
+            f"  {label:<40} {n / 2**20:8.2f} MiB  {n / tokens:8.0f} B/token  {n / ref:.2f}x"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.memory:
+        print(memory_report(args))
+        return []
     try:
         return train(args)
     except UsageError as e:

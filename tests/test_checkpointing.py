@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from float8kit import Float8Linear, checkpoint_policy, convert_to_float8_training, precompute_scales
+from float8kit.checkpointing import kept_cast
 from float8kit.config import FP8_DTYPES
 from tests.helpers import count_scaled_mm
 from tests.test_memory import RECIPES, config
@@ -139,7 +140,11 @@ def test_selective_policy_keeps_float8_gemm_outputs_and_casts(recipe):
     gemms, casts = counts["none"]
     assert gemms == 2 * layers
     assert counts["full"] == (gemms + layers, casts + casts_fwd * layers)
-    assert counts["selective"] == counts["none"], counts
+    # the policy recomputes no gemm; it recomputes the weight cast (a weight-sized float8
+    # tensor per layer not kept) and in rowwise the input scaled along dim 1, which only the
+    # output gemm reads (backward reads the dim-0 copy, kept): 1 byte per element not kept
+    recast = {"tensorwise": 1, "rowwise": 2}[recipe]
+    assert counts["selective"] == (gemms, casts + recast * layers), counts
     for ac in ("full", "selective"):
         for a, b in zip(grads[ac], grads["none"], strict=True):
             assert torch.equal(a, b), ac
@@ -151,7 +156,10 @@ def test_policy_saves_only_float8_work_and_extra_ops():
     x = torch.randn(4, 4)
     aten = torch.ops.aten
     assert policy(None, aten._scaled_mm.default, x, x) is keep
-    assert policy(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is keep
+    # a float8 cast: kept where a layer marks it as one backward reads, recomputed otherwise
+    assert policy(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is not keep
+    with kept_cast():
+        assert policy(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is keep
     assert policy(None, aten.mm.default, x, x) is keep  # asked for
     assert policy(None, aten._to_copy.default, x, dtype=torch.float32) is not keep
     assert checkpoint_policy()(None, aten.mm.default, x, x) is not keep  # an hp mm

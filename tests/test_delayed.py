@@ -232,6 +232,9 @@ def _steady_ops(recipe: str, train: bool) -> list[str]:
         layer(x).backward(go)
         precompute_scales(layer)
     layer.train(train)
+    # a new batch, as in training: a tensor the layer has cast before would reuse that
+    # dynamic cast (float8kit/shared_cast.py) and skip it
+    x = x.detach().clone().requires_grad_()
     with _Ops() as counted:
         y = layer(x)
         if train:

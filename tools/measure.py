@@ -243,6 +243,21 @@ def monitor() -> None:
     )
 
 
+def memory_blocks() -> None:
+    """Bytes kept for backward by one transformer block (an HF LlamaDecoderLayer and the
+    recipes' Block), every recipe, without checkpointing, with recompute_norms, with
+    checkpoint_policy and with full checkpointing (tests/test_memory_blocks.py)."""
+    from tests import test_memory_blocks
+
+    t0 = time.perf_counter()
+    write(
+        "memory_blocks",
+        ["tests/test_memory_blocks.py", "tests/test_memory.py", "recipes/model.py"],
+        test_memory_blocks.memory_table(),
+        time.perf_counter() - t0,
+    )
+
+
 def experts() -> None:
     """float8 MoE experts (tests/test_experts.py): SQNR vs fp32 of two grouped gemms with
     SiLU between, 4 experts, one with no tokens."""
@@ -797,6 +812,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "qgz_train": qgz_train,
     "memory": memory,
     "monitor": monitor,
+    "memory_blocks": memory_blocks,
     "experts": experts,
     "moe_hf": moe_hf,
     "tp": tp,

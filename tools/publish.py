@@ -559,6 +559,52 @@ def monitor_overhead_table() -> str:
     )
 
 
+def memory_blocks_table() -> str:
+    d = load("memory_blocks")["data"]
+    names = {"hf_llama": "HF `LlamaDecoderLayer` (bf16)", "recipes": "recipes' `Block` (autocast)"}
+    modes = {
+        "none": "-",
+        "recompute_norms": "`recompute_norms`",
+        "policy": "`checkpoint_policy`",
+        "full": "full",
+    }
+    rows = []
+    for kind, block_rows in d["blocks"].items():
+        for r in block_rows:
+            rows.append(
+                [
+                    names[kind],
+                    "bf16" if r["recipe"] == "bf16" else r["recipe"],
+                    modes[r["mode"]],
+                    f"{r['bytes_at_128'] / 2**20:.2f}",
+                    f(r["bytes_per_token"], ".0f"),
+                    f"**{r['ratio_vs_bf16']:.2f}x**",
+                    f"{r['total_ratio_vs_bf16']:.2f}x",
+                ]
+            )
+    t1, t2 = d["tokens"]
+    return (
+        f"{caption('memory_blocks')}\n\n"
+        f"One block, hidden {d['dim']}, {d['heads']} heads, SwiGLU {d['hidden']}: bytes kept "
+        f"for backward (saved tensors and tensors the forward made that are still alive, "
+        f"each storage once; parameters, buffers and the output excluded), at {t1} tokens and "
+        f"per token (slope from {t1} to {t2} tokens), against the bf16 block without "
+        "checkpointing\n\n"
+        + table(
+            [
+                "block",
+                "recipe",
+                "checkpointing",
+                f"MiB at {t1}",
+                "bytes / token",
+                "vs bf16 / token",
+                f"vs bf16 at {t1}",
+            ],
+            rows,
+        )
+    )
+
+
 def tp_table() -> str:
     d = load("tp")["data"]
     mlp, llama = d["mlp"], d["llama"]
@@ -1130,6 +1176,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "memory": memory_table,
     "monitor_drift": monitor_drift_table,
     "monitor_overhead": monitor_overhead_table,
+    "memory_blocks": memory_blocks_table,
     "tp": tp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
@@ -1162,6 +1209,12 @@ def _fsdp_blockwise(world: int, key: str) -> str:
 def _fsdp_blockwise_ratio(world: int) -> str:
     d = load("fsdp_blockwise")["data"][f"ranks{world}"]
     return "{:.3f}x".format(d["all_gather_bytes_fp8"] / d["all_gather_bytes_bf16"])
+
+
+def _block_ratio(recipe: str, mode: str) -> str:
+    rows = load("memory_blocks")["data"]["blocks"]["hf_llama"]
+    r = next(r for r in rows if r["recipe"] == recipe and r["mode"] == mode)
+    return f"{r['ratio_vs_bf16']:.2f}x"
 
 
 def _demo_gap(mode: str, which: str) -> Callable[[], str]:
@@ -1217,6 +1270,8 @@ INLINE: dict[str, Callable[[], str]] = {
     "numerics.old_scale_off_e4m3": lambda: "{:.1%}".format(
         load("numerics")["data"]["old_scale_form_off_share"]["torch.float8_e4m3fn"]
     ),
+    "memory_blocks.hf_tensorwise": lambda: _block_ratio("tensorwise", "none"),
+    "memory_blocks.hf_tensorwise_norms": lambda: _block_ratio("tensorwise", "recompute_norms"),
     "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
     "demo.train_gap": _demo_gap("tensorwise", "train_loss"),
     "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
