@@ -497,6 +497,61 @@ def _(a, b, offs):
     return a.new_empty((offs.size(0), a.size(0), b.size(1)))
 
 
+def token_group_padding(
+    offs: torch.Tensor, num_tokens: int, align: int = _CUDA_ALIGN
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of ``num_tokens`` rows (sorted by group, ``offs`` the int32 cumulative group
+    ends) goes when every group is padded to a multiple of ``align`` rows: the CUDA grouped
+    gemms want each group to start at a multiple of 16 rows and the jagged dim's stride
+    16-byte aligned. A pure function of ``offs``, no host sync.
+
+    Each group gets ``ceil(count / align) * align`` rows, at least ``align`` (an empty
+    expert gets ``align`` zero rows: the kernel never sees an empty group, and its gemm sums
+    zeros: exact zeros). Rows past ``offs[-1]`` keep their distance from the last group's
+    end. The padded row count is a static bound, ``num_tokens + align * G`` rounded up to
+    ``align``, so shapes do not depend on the routing (one compiled graph).
+
+    Returns:
+        ``dest`` (num_tokens,) int64: each row's index in the padded tensor; the padded
+        ``offs`` (G,) in ``offs``' dtype; the padded row count.
+    """
+    ends = offs.to(torch.int64)
+    starts = F.pad(ends[:-1], (1, 0))
+    counts = (ends - starts + align - 1) // align * align
+    padded_ends = counts.clamp(min=align).cumsum(0)
+    padded_starts = F.pad(padded_ends[:-1], (1, 0))
+    shift = torch.cat([padded_starts - starts, padded_ends[-1:] - ends[-1:]])
+    rows = torch.arange(num_tokens, device=offs.device, dtype=torch.int64)
+    group = torch.searchsorted(ends, rows, right=True)
+    total = -(-(num_tokens + align * offs.numel()) // align) * align
+    return rows + shift[group], padded_ends.to(offs.dtype), total
+
+
+def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s rows at ``dest`` of a ``rows``-row tensor of zeros (on the bytes: float8 dtypes
+    lack index kernels on some devices; a zero byte is +0.0)."""
+    if t.dtype.itemsize != 1:
+        return t.new_zeros((rows, *t.shape[1:])).index_copy(0, dest, t)
+    out = torch.zeros((rows, *t.shape[1:]), dtype=torch.uint8, device=t.device)
+    return out.index_copy(0, dest, t.view(torch.uint8)).view(t.dtype)
+
+
+def _grouped_mm_aligned(a, a_scale, b, b_scale, offs, **kwargs) -> torch.Tensor:
+    """``scaled_grouped_mm`` with every token group padded to a multiple of 16 rows (see
+    ``token_group_padding``): zero rows add nothing to any sum, so the result is unchanged."""
+    if b.dim() == 3:  # groups along a's rows: scatter them, gather the output's
+        dest, padded_offs, rows = token_group_padding(offs, a.size(0))
+        a = _scatter_rows(a, dest, rows)
+        a_scale = a_scale.new_ones((rows,)).index_copy(0, dest, a_scale.reshape(-1))
+        out = scaled_grouped_mm(a, a_scale, b, b_scale, padded_offs, **kwargs)
+        return out[dest]
+    # groups along the inner dim T: a (M, T) and b (T, N) get the same zero rows of T
+    dest, padded_offs, rows = token_group_padding(offs, a.size(1))
+    a = _scatter_rows(a.t(), dest, rows).t()
+    b = _scatter_rows(b, dest, rows)
+    return scaled_grouped_mm(a, a_scale, b, b_scale, padded_offs, **kwargs)
+
+
 def scaled_grouped_mm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -507,6 +562,7 @@ def scaled_grouped_mm(
     out_dtype: torch.dtype,
     emulate: bool = False,
     use_fast_accum: bool = False,
+    align_groups: bool | None = None,
 ) -> torch.Tensor:
     """The one place that calls ``torch._scaled_grouped_mm``: a float8 grouped gemm over
     jagged groups (MoE experts), with rowwise scales.
@@ -534,10 +590,20 @@ def scaled_grouped_mm(
         out_dtype: dtype of the result.
         emulate: do the math in fp32 instead of calling the kernel.
         use_fast_accum: the kernel's faster, less precise accumulation (CUDA only).
+        align_groups: pad every token group to a multiple of 16 rows first (zero rows, the
+            same result; ``token_group_padding``). Default: where the CUDA kernel runs,
+            which needs it.
 
     Returns:
         The grouped product in ``out_dtype``.
     """
+    if align_groups is None:
+        align_groups = a.is_cuda and not emulate
+    if align_groups:
+        return _grouped_mm_aligned(
+            a, a_scale, b, b_scale, offs, out_dtype=out_dtype, emulate=emulate,
+            use_fast_accum=use_fast_accum, align_groups=False,
+        )  # fmt: skip
     inv_a = a_scale.to(torch.float32).reciprocal()
     inv_b = b_scale.to(torch.float32).reciprocal()
     if a.is_cuda and not emulate:

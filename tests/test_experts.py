@@ -19,7 +19,7 @@ from float8kit import (
     convert_to_float8_training,
 )
 from float8kit.experts import group_amax, token_groups
-from float8kit.gemm import scaled_grouped_mm
+from float8kit.gemm import scaled_grouped_mm, token_group_padding
 from tests.helpers import sqnr
 
 # 4 experts; expert 1 gets no tokens; rows past offs[-1] (60..63) belong to no expert.
@@ -360,3 +360,61 @@ def test_fsdp2_experts_sharded_on_dim0_match_single_device(experts2, fp8_all_gat
         fp8_dtype = "torch.float8_e4m3fn" if fp8_all_gather else "torch.float32"
         assert res[f"gathered_{fp8_all_gather}"] == ("Float8ExpertWeight", fp8_dtype)
         assert res[f"state_dict_{fp8_all_gather}"] == ["Tensor"]  # plain shards
+
+
+# Realistic routings for the CUDA alignment rule: counts not multiples of 16, an empty
+# expert, every token in one expert, tokens past the last group.
+ROUTINGS = {
+    "jagged": [37, 37, 500, 537],  # 37, 0 (empty), 463, 37 tokens
+    "one_expert": [0, 0, 537, 537],
+    "tail": [5, 21, 400, 430],  # rows 430..536 belong to no expert
+}
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_token_group_padding_aligns_every_group(routing):
+    offs = torch.tensor(ROUTINGS[routing], dtype=torch.int32)
+    tokens = 537
+    dest, padded, rows = token_group_padding(offs, tokens)
+    assert rows % 16 == 0 and rows >= int(padded[-1]) and padded.dtype == offs.dtype
+    starts, pstarts = [0, *offs.tolist()[:-1]], [0, *padded.tolist()[:-1]]
+    for g, (lo, hi, plo, phi) in enumerate(
+        zip(starts, offs.tolist(), pstarts, padded.tolist(), strict=True)
+    ):
+        assert plo % 16 == 0 and phi % 16 == 0, g
+        assert phi - plo == max(16, -(-(hi - lo) // 16) * 16), g  # empty: 16 zero rows
+        assert dest[lo:hi].tolist() == list(range(plo, plo + hi - lo)), g
+    assert len(set(dest.tolist())) == tokens and int(dest.max()) < rows
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_aligned_groups_give_the_unpadded_grouped_gemms(routing):
+    # all three gemms of an expert layer, with and without the padding the CUDA kernel gets:
+    # real rows' results and every weight gradient identical, empty experts exact zeros
+    torch.manual_seed(0)
+    offs = torch.tensor(ROUTINGS[routing], dtype=torch.int32)
+    tokens, groups = 537, 4
+    a = (torch.randn(tokens, DIM) * 3).to(E4M3)
+    b = torch.randn(groups, DIM, HIDDEN).to(E4M3)
+    sa, sb = torch.rand(tokens) + 0.5, torch.rand(groups, HIDDEN) + 0.5
+    outs = [
+        scaled_grouped_mm(a, sa, b, sb, offs, out_dtype=torch.float32, align_groups=align)
+        for align in (False, True)
+    ]
+    assert torch.equal(outs[0], outs[1])
+    x, go = torch.randn(tokens, DIM).to(E4M3), torch.randn(tokens, HIDDEN).to(E4M3)
+    sx, sgo = torch.rand(groups * DIM) + 0.5, torch.rand(groups * HIDDEN) + 0.5
+    gws = [
+        scaled_grouped_mm(x.t(), sx, go, sgo, offs, out_dtype=torch.float32, align_groups=al)
+        for al in (False, True)
+    ]
+    assert torch.equal(gws[0], gws[1])
+    ref = x.float().t() @ go.float()  # every token's contribution, no scales
+    bounds = [0, *offs.tolist()]
+    for g in range(groups):
+        lo, hi = bounds[g], bounds[g + 1]
+        if lo == hi:
+            assert torch.equal(gws[1][g], torch.zeros_like(gws[1][g]))
+    if routing == "one_expert":
+        want = ref / (sx[2 * DIM : 3 * DIM, None] * sgo[None, 2 * HIDDEN : 3 * HIDDEN])
+        assert sqnr(want, gws[1][2]) > 40  # bf16 output rounding only
