@@ -73,11 +73,13 @@ def buffer_names(config: Float8LinearConfig) -> list[str]:
 
 def has_delayed(config: Float8LinearConfig) -> bool:
     """Whether any operand of a layer with ``config`` is DELAYED."""
-    return any(
-        (cast := config.stateful_cast(role)) is not None
-        and cast.scaling_type is ScalingType.DELAYED
-        for role in GEMM_ROLES
-    )
+    # a loop, not a generator with := (torch 2.11's dynamo cannot read that cell when
+    # tracing the forward, which calls this)
+    for role in GEMM_ROLES:
+        cast = config.stateful_cast(role)
+        if cast is not None and cast.scaling_type is ScalingType.DELAYED:
+            return True
+    return False
 
 
 def _initial_scale(cast: CastConfig) -> float:
@@ -115,13 +117,16 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
 
 def needs_calibration(config: Float8LinearConfig) -> tuple[str, ...]:
     """Operands that are STATIC with no ``static_scale``: ``calibrate`` must set them."""
-    return tuple(
-        OPERAND_NAMES[role]
-        for role in GEMM_ROLES
-        if (cast := config.stateful_cast(role)) is not None
-        and cast.scaling_type is ScalingType.STATIC
-        and cast.static_scale is None
-    )
+    names = []
+    for role in GEMM_ROLES:
+        cast = config.stateful_cast(role)
+        if (
+            cast is not None
+            and cast.scaling_type is ScalingType.STATIC
+            and cast.static_scale is None
+        ):
+            names.append(OPERAND_NAMES[role])
+    return tuple(names)
 
 
 # Host-side flag of a Float8Linear: the operands (names) whose DELAYED scale is known to be
