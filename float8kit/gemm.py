@@ -621,6 +621,16 @@ def scaled_grouped_mm(
             use_fast_accum=use_fast_accum,
         )
         return out.to(out_dtype)
+    return _emulated_grouped_mm(a, inv_a, b, inv_b, offs).to(out_dtype)
+
+
+@torch.library.custom_op("float8kit::emulated_grouped_mm", mutates_args=())
+def _emulated_grouped_mm(
+    a: torch.Tensor, inv_a: torch.Tensor, b: torch.Tensor, inv_b: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """The grouped kernel's numerics in fp32 (see ``scaled_grouped_mm``), bf16 out; an opaque
+    op to ``torch.compile``, so compiled is bitwise eager on every torch (torch 2.11's
+    inductor drops the bf16 rounding of an fp32 -> bf16 -> fp32 round trip)."""
     acc = _grouped_mm_fp32(a.to(torch.float32), b.to(torch.float32), offs)
     if b.dim() == 3:
         groups, m = b.size(0), a.size(0)
@@ -633,4 +643,11 @@ def scaled_grouped_mm(
     else:
         groups = offs.size(0)
         out = acc * inv_a.reshape(groups, -1, 1) * inv_b.reshape(groups, 1, -1)
-    return out.to(torch.bfloat16).to(out_dtype)
+    return out.to(torch.bfloat16)
+
+
+@_emulated_grouped_mm.register_fake
+def _(a, inv_a, b, inv_b, offs):
+    if b.dim() == 3:
+        return a.new_empty((a.size(0), b.size(-1)), dtype=torch.bfloat16)
+    return a.new_empty((offs.size(0), a.size(0), b.size(1)), dtype=torch.bfloat16)

@@ -19,7 +19,7 @@ from float8kit import (
     convert_to_float8_training,
 )
 from float8kit.experts import group_amax, token_groups
-from float8kit.gemm import scaled_grouped_mm, token_group_padding
+from float8kit.gemm import _cpu_kernel, scaled_grouped_mm, token_group_padding
 from tests.helpers import sqnr
 
 # 4 experts; expert 1 gets no tokens; rows past offs[-1] (60..63) belong to no expert.
@@ -123,7 +123,8 @@ def assert_same_up_to_sum_order(got, want):
 
 
 def test_emulated_grouped_gemm_is_the_kernel_definition_per_group():
-    # Reference: per group, torch._scaled_mm (native on CPU), bf16 out, rowwise scales.
+    # Reference: per group, torch._scaled_mm (float8kit's CPU call of it: native where this
+    # torch's CPU kernel takes rowwise scales, 2.13+), bf16 out, rowwise scales.
     a = (torch.randn(TOKENS, DIM) * 3).to(E4M3)
     b = torch.randn(4, DIM, HIDDEN).to(E4M3)
     sa = torch.rand(TOKENS) + 0.5
@@ -131,12 +132,13 @@ def test_emulated_grouped_gemm_is_the_kernel_definition_per_group():
     got = scaled_grouped_mm(a, sa, b, sb, OFFS, out_dtype=torch.bfloat16, emulate=True)
     start = 0
     for g, end in enumerate(OFFS.tolist()):
-        want = torch._scaled_mm(
+        want = _cpu_kernel(
             a[start:end],
             b[g].t().contiguous().t(),
-            scale_a=sa[start:end, None].reciprocal(),
-            scale_b=sb[g][None].reciprocal(),
-            out_dtype=torch.bfloat16,
+            sa[start:end, None].reciprocal(),
+            sb[g][None].reciprocal(),
+            torch.bfloat16,
+            False,
         )
         assert_same_up_to_sum_order(got[start:end], want)
         start = end
@@ -150,12 +152,13 @@ def test_emulated_grouped_gemm_is_the_kernel_definition_per_group():
     )
     start = 0
     for g, end in enumerate(OFFS.tolist()):
-        want = torch._scaled_mm(
+        want = _cpu_kernel(
             x[start:end].t().contiguous(),
             go[start:end].t().contiguous().t(),
-            scale_a=sx[g][:, None].reciprocal(),
-            scale_b=sgo[g][None].reciprocal(),
-            out_dtype=torch.bfloat16,
+            sx[g][:, None].reciprocal(),
+            sgo[g][None].reciprocal(),
+            torch.bfloat16,
+            False,
         ).float()
         if end == start:
             assert torch.equal(got[g], torch.zeros_like(got[g]))
