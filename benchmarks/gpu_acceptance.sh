@@ -15,8 +15,9 @@
 # step's command, exit status, seconds) and summary.md (the device, torch, the step table
 # and every table the benchmarks wrote). Exits non-zero when a step failed.
 #
-# torchao and expecttest are not on the GPU machine: put their wheels in .whl/ (see
-# ../shared/GPU.md); this script installs them into /tmp/site when .whl/ exists.
+# torchao and expecttest may be missing on the GPU machine, with no package index there:
+# download their wheels into .whl/ beforehand (docs/gpu.md shows the pip download command);
+# this script installs them into /tmp/site when .whl/ exists.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
