@@ -40,8 +40,8 @@ fi
 
 # name | time limit (s) | command
 STEPS=(
-    "gpu_tests|120|$PY -m pytest -q -m gpu tests -p no:cacheprovider"
-    "linear|190|$PY benchmarks/bench_linear.py --shapes square --modes fwd_bwd --no-compile --no-plot --out $OUT/linear.json"
+    "gpu_tests|110|$PY -m pytest -q -m gpu tests -p no:cacheprovider"
+    "linear|180|$PY benchmarks/bench_linear.py --shapes square --modes fwd_bwd --no-compile --no-plot --out $OUT/linear.json"
     "train|200|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes tensorwise,rowwise --out $OUT/train.json"
     "memory|40|$PY -m pytest -q tests/test_memory.py -p no:cacheprovider"
 )
