@@ -4,6 +4,8 @@
 # and for maintainers:
 #   make lint     ruff (pinned in pyproject's dev extra): lint everything, check formatting
 #   make numbers  re-measure every number the docs publish (numbers/*.json), re-render the docs
+#   make test-torch TORCH=2.11.0   the suite under another torch (a cached venv outside the repo)
+#   make test-fake-cuda            every CUDA code path traced without a GPU (torch 2.11.0 CUDA)
 # torch: reused when the Python running this already has it (GPU machines); otherwise the
 # CPU build torch==2.13.0 is installed (never the multi-GB CUDA wheels).
 PY ?= python3
@@ -12,7 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint numbers clean
+.PHONY: setup demo test lint numbers clean test-torch test-fake-cuda
 
 setup: $(STAMP)
 
@@ -40,6 +42,29 @@ lint: $(STAMP)
 numbers: $(STAMP)
 	$(BIN)/python tools/measure.py
 	$(BIN)/python tools/publish.py
+
+# Another torch release, in a venv cached outside the repo (~/.cache/float8kit/venv-torch-X):
+# the PyPI wheel (for 2.11.0 the CUDA 13 build, ~5 GB once, which imports and runs the CPU
+# suite without a GPU and also serves test-fake-cuda). TEST_FILES picks files (default: all).
+TORCH ?= 2.11.0
+TORCH_VENV := $(HOME)/.cache/float8kit/venv-torch-$(TORCH)
+TEST_FILES ?=
+$(TORCH_VENV)/.installed:
+	$(PY) -m venv $(TORCH_VENV)
+	PIP_CONSTRAINT= $(TORCH_VENV)/bin/pip install -q "torch==$(TORCH)" pytest expecttest \
+		torchao==0.18.0 transformers==5.23.0 numpy
+	touch $@
+
+test-torch: $(TORCH_VENV)/.installed
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(TORCH_VENV)/bin/python -m pytest -q \
+		-p no:cacheprovider $(PYTEST_ARGS) $(TEST_FILES); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+# The fake-CUDA lane: FakeTensorMode on device cuda (tests/test_fake_cuda.py); it must not skip.
+test-fake-cuda:
+	$(MAKE) test-torch TORCH=2.11.0 TEST_FILES=tests/test_fake_cuda.py PYTEST_ARGS="-rs"
+	$(HOME)/.cache/float8kit/venv-torch-2.11.0/bin/python -c \
+		"import torch, sys; sys.exit(0 if torch.backends.cuda.is_built() else 'not a CUDA build')"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

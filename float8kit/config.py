@@ -51,6 +51,11 @@ class GemmRole(enum.Enum):
     GRAD_OUTPUT = "grad_output"
 
 
+# The roles in order, as a tuple: code that runs inside a traced forward iterates this, never
+# the Enum class (torch 2.11's dynamo cannot inline ``EnumType.__iter__``).
+GEMM_ROLES: tuple[GemmRole, ...] = (GemmRole.INPUT, GemmRole.WEIGHT, GemmRole.GRAD_OUTPUT)
+
+
 def _coerce_enum(obj, field: str, enum_cls: type[enum.Enum]) -> None:
     """Accept an enum member or its string value; raise naming ``field`` otherwise."""
     value = getattr(obj, field)

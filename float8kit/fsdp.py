@@ -62,6 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import dtensor, scaling, shard_groups
@@ -738,7 +739,8 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
                 "with enable_fsdp_float8_all_gather=True (the weight is gathered once)"
             )
         return wrapped
-    if type(weight.data) is not torch.Tensor:
+    # a FakeTensor stands for a plain tensor (tracing without a device: tests/test_fake_cuda)
+    if type(weight.data) not in (torch.Tensor, FakeTensor):
         raise TypeError(
             "float8kit: enable_fsdp_float8_all_gather needs a plain tensor weight; got "
             f"{type(weight.data).__name__} (convert to float8 before fully_shard / "

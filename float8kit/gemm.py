@@ -20,6 +20,8 @@ dim, the fp32 sum of the fp8 products, times both operands' block scales, summed
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,11 @@ class KernelPlan:
 
     pad_inner: int
     kernel_out_dtype: torch.dtype
+    # zeros appended to N (``pad_inner_dim`` on a layer dim; the extra columns are dropped)
+    pad_out: int = 0
+    # run the tensorwise kernel with unit scales (fp32 out), then multiply by the rowwise
+    # scales: the CUDA rowwise kernel without fast accumulation is many times slower
+    post_scale: bool = False
 
 
 # The dims of each of a linear layer's gemms, for error messages: (inner dim, output dim N).
@@ -92,6 +99,7 @@ def kernel_plan(
     rowwise: bool,
     pad_inner_dim: bool = False,
     gemm: str | None = None,
+    use_fast_accum: bool = True,
 ) -> KernelPlan:
     """Padding and kernel output dtype of an (M, K) @ (K, N) float8 gemm; raises when the
     device's kernel cannot run it.
@@ -100,9 +108,16 @@ def kernel_plan(
     aligned the layer must stay hp. K is zero-padded when ``pad_inner_dim`` is set, and
     always for the grad_weight gemm, whose K is the token count: it changes from batch to
     batch (an MoE expert gets any number of tokens), so no layer setting could fix it.
+    ``pad_inner_dim`` also zero-pads N (the extra output columns are dropped), so that all
+    three gemms of a layer whose in_features or out_features is not a multiple of 16 run:
+    each of those dims is the inner dim of one gemm and the output dim of another.
     Rowwise-scaled CUDA kernels write only bf16: another ``out_dtype`` is produced as bf16
-    and cast (an fp32 grad_weight keeps bf16 precision). CPU takes any shape and dtype
-    (padding only when ``pad_inner_dim`` asks, to run the CUDA path's math).
+    and cast (an fp32 grad_weight keeps bf16 precision). A rowwise gemm without fast
+    accumulation (the grad gemms) takes torchao's route instead: the tensorwise kernel with
+    unit scales, fp32 out, times the row and column scales (``post_scale``), because the
+    rowwise CUTLASS kernel is very slow without fast accumulation; the result is the same
+    sums, rounded once. CPU takes any shape and dtype (padding only when ``pad_inner_dim``
+    asks, to run the CUDA path's math).
 
     Args:
         k, n: the inner dim and the output's column dim.
@@ -112,17 +127,20 @@ def kernel_plan(
         pad_inner_dim: ``Float8LinearConfig.pad_inner_dim``.
         gemm: ``"output"``, ``"grad_input"`` or ``"grad_weight"`` when known (messages, and
             the grad_weight gemm's automatic padding).
+        use_fast_accum: whether the gemm asks for fast accumulation (CUDA routing).
     """
     align = _CUDA_ALIGN
     pad = -k % align if pad_inner_dim or (cuda and gemm == "grad_weight") else 0
+    pad_out = -n % align if pad_inner_dim else 0
     if not cuda:
-        return KernelPlan(pad, out_dtype)
+        return KernelPlan(pad, out_dtype, pad_out)
     inner_name, out_name = _GEMM_DIMS.get(gemm, ("the inner dim K", "the output dim N"))
-    if n % align:
+    if n % align and not pad_out:
         raise ValueError(
             f"float8 gemm on CUDA needs {out_name} (here {n}) to be a multiple of 16"
             + (f" in the {gemm} gemm" if gemm else "")
-            + ": keep this layer in hp (the default module filter does)"
+            + ": set Float8LinearConfig.pad_inner_dim=True, or keep this layer in hp (the "
+            "default module filter does)"
         )
     if k % align and not pad:
         raise ValueError(
@@ -131,8 +149,10 @@ def kernel_plan(
             + ": set Float8LinearConfig.pad_inner_dim=True, or keep this layer in hp (the "
             "default module filter does)"
         )
+    if rowwise and not use_fast_accum:
+        return KernelPlan(pad, torch.float32, pad_out, post_scale=True)
     kernel_out = torch.bfloat16 if rowwise else out_dtype
-    return KernelPlan(pad, kernel_out)
+    return KernelPlan(pad, kernel_out, pad_out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,6 +363,7 @@ def scaled_mm(
         rowwise=rowwise,
         pad_inner_dim=pad_inner_dim,
         gemm=gemm,
+        use_fast_accum=use_fast_accum,
     )
     if not _is_row_major(a_data):
         a_data = a_data.contiguous()
@@ -351,8 +372,20 @@ def scaled_mm(
     if plan.pad_inner:
         a_data = _pad_to(a_data, 1, _CUDA_ALIGN)
         b_data = _pad_to(b_data.t(), 1, _CUDA_ALIGN).t()
+    if plan.pad_out:
+        b_data = _pad_to(b_data.t(), 0, _CUDA_ALIGN).t()  # zero columns, still column-major
+        if inv_b.dim() == 2:
+            inv_b = F.pad(inv_b, (0, plan.pad_out), value=1.0)
     kernel = _kernel if a_data.is_cuda else _cpu_kernel
-    return kernel(a_data, b_data, inv_a, inv_b, plan.kernel_out_dtype, use_fast_accum).to(out_dtype)
+    if plan.post_scale:
+        one = inv_a.new_ones(())
+        out = kernel(a_data, b_data, one, one, plan.kernel_out_dtype, use_fast_accum)
+        out = out * inv_a * inv_b
+    else:
+        out = kernel(a_data, b_data, inv_a, inv_b, plan.kernel_out_dtype, use_fast_accum)
+    if plan.pad_out:
+        out = out[:, :n]
+    return out.to(out_dtype)
 
 
 def _kernel(
@@ -387,12 +420,51 @@ def _cpu_kernel(
     Switching oneDNN off is not something dynamo can trace, hence the custom op; the bf16
     ops around the gemm keep oneDNN. (``torch.backends.mkldnn.flags`` would also reset the
     TF32 flag, with a warning per call: the switch alone is set and restored here.)"""
+    if (inv_a.numel() > 1 or inv_b.numel() > 1) and not _cpu_rowwise_supported():
+        _warn_rowwise_emulated()
+        return ((a.to(torch.float32) @ b.to(torch.float32)) * inv_a * inv_b).to(out_dtype)
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
         return _kernel(a, b, inv_a, inv_b, out_dtype, use_fast_accum)
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+@functools.cache
+def _cpu_rowwise_supported() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes rowwise scales (torch 2.11's takes
+    per-tensor scales only: "Now _scaled_mm only supports per-tensor scaling for CPU
+    backend"). Probed once, with a 16x16 gemm."""
+    a = torch.ones((16, 16)).to(torch.float8_e4m3fn)
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        torch._scaled_mm(
+            a, a.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+_ROWWISE_WARNED = False
+
+
+def _warn_rowwise_emulated() -> None:
+    global _ROWWISE_WARNED
+    if not _ROWWISE_WARNED:
+        _ROWWISE_WARNED = True
+        warnings.warn(
+            f"float8kit: torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales "
+            "only; rowwise float8 gemms on CPU run their fp32 emulation instead (fp32 "
+            "products of the float8 values, times the scales: the same math); torch 2.13 "
+            "and newer have the CPU kernel.",
+            stacklevel=3,
+        )
 
 
 @_cpu_kernel.register_fake
@@ -425,6 +497,61 @@ def _(a, b, offs):
     return a.new_empty((offs.size(0), a.size(0), b.size(1)))
 
 
+def token_group_padding(
+    offs: torch.Tensor, num_tokens: int, align: int = _CUDA_ALIGN
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each of ``num_tokens`` rows (sorted by group, ``offs`` the int32 cumulative group
+    ends) goes when every group is padded to a multiple of ``align`` rows: the CUDA grouped
+    gemms want each group to start at a multiple of 16 rows and the jagged dim's stride
+    16-byte aligned. A pure function of ``offs``, no host sync.
+
+    Each group gets ``ceil(count / align) * align`` rows, at least ``align`` (an empty
+    expert gets ``align`` zero rows: the kernel never sees an empty group, and its gemm sums
+    zeros: exact zeros). Rows past ``offs[-1]`` keep their distance from the last group's
+    end. The padded row count is a static bound, ``num_tokens + align * G`` rounded up to
+    ``align``, so shapes do not depend on the routing (one compiled graph).
+
+    Returns:
+        ``dest`` (num_tokens,) int64: each row's index in the padded tensor; the padded
+        ``offs`` (G,) in ``offs``' dtype; the padded row count.
+    """
+    ends = offs.to(torch.int64)
+    starts = F.pad(ends[:-1], (1, 0))
+    counts = (ends - starts + align - 1) // align * align
+    padded_ends = counts.clamp(min=align).cumsum(0)
+    padded_starts = F.pad(padded_ends[:-1], (1, 0))
+    shift = torch.cat([padded_starts - starts, padded_ends[-1:] - ends[-1:]])
+    rows = torch.arange(num_tokens, device=offs.device, dtype=torch.int64)
+    group = torch.searchsorted(ends, rows, right=True)
+    total = -(-(num_tokens + align * offs.numel()) // align) * align
+    return rows + shift[group], padded_ends.to(offs.dtype), total
+
+
+def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
+    """``t``'s rows at ``dest`` of a ``rows``-row tensor of zeros (on the bytes: float8 dtypes
+    lack index kernels on some devices; a zero byte is +0.0)."""
+    if t.dtype.itemsize != 1:
+        return t.new_zeros((rows, *t.shape[1:])).index_copy(0, dest, t)
+    out = torch.zeros((rows, *t.shape[1:]), dtype=torch.uint8, device=t.device)
+    return out.index_copy(0, dest, t.view(torch.uint8)).view(t.dtype)
+
+
+def _grouped_mm_aligned(a, a_scale, b, b_scale, offs, **kwargs) -> torch.Tensor:
+    """``scaled_grouped_mm`` with every token group padded to a multiple of 16 rows (see
+    ``token_group_padding``): zero rows add nothing to any sum, so the result is unchanged."""
+    if b.dim() == 3:  # groups along a's rows: scatter them, gather the output's
+        dest, padded_offs, rows = token_group_padding(offs, a.size(0))
+        a = _scatter_rows(a, dest, rows)
+        a_scale = a_scale.new_ones((rows,)).index_copy(0, dest, a_scale.reshape(-1))
+        out = scaled_grouped_mm(a, a_scale, b, b_scale, padded_offs, **kwargs)
+        return out[dest]
+    # groups along the inner dim T: a (M, T) and b (T, N) get the same zero rows of T
+    dest, padded_offs, rows = token_group_padding(offs, a.size(1))
+    a = _scatter_rows(a.t(), dest, rows).t()
+    b = _scatter_rows(b, dest, rows)
+    return scaled_grouped_mm(a, a_scale, b, b_scale, padded_offs, **kwargs)
+
+
 def scaled_grouped_mm(
     a: torch.Tensor,
     a_scale: torch.Tensor,
@@ -435,6 +562,7 @@ def scaled_grouped_mm(
     out_dtype: torch.dtype,
     emulate: bool = False,
     use_fast_accum: bool = False,
+    align_groups: bool | None = None,
 ) -> torch.Tensor:
     """The one place that calls ``torch._scaled_grouped_mm``: a float8 grouped gemm over
     jagged groups (MoE experts), with rowwise scales.
@@ -462,10 +590,20 @@ def scaled_grouped_mm(
         out_dtype: dtype of the result.
         emulate: do the math in fp32 instead of calling the kernel.
         use_fast_accum: the kernel's faster, less precise accumulation (CUDA only).
+        align_groups: pad every token group to a multiple of 16 rows first (zero rows, the
+            same result; ``token_group_padding``). Default: where the CUDA kernel runs,
+            which needs it.
 
     Returns:
         The grouped product in ``out_dtype``.
     """
+    if align_groups is None:
+        align_groups = a.is_cuda and not emulate
+    if align_groups:
+        return _grouped_mm_aligned(
+            a, a_scale, b, b_scale, offs, out_dtype=out_dtype, emulate=emulate,
+            use_fast_accum=use_fast_accum, align_groups=False,
+        )  # fmt: skip
     inv_a = a_scale.to(torch.float32).reciprocal()
     inv_b = b_scale.to(torch.float32).reciprocal()
     if a.is_cuda and not emulate:
@@ -483,6 +621,16 @@ def scaled_grouped_mm(
             use_fast_accum=use_fast_accum,
         )
         return out.to(out_dtype)
+    return _emulated_grouped_mm(a, inv_a, b, inv_b, offs).to(out_dtype)
+
+
+@torch.library.custom_op("float8kit::emulated_grouped_mm", mutates_args=())
+def _emulated_grouped_mm(
+    a: torch.Tensor, inv_a: torch.Tensor, b: torch.Tensor, inv_b: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """The grouped kernel's numerics in fp32 (see ``scaled_grouped_mm``), bf16 out; an opaque
+    op to ``torch.compile``, so compiled is bitwise eager on every torch (torch 2.11's
+    inductor drops the bf16 rounding of an fp32 -> bf16 -> fp32 round trip)."""
     acc = _grouped_mm_fp32(a.to(torch.float32), b.to(torch.float32), offs)
     if b.dim() == 3:
         groups, m = b.size(0), a.size(0)
@@ -495,4 +643,11 @@ def scaled_grouped_mm(
     else:
         groups = offs.size(0)
         out = acc * inv_a.reshape(groups, -1, 1) * inv_b.reshape(groups, 1, -1)
-    return out.to(torch.bfloat16).to(out_dtype)
+    return out.to(torch.bfloat16)
+
+
+@_emulated_grouped_mm.register_fake
+def _(a, inv_a, b, inv_b, offs):
+    if b.dim() == 3:
+        return a.new_empty((a.size(0), b.size(-1)), dtype=torch.bfloat16)
+    return a.new_empty((offs.size(0), a.size(0), b.size(1)), dtype=torch.bfloat16)

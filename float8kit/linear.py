@@ -23,6 +23,7 @@ from torch import nn
 from float8kit import dtensor, scale_state, scaling, shared_cast
 from float8kit.checkpointing import is_recomputing, kept_cast
 from float8kit.config import (
+    GEMM_ROLES,
     CastConfig,
     Float8LinearConfig,
     GemmRole,
@@ -564,8 +565,8 @@ class Float8Linear(nn.Linear):
                 "torch.autocast for a mixed-precision model"
                 + ("" if input.is_floating_point() else "; integer inputs are never accepted")
             )
-        # (scale, amax record, scale set) per operand, in GemmRole's order
-        states = [t for role in GemmRole for t in self._operand_state(role, record)]
+        # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
+        states = [t for role in GEMM_ROLES for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states, share)
         # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
         # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).

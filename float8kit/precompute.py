@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from float8kit import dtensor, scale_state, scaling
-from float8kit.config import GemmRole, ScalingType
+from float8kit.config import GEMM_ROLES, ScalingType
 from float8kit.fsdp import fsdp_weight_contributions
 from float8kit.linear import Float8Linear
 
@@ -44,7 +44,7 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         if not isinstance(mod, Float8Linear):
             continue
         has_delayed = False
-        for role in GemmRole:
+        for role in GEMM_ROLES:
             cast = mod.config.stateful_cast(role)
             if cast is None or cast.scaling_type is not ScalingType.DELAYED:
                 continue

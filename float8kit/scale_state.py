@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
-from float8kit.config import CastConfig, Float8LinearConfig, GemmRole, ScalingType
+from float8kit.config import GEMM_ROLES, CastConfig, Float8LinearConfig, GemmRole, ScalingType
 from float8kit.scaling import UNSET
 
 OPERAND_NAMES = {
@@ -61,7 +61,7 @@ def scale_name(role: GemmRole) -> str:
 def buffer_names(config: Float8LinearConfig) -> list[str]:
     """The float8 state buffers a layer with ``config`` has, in registration order."""
     names = []
-    for role in GemmRole:
+    for role in GEMM_ROLES:
         cast = config.stateful_cast(role)
         if cast is None:
             continue
@@ -73,11 +73,13 @@ def buffer_names(config: Float8LinearConfig) -> list[str]:
 
 def has_delayed(config: Float8LinearConfig) -> bool:
     """Whether any operand of a layer with ``config`` is DELAYED."""
-    return any(
-        (cast := config.stateful_cast(role)) is not None
-        and cast.scaling_type is ScalingType.DELAYED
-        for role in GemmRole
-    )
+    # a loop, not a generator with := (torch 2.11's dynamo cannot read that cell when
+    # tracing the forward, which calls this)
+    for role in GEMM_ROLES:
+        cast = config.stateful_cast(role)
+        if cast is not None and cast.scaling_type is ScalingType.DELAYED:
+            return True
+    return False
 
 
 def _initial_scale(cast: CastConfig) -> float:
@@ -99,7 +101,7 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     for name in [n for n in module._buffers if n.startswith("fp8_") and n not in keep]:
         del module._buffers[name]
     device = module.weight.device
-    for role in GemmRole:
+    for role in GEMM_ROLES:
         cast = config.stateful_cast(role)
         if cast is None:
             continue
@@ -115,13 +117,16 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
 
 def needs_calibration(config: Float8LinearConfig) -> tuple[str, ...]:
     """Operands that are STATIC with no ``static_scale``: ``calibrate`` must set them."""
-    return tuple(
-        OPERAND_NAMES[role]
-        for role in GemmRole
-        if (cast := config.stateful_cast(role)) is not None
-        and cast.scaling_type is ScalingType.STATIC
-        and cast.static_scale is None
-    )
+    names = []
+    for role in GEMM_ROLES:
+        cast = config.stateful_cast(role)
+        if (
+            cast is not None
+            and cast.scaling_type is ScalingType.STATIC
+            and cast.static_scale is None
+        ):
+            names.append(OPERAND_NAMES[role])
+    return tuple(names)
 
 
 # Host-side flag of a Float8Linear: the operands (names) whose DELAYED scale is known to be
@@ -138,7 +143,7 @@ DELAYED_SCALES_SET = "_fp8_delayed_scales_set"
 def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str]) -> None:
     """Fill the float8 buffers ``names`` of ``module`` with their initial values."""
     module.__dict__.pop(DELAYED_SCALES_SET, None)
-    for role in GemmRole:
+    for role in GEMM_ROLES:
         cast = config.stateful_cast(role)
         if cast is None:
             continue
@@ -154,7 +159,7 @@ def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str])
 
 
 def _all_state_names() -> set[str]:
-    return {f(role) for role in GemmRole for f in (history_name, amax_name, scale_name)}
+    return {f(role) for role in GEMM_ROLES for f in (history_name, amax_name, scale_name)}
 
 
 def foreign_state_hint(
@@ -205,7 +210,7 @@ def after_load(
         gone = {prefix + n for n in names}
         missing_keys[:] = [k for k in missing_keys if k not in gone]
     uncalibrated = set(module._fp8_uncalibrated)
-    for role in GemmRole:
+    for role in GEMM_ROLES:
         cast = config.stateful_cast(role)
         name = scale_name(role)
         if cast is None or cast.scaling_type is not ScalingType.STATIC:

@@ -151,6 +151,9 @@ class _Count:
         self.name, self.calls, self.bytes = name, 0, 0
 
     def __enter__(self):
+        # torch 2.11's FSDP2 all-gathers through all_gather_into_tensor (no all_gather_single)
+        if not hasattr(dist, self.name) and self.name == "all_gather_single":
+            self.name = "all_gather_into_tensor"
         self.orig = getattr(dist, self.name)
 
         def counted(*args, **kwargs):

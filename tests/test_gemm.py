@@ -1,9 +1,11 @@
 """gemm.scaled_mm against an fp64 matmul of the dequantized operands, and emulate vs kernel."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from float8kit import Float8LinearConfig, GemmRole
+from float8kit import Float8LinearConfig, GemmRole, gemm
 from float8kit.gemm import KernelPlan, kernel_plan, scaled_mm
 from float8kit.linear import cast_to_float8
 from tests.helpers import count_scaled_mm, sqnr
@@ -86,7 +88,7 @@ def test_cpu_kernel_plan_takes_any_shape_and_dtype(gemm):
     plan = kernel_plan(37, 40, torch.float32, cuda=False, rowwise=True, gemm=gemm)
     assert plan == KernelPlan(pad_inner=0, kernel_out_dtype=torch.float32)
     assert kernel_plan(37, 40, torch.bfloat16, cuda=False, rowwise=False, pad_inner_dim=True) == (
-        KernelPlan(pad_inner=11, kernel_out_dtype=torch.bfloat16)
+        KernelPlan(pad_inner=11, kernel_out_dtype=torch.bfloat16, pad_out=8)
     )
 
 
@@ -105,10 +107,13 @@ def test_cuda_kernel_plan_pads_the_token_dim_and_names_the_real_cause():
     assert plan(40, 64, "output", pad=True) == KernelPlan(8, torch.bfloat16)
     with pytest.raises(ValueError, match=r"out_features \(here 40\).*grad_input gemm.*pad_inner"):
         plan(40, 64, "grad_input")
-    with pytest.raises(ValueError, match=r"out_features \(here 40\).*output gemm.*hp"):
-        plan(64, 40, "output", pad=True)
+    with pytest.raises(ValueError, match=r"out_features \(here 40\).*output gemm.*pad_inner"):
+        plan(64, 40, "output")
     with pytest.raises(ValueError, match=r"in_features \(here 24\).*grad_weight gemm.*hp"):
         plan(37, 24, "grad_weight")
+    # pad_inner_dim pads N too: a layer dim is K in one gemm and N in another
+    assert plan(64, 40, "output", pad=True) == KernelPlan(0, torch.bfloat16, pad_out=8)
+    assert plan(37, 24, "grad_weight", pad=True) == KernelPlan(11, torch.bfloat16, pad_out=8)
     # rowwise kernels write bf16 only: fp32 is produced as bf16 and upcast; tensorwise writes it
     assert plan(64, 64, "grad_weight", torch.float32, rowwise=True).kernel_out_dtype == (
         torch.bfloat16
@@ -142,3 +147,47 @@ def test_empty_operands_give_zeros_without_calling_the_kernel(cfg, m, k, n):
         assert len(calls) == 0
         scaled_mm(*operands(16, 32, 16))
     assert torch.equal(out, torch.zeros(m, n)) and len(calls) == 1  # the counter counts
+
+
+def test_cuda_rowwise_without_fast_accum_takes_the_post_scale_route():
+    # torchao's rule: the CUTLASS rowwise kernel is very slow without fast accumulation, so
+    # such gemms run the tensorwise kernel with unit scales (fp32 out) and scale afterwards
+    def plan(rowwise, fast, cuda=True):
+        return kernel_plan(64, 64, torch.bfloat16, cuda=cuda, rowwise=rowwise, use_fast_accum=fast)
+
+    assert plan(True, False) == KernelPlan(0, torch.float32, post_scale=True)
+    assert plan(True, True) == KernelPlan(0, torch.bfloat16)  # the rowwise kernel
+    assert plan(False, False) == KernelPlan(0, torch.bfloat16)  # tensorwise: as asked
+    assert not plan(True, False, cuda=False).post_scale  # CPU: one kernel for both
+
+
+@pytest.mark.parametrize("cfg", [TW, RW], ids=["tw", "rw"])
+def test_pad_inner_dim_pads_the_output_dim_too(cfg):
+    # a layer with in_features 40: the grad_input gemm's N is 40; zero columns appended to
+    # the right operand (scales padded with 1) give extra output columns that are dropped
+    go = cast_to_float8(torch.randn(37, 48), cfg.cast_config_grad_output, GemmRole.GRAD_OUTPUT,
+                        -1, cfg)  # fmt: skip
+    w = cast_to_float8(torch.randn(48, 40), cfg.cast_config_weight, GemmRole.WEIGHT, 0, cfg)
+    unpadded = scaled_mm(go, w, out_dtype=torch.float32)
+    padded = scaled_mm(go, w, pad_inner_dim=True, out_dtype=torch.float32)
+    assert padded.shape == (37, 40)
+    assert torch.equal(padded, unpadded)
+    assert sqnr(reference(go, w), padded) > 100
+
+
+def test_post_scale_route_gives_the_rowwise_result(monkeypatch):
+    # the CUDA post-scale route's math, run on CPU: unit-scale kernel (fp32 out) times the
+    # row and column scales equals the rowwise kernel's result, and the fp64 reference
+    a, b = operands(64, 96, 48, RW, RW)
+    direct = scaled_mm(a, b, out_dtype=torch.bfloat16)
+    real_plan = gemm.kernel_plan
+
+    def post_scale_plan(*args, **kwargs):
+        return dataclasses.replace(
+            real_plan(*args, **kwargs), kernel_out_dtype=torch.float32, post_scale=True
+        )
+
+    monkeypatch.setattr(gemm, "kernel_plan", post_scale_plan)
+    routed = scaled_mm(a, b, out_dtype=torch.bfloat16)
+    assert sqnr(reference(a, b), routed.double()) > 40  # bf16 output rounding only
+    assert sqnr(direct.double(), routed.double()) > 40

@@ -1,0 +1,244 @@
+"""Every CUDA code path of float8kit, traced without a GPU: tensors made under
+``FakeTensorMode`` on device ``cuda`` (a CUDA build of torch imports without a GPU) take
+float8kit's CUDA branches, and torch's meta functions run the CUDA kernels' shape, layout
+and dtype checks (``torch._scaled_mm``, ``F.scaled_mm``, ``torch._scaled_grouped_mm``).
+
+The autograd engine needs a real device, so the autograd Functions' ``forward`` and
+``backward`` are called directly, with a stand-in ``ctx``. Covered: every recipe's three
+gemms at awkward shapes (M = 0, 1, 37, 998; K, N at and off multiples of 16 and 128; fp32
+and bf16 weights; autocast-style bf16 input with an fp32 weight), ``pad_inner_dim``, the
+MoE grouped gemms with token counts and groups off multiples of 16 and an empty expert,
+and the FSDP2 float8 all-gather hooks on fake shards. ``CALL_SITES`` lists the CUDA call
+sites; the last test asserts that each was reached.
+
+Not traceable here: ``precompute_scales``' pinned-memory copy and CUDA event (a real device
+only; ``pytest -m gpu``), and device-side rules that no meta function checks (grouped-gemm
+group starts at multiples of 16: ``gemm.token_group_padding``, unit-tested on CPU).
+
+Runs under ``make test-fake-cuda`` (the torch 2.11.0 CUDA wheel in a cached venv); skips
+where torch is a CPU-only build.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from float8kit import (
+    Float8ExpertsConfig,
+    Float8Linear,
+    Float8LinearConfig,
+    gemm,
+)
+from float8kit.config import GEMM_ROLES
+from float8kit.experts import Float8ExpertWeight, _Float8GroupedMM
+from float8kit.linear import _Float8Matmul
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.cuda.is_built(),
+    reason=f"torch {torch.__version__} is a CPU-only build: the fake-CUDA lane needs a CUDA "
+    "build (make test-fake-cuda installs the torch 2.11.0 CUDA wheel into a cached venv)",
+)
+
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"]
+TOKENS = [0, 1, 37, 998]
+# (in_features K, out_features N, pad_inner_dim): aligned to 128, to 16 only, to nothing
+SHAPES = [(256, 384, False), (48, 80, False), (40, 72, True)]
+BLOCK_SHAPES = [(256, 384, False), (384, 128, False)]  # blockwise: whole 128x128 blocks
+# (weight dtype, input dtype): fp32, bf16, and autocast's bf16 input with an fp32 weight
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.bfloat16),
+]
+
+# The CUDA call sites of float8kit (gemm.py), as the recorder below names them.
+CALL_SITES = {
+    "scaled_mm:tensorwise",  # torch._scaled_mm, per-tensor scales
+    "scaled_mm:rowwise",  # torch._scaled_mm, rowwise scales (fast-accum output gemm)
+    "scaled_mm:post_scale",  # rowwise without fast accum: unit scales, then scaled
+    "scaled_mm:pad_inner",  # zero-padded inner dim (pad_inner_dim, grad_weight's tokens)
+    "scaled_mm:pad_out",  # zero-padded output dim (pad_inner_dim)
+    "scaled_mm:fp32_out",  # tensorwise kernel writing fp32 (an fp32 grad_weight)
+    "block_scaled_mm:128x128",  # F.scaled_mm, 1x128 tiles x 128x128 blocks
+    "block_scaled_mm:1x128",  # F.scaled_mm, 1x128 tiles x 128x1 tiles
+    "scaled_grouped_mm:2d_3d",  # torch._scaled_grouped_mm, experts' output / grad_input
+    "scaled_grouped_mm:2d_2d",  # torch._scaled_grouped_mm, experts' grad_weight
+    "fsdp:pre_all_gather",  # Float8AllGatherWeight hooks on a CUDA shard
+    "fsdp:post_all_gather",
+    "fsdp_experts:pre_all_gather",  # Float8ExpertWeight hooks on a CUDA shard
+    "fsdp_experts:post_all_gather",
+}
+HITS: collections.Counter = collections.Counter()
+
+
+@pytest.fixture(autouse=True)
+def record_cuda_calls(monkeypatch):
+    """Count the CUDA kernel calls by kind, passing every call through to torch (whose
+    meta functions check them)."""
+    real_mm, real_block, real_grouped = torch._scaled_mm, F.scaled_mm, torch._scaled_grouped_mm
+    real_plan = gemm.kernel_plan
+
+    def scaled_mm(a, b, *, scale_a, scale_b, out_dtype=None, use_fast_accum=False, **kw):
+        assert a.is_cuda
+        if scale_a.numel() == 1 and scale_b.numel() == 1:
+            HITS["scaled_mm:tensorwise"] += 1
+        else:
+            HITS["scaled_mm:rowwise"] += 1
+        if out_dtype == torch.float32:
+            HITS["scaled_mm:fp32_out"] += 1
+        return real_mm(
+            a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+            use_fast_accum=use_fast_accum, **kw,
+        )  # fmt: skip
+
+    def block(a, b, scale_a, recipe_a, scale_b, recipe_b, **kw):
+        assert a.is_cuda
+        HITS[f"block_scaled_mm:{recipe_b.name.removeprefix('BlockWise')}"] += 1
+        return real_block(a, b, scale_a, recipe_a, scale_b, recipe_b, **kw)
+
+    def grouped(a, b, *args, **kw):
+        assert a.is_cuda
+        HITS[f"scaled_grouped_mm:{a.dim()}d_{b.dim()}d"] += 1
+        return real_grouped(a, b, *args, **kw)
+
+    def plan(*args, **kw):
+        out = real_plan(*args, **kw)
+        if kw["cuda"]:
+            for field in ("post_scale", "pad_inner", "pad_out"):
+                if getattr(out, field, None):
+                    HITS[f"scaled_mm:{field}"] += 1
+        return out
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(F, "scaled_mm", block)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", grouped)
+    monkeypatch.setattr(gemm, "kernel_plan", plan)
+    yield
+
+
+class Ctx:
+    """What ``forward``/``backward`` use of an autograd Function's ctx."""
+
+    def __init__(self, n_inputs: int):
+        self.needs_input_grad = (True, True) + (False,) * (n_inputs - 2)
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+
+def fake_cuda():
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def layer_fwd_bwd(layer: Float8Linear, x: torch.Tensor, weight=None):
+    """One forward and backward of ``layer`` through its autograd Function, as
+    ``Float8Linear.forward`` calls it; checks the shapes and dtypes that come back."""
+    weight = layer.weight if weight is None else weight
+    states = [t for role in GEMM_ROLES for t in layer._operand_state(role, True)]
+    ctx = Ctx(3 + len(states))
+    out = _Float8Matmul.forward(ctx, x, weight, layer.config, *states)
+    assert out.shape == (x.shape[0], layer.out_features) and out.dtype == x.dtype
+    assert out.device.type == "cuda"
+    grad_in, grad_w, *_ = _Float8Matmul.backward(ctx, torch.randn_like(out))
+    assert grad_in.shape == x.shape and grad_in.dtype == x.dtype
+    assert grad_w.shape == layer.weight.shape and grad_w.dtype == layer.weight.dtype
+    return out
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_traces_on_fake_cuda(recipe):
+    shapes = BLOCK_SHAPES if recipe == "blockwise" else SHAPES
+    for (k, n, pad), (w_dtype, x_dtype), m in itertools.product(shapes, DTYPES, TOKENS):
+        config = Float8LinearConfig.from_recipe_name(recipe)
+        if pad:
+            config = dataclasses.replace(config, pad_inner_dim=True)
+        with fake_cuda(), torch.device("cuda"):
+            layer = Float8Linear(k, n, bias=False, config=config, dtype=w_dtype)
+            x = torch.randn(m, k, dtype=x_dtype)
+            try:
+                layer_fwd_bwd(layer, x)
+            except Exception as e:
+                raise AssertionError(f"{recipe} M={m} K={k} N={n} {w_dtype}/{x_dtype}") from e
+
+
+def test_unaligned_layer_without_pad_inner_dim_is_refused_by_name():
+    with fake_cuda(), torch.device("cuda"):
+        layer = Float8Linear(40, 64, bias=False)
+        with pytest.raises(ValueError, match=r"in_features \(here 40\).*pad_inner_dim"):
+            layer_fwd_bwd(layer, torch.randn(32, 40))
+
+
+class Mesh1:
+    """A one-rank shard mesh (the hooks' math does not depend on the process group)."""
+
+    def size(self):
+        return 1
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed", "blockwise"])
+def test_fsdp_float8_all_gather_hooks_on_fake_cuda(recipe):
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=True
+    )
+    with fake_cuda(), torch.device("cuda"):
+        layer = Float8Linear(256, 384, bias=False, config=config, dtype=torch.bfloat16)
+        shard = layer.weight
+        inputs, metadata = shard.fsdp_pre_all_gather(
+            Mesh1(), shard.shape, shard.stride(), layer, None
+        )
+        HITS["fsdp:pre_all_gather"] += 1
+        assert all(t.is_cuda and t.dtype == torch.uint8 for t in inputs)
+        gathered, _ = shard.fsdp_post_all_gather(inputs, metadata, torch.bfloat16)
+        HITS["fsdp:post_all_gather"] += 1
+        assert gathered.shape == shard.shape
+        layer_fwd_bwd(layer, torch.randn(37, 256, dtype=torch.bfloat16), weight=gathered)
+
+
+# Token counts per expert (4 experts): off multiples of 16, an empty expert, all tokens in
+# one expert, tokens past the last expert.
+ROUTINGS = [[37, 0, 463, 37], [0, 0, 537, 0], [5, 16, 379, 30], [16, 16, 16, 16]]
+
+
+@pytest.mark.parametrize("fsdp_gathered", [False, True], ids=["hp", "fp8_all_gather"])
+def test_experts_grouped_gemms_on_fake_cuda(fsdp_gathered):
+    groups, dim, hidden = 4, 256, 512
+    config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=fsdp_gathered)
+    for counts in ROUTINGS:
+        tokens = sum(counts) + (7 if counts[0] == 5 else 0)  # rows past offs[-1]
+        with fake_cuda(), torch.device("cuda"):
+            hp = torch.randn(groups, dim, hidden, dtype=torch.bfloat16)
+            weight = Float8ExpertWeight(hp, config)
+            if fsdp_gathered:
+                inputs, metadata = weight.fsdp_pre_all_gather(
+                    Mesh1(), weight.shape, weight.stride(), None, None
+                )
+                HITS["fsdp_experts:pre_all_gather"] += 1
+                weight, _ = weight.fsdp_post_all_gather(inputs, metadata, torch.bfloat16)
+                HITS["fsdp_experts:post_all_gather"] += 1
+            offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+            x = torch.randn(tokens, dim, dtype=torch.bfloat16)
+            ctx = Ctx(4)
+            try:
+                out = _Float8GroupedMM.forward(ctx, x, weight, offs, config)
+                assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
+                grad_x, grad_w, *_ = _Float8GroupedMM.backward(ctx, torch.randn_like(out))
+            except Exception as e:
+                raise AssertionError(f"experts, tokens per expert {counts}") from e
+            assert grad_x.shape == x.shape and grad_w.shape == hp.shape
+
+
+def test_every_cuda_call_site_was_traced():
+    # runs last in this file (pytest keeps definition order): the tests above filled HITS
+    if not HITS:
+        pytest.skip("run the whole file: the tests above trace the call sites")
+    missing = sorted(CALL_SITES - set(HITS))
+    assert not missing, f"CUDA call sites never traced: {missing}; traced: {dict(HITS)}"
+    unknown = sorted(set(HITS) - CALL_SITES)
+    assert not unknown, f"CUDA call sites missing from CALL_SITES: {unknown}"

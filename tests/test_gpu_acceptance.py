@@ -1,0 +1,44 @@
+"""benchmarks/gpu_acceptance.sh --dry-run on CPU: every step's script exists, imports, and
+accepts the flags the step passes; pytest steps name existing paths and declared markers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.sh"
+
+
+def test_dry_run_checks_every_step(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path), "--dry-run"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert [s["step"] for s in steps] == ["gpu_tests", "linear", "train", "memory"]
+    assert all(s["exit"] == 0 for s in steps), steps
+    # the per-step limits fit one 10-minute device command with a minute to spare
+    assert sum(s["limit_s"] for s in steps) <= 9 * 60
+    summary = (tmp_path / "summary.md").read_text()
+    assert "dry run" in summary and "| linear | 0 |" in summary
+
+
+def test_a_step_with_an_unknown_flag_fails_the_dry_run(tmp_path):
+    # the same checker on a step whose flag the benchmark does not have
+    bad = SCRIPT.read_text().replace("--modes fwd_bwd", "--modez fwd_bwd")
+    copy = ROOT / "benchmarks" / f".gpu_acceptance_bad_{os.getpid()}.sh"
+    copy.write_text(bad)
+    try:
+        env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+        run = subprocess.run(
+            ["bash", str(copy), str(tmp_path), "--dry-run"],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+    finally:
+        copy.unlink()
+    assert run.returncode != 0
+    assert "has no flag --modez" in (tmp_path / "linear.log").read_text()
