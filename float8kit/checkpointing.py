@@ -28,15 +28,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-import float8kit.gemm  # noqa: F401  (registers float8kit::grouped_mm_fp32)
+import float8kit.gemm  # noqa: F401  (registers float8kit::emulated_grouped_mm)
 from float8kit.config import FP8_DTYPES
 from float8kit.tensor import Float8TrainingTensor
 
 _aten = torch.ops.aten
 # MoE experts (experts.py, through gemm.scaled_grouped_mm): CUDA's float8 grouped kernel, or
-# its emulation (float8kit::grouped_mm_fp32, float8kit's own op, fed float8 values only).
+# its emulation (float8kit::emulated_grouped_mm, float8kit's own opaque op: float8 operands
+# and their scales in, the kernel's numerics out).
 _FLOAT8_GROUPED_GEMMS = frozenset(
-    {_aten._scaled_grouped_mm.default, torch.ops.float8kit.grouped_mm_fp32.default}
+    {_aten._scaled_grouped_mm.default, torch.ops.float8kit.emulated_grouped_mm.default}
 )
 
 

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 # registers transformers::grouped_mm_fallback
 pytest.importorskip("transformers.integrations.moe")
 
-FLOAT8_GEMM = "float8kit.grouped_mm_fp32.default"  # the CPU float8 grouped gemm (emulated)
+FLOAT8_GEMM = "float8kit.emulated_grouped_mm.default"  # the CPU float8 grouped gemm (emulated)
 VOCAB, LAYERS, EXPERTS = 64, 2, 4
 
 
@@ -274,7 +274,7 @@ def test_compiled_fp32_weights_run_float8_experts(autocast):
 
 def test_checkpoint_policy_keeps_the_float8_expert_gemms():
     policy = float8kit.checkpoint_policy()
-    cuda, cpu = torch.ops.aten._scaled_grouped_mm, torch.ops.float8kit.grouped_mm_fp32
+    cuda, cpu = torch.ops.aten._scaled_grouped_mm, torch.ops.float8kit.emulated_grouped_mm
     for op in (cuda.default, cpu.default):
         assert policy(None, op) == CheckpointPolicy.MUST_SAVE  # CUDA kernel and CPU emulation
     ids = batch()
