@@ -21,11 +21,11 @@ padding code runs, only the kernel is stubbed).
 
 ``minimum`` rows are the least traffic each recipe's math needs with no producer fusion
 (the operand arrives in memory in bf16), from ``minimum_bytes``; docs/performance.md
-justifies each. A row measured at a shape proportional to seed 002's 4096x8192x16384
-(each dim /16, so each of the MK, KN, MN terms is /256) is also written scaled to that
-shape (``bytes * 256``, ``scaled_from`` names the measured shape): the traffic is a sum
-of per-element passes over the three operands, so it scales exactly with them, apart from
-a few bytes of scale math.
+justifies each. A row measured at a shape proportional to the torchao.float8 README's
+4096x8192x16384 (each dim /16, so each of the MK, KN, MN terms is /256) is also written
+scaled to that shape (``bytes * 256``, ``scaled_from`` names the measured shape): the
+traffic is a sum of per-element passes over the three operands, so it scales exactly with
+them, apart from a few bytes of scale math.
 
     python benchmarks/bench_traffic.py --json numbers/traffic.json
     python benchmarks/bench_traffic.py --shapes 256x512x1024 --recipes tensorwise,delayed -v
@@ -60,7 +60,7 @@ GEMM_OPS = (
     "bench_traffic.block_scaled_mm",
 )
 
-SEED_SHAPE = (4096, 8192, 16384)  # seed 002's largest layer
+SEED_SHAPE = (4096, 8192, 16384)  # the torchao.float8 README's largest layer
 
 
 def _kernel_name(snode) -> str:

@@ -123,8 +123,9 @@ def test_predict_by_hand_and_limits():
 
 
 def test_seed_points_within_reach_of_the_model():
-    # seed 002's H100 measurements (torchao tensorwise): 0.80x at 1024x2048x1024, 1.39x at
-    # 4096x8192x16384; the uncalibrated model is within 25% of both, on the right side of 1
+    # the torchao.float8 README's H100 measurements (torchao tensorwise): 0.80x at
+    # 1024x2048x1024, 1.39x at 4096x8192x16384; the uncalibrated model is within 25% of both,
+    # on the right side of 1
     small = roofline.predicted_speedup(1024, 2048, 1024, "tensorwise", "h100")
     large = roofline.predicted_speedup(4096, 8192, 16384, "tensorwise", "h100")
     assert small < 1 < large

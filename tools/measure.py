@@ -676,7 +676,7 @@ def traffic() -> None:
     )
 
 
-# seed 002's shapes (torchao's float8 README, H100): 1024x2048x1024 measured 0.80x and
+# the torchao.float8 README's shapes (H100): 1024x2048x1024 measured 0.80x and
 # 4096x8192x16384 1.39x for tensorwise; the ones between fill in the curve
 SEED_SHAPES = [
     (1024, 2048, 1024),
@@ -689,8 +689,8 @@ SEED_MEASURED = {(1024, 2048, 1024): 0.80, (4096, 8192, 16384): 1.39}
 
 
 def roofline_predicted() -> None:
-    """float8kit.roofline's predicted fwd+bwd speedup per seed 002 shape, recipe and device
-    (uncalibrated efficiencies), and where auto_module_filter and torchao's
+    """float8kit.roofline's predicted fwd+bwd speedup per torchao.float8 README shape, recipe
+    and device (uncalibrated efficiencies), and where auto_module_filter and torchao's
     _auto_filter_for_recipe disagree."""
     from torch import nn
 

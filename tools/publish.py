@@ -988,7 +988,7 @@ def fsdp_mesh_table() -> str:
 
 def traffic_table() -> str:
     """benchmarks/bench_traffic.py: bytes outside the gemms per recipe, float8kit vs torchao
-    vs the minimum, per shape (the seed 002 shape scaled from its /16 measurement)."""
+    vs the minimum, per shape (the torchao.float8 README shape scaled from its /16 measurement)."""
     d = load("traffic")
     rows, out = d["rows"], []
     shapes = list(dict.fromkeys(tuple(r["shape"]) for r in rows))
@@ -1032,7 +1032,8 @@ def traffic_table() -> str:
 
 
 def roofline_predicted_table() -> str:
-    """float8kit.roofline: predicted fwd+bwd speedup per seed 002 shape, recipe, device."""
+    """float8kit.roofline: predicted fwd+bwd speedup per torchao.float8 README shape, recipe
+    and device."""
     d = load("roofline_predicted")["data"]
     shapes = list(dict.fromkeys(tuple(r["shape"]) for r in d["rows"]))
     out = []
@@ -1217,14 +1218,6 @@ def _block_ratio(recipe: str, mode: str) -> str:
     return f"{r['ratio_vs_bf16']:.2f}x"
 
 
-def _demo_gap(mode: str, which: str) -> Callable[[], str]:
-    def get() -> str:
-        s = load("demo")["data"]["summaries"]
-        return gap(s[mode][which], s["none"][which])
-
-    return get
-
-
 def _load_avg(name: str) -> Callable[[], str]:
     """The 1-minute load average when ``name`` started (2 cores: 2.0 is a full machine)."""
     return lambda: f"{load(name)['load_avg_1m_5m_15m'][0]:.1f}"
@@ -1272,19 +1265,12 @@ INLINE: dict[str, Callable[[], str]] = {
     ),
     "memory_blocks.hf_tensorwise": lambda: _block_ratio("tensorwise", "none"),
     "memory_blocks.hf_tensorwise_norms": lambda: _block_ratio("tensorwise", "recompute_norms"),
-    "demo.steps": lambda: str(load("demo")["data"]["train_args"]["steps"]),
-    "demo.train_gap": _demo_gap("tensorwise", "train_loss"),
-    "demo.val_gap": _demo_gap("tensorwise", "val_loss"),
     "demo.wall_min": lambda: f"{load('demo')['wall_s'] / 60:.1f} min",
     "demo_busy.wall_min": lambda: f"{load('demo_busy')['wall_s'] / 60:.1f} min",
-    **{
-        f"{name}.{what}": fn
-        for name in ("demo", "demo_busy", "suite")
-        for what, fn in (("load", _load_avg(name)), ("cpu", _cpu(name)))
-    },
+    **{f"{name}.load": _load_avg(name) for name in ("demo", "demo_busy", "suite")},
+    **{f"{name}.cpu": _cpu(name) for name in ("demo", "suite")},
     "suite.wall_min": lambda: f"{load('suite')['wall_s'] / 60:.1f} min",
     "suite.passed": lambda: str(load("suite")["data"]["passed"]),
-    "demo.threads": lambda: str(load("demo")["threads"]),
     "numbers.total_min": lambda: "{} min".format(
         math.ceil(
             sum(json.loads(p.read_text()).get("wall_s", 0) for p in NUMBERS.glob("*.json")) / 60
