@@ -874,7 +874,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(memory_report(args))
         return []
     try:
-        return train(args)
+        records = train(args)
+        if dist.is_initialized():
+            # no rank tears gloo down while another is still in a collective: without it a
+            # finished run sometimes aborted at exit ("terminate called without an active
+            # exception") after writing everything
+            dist.barrier()
+        return records
     except UsageError as e:
         # Usage errors are the same on every rank: say it once.
         if int(os.environ.get("RANK", "0")) == 0:
