@@ -1,8 +1,10 @@
 """A small LightningModule and data for tests/test_integrations_lightning.py; run under
-torchrun it trains with ModelParallelStrategy (FSDP2 in configure_model) and prints JSON."""
+torchrun it trains with ModelParallelStrategy (FSDP2 in configure_model) and writes each
+rank's results as JSON into the folder $FLOAT8KIT_RESULTS."""
 
 import json
 import os
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -108,4 +110,7 @@ if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/lightning_model.
             )
         ),
     }
-    print("RESULT " + json.dumps({"rank": int(os.environ["RANK"]), **runs}))
+    # one file per rank: two ranks printing at once can interleave their lines
+    rank = int(os.environ["RANK"])
+    out = Path(os.environ["FLOAT8KIT_RESULTS"]) / f"rank{rank}.json"
+    out.write_text(json.dumps({"rank": rank, **runs}))

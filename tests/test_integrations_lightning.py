@@ -46,22 +46,23 @@ def test_float8_trains_like_bf16_one_process():
 
 
 @pytest.mark.slow
-def test_model_parallel_strategy_two_ranks_float8_all_gather():
+def test_model_parallel_strategy_two_ranks_float8_all_gather(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         + ["tests/lightning_model.py"],
         cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            "FLOAT8KIT_RESULTS": str(tmp_path),
+        },
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    ranks = [
-        json.loads(line[len("RESULT ") :])
-        for line in r.stdout.splitlines()
-        if line.startswith("RESULT ")
-    ]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert sorted(x["rank"] for x in ranks) == [0, 1]
     for x in ranks:
         f8, ag, bf16 = x["float8"], x["float8_all_gather"], x["bf16"]
