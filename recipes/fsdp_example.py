@@ -50,4 +50,5 @@ for step in range(1, 6):
     dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
     if rank == 0:
         print(f"step {step}: loss {loss.item():.4f}")
+dist.barrier()  # no rank tears gloo down while another is still in a collective
 dist.destroy_process_group()
