@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 
 from float8kit.config import Float8LinearConfig
 from float8kit.convert import convert_to_float8_training, default_module_filter
+from float8kit.integrations import float8_linears
 from float8kit.linear import Float8Linear
 from float8kit.precompute import precompute_scales
 
@@ -95,20 +96,18 @@ class Float8Callback(TrainerCallback):
                 "building your optimizer and drop the callback's conversion"
             )
         already = {fqn for fqn, m in model.named_modules() if isinstance(m, Float8Linear)}
-        convert_to_float8_training(model, config=self.config, module_filter_fn=self._keep)
-        linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.Linear)]
-        self.converted = [fqn for fqn, m in linears if isinstance(m, Float8Linear)]
+        convert_to_float8_training(
+            model, config=self.config, module_filter_fn=self.module_filter_fn
+        )
+        self.converted, n_linears = float8_linears(model)
         logger.info(
             "float8kit: %d of %d Linear layers run in float8 (%d converted now), %d kept in hp",
             len(self.converted),
-            len(linears),
+            n_linears,
             len(set(self.converted) - already),
-            len(linears) - len(self.converted),
+            n_linears - len(self.converted),
         )
         return control
-
-    def _keep(self, module: nn.Module, fqn: str) -> bool:
-        return self.module_filter_fn(module, fqn)
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
         precompute_scales(model)

@@ -26,7 +26,7 @@ from torch import nn
 
 from float8kit.config import Float8LinearConfig
 from float8kit.convert import convert_to_float8_training
-from float8kit.linear import Float8Linear
+from float8kit.integrations import float8_linears
 from float8kit.precompute import precompute_scales
 
 logger = logging.getLogger(__name__)
@@ -62,13 +62,12 @@ class Float8LightningCallback(Callback):
         convert_to_float8_training(
             pl_module, config=self.config, module_filter_fn=self.module_filter_fn
         )
-        linears = [(fqn, m) for fqn, m in pl_module.named_modules() if isinstance(m, nn.Linear)]
-        self.converted = [fqn for fqn, m in linears if isinstance(m, Float8Linear)]
+        self.converted, n_linears = float8_linears(pl_module)
         logger.info(
             "float8kit: %d of %d Linear layers run in float8, %d kept in hp",
             len(self.converted),
-            len(linears),
-            len(linears) - len(self.converted),
+            n_linears,
+            n_linears - len(self.converted),
         )
 
     def on_fit_start(self, trainer, pl_module) -> None:
