@@ -49,10 +49,13 @@ numbers: $(STAMP)
 TORCH ?= 2.11.0
 TORCH_VENV := $(HOME)/.cache/float8kit/venv-torch-$(TORCH)
 TEST_FILES ?=
-$(TORCH_VENV)/.installed:
+# what the suite needs besides torch: pyproject's test and recipes extras (float8kit itself
+# is imported from the checkout); re-installed when pyproject.toml changes
+EXTRAS_REQS := $(PY) -c 'import tomllib; d = tomllib.load(open("pyproject.toml", "rb")); \
+	x = d["project"]["optional-dependencies"]; print(" ".join(x["test"] + x["recipes"]))'
+$(TORCH_VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(TORCH_VENV)
-	PIP_CONSTRAINT= $(TORCH_VENV)/bin/pip install -q "torch==$(TORCH)" pytest expecttest \
-		torchao==0.18.0 transformers==5.23.0 numpy
+	PIP_CONSTRAINT= $(TORCH_VENV)/bin/pip install -q "torch==$(TORCH)" $$($(EXTRAS_REQS))
 	touch $@
 
 test-torch: $(TORCH_VENV)/.installed

@@ -420,12 +420,17 @@ def _cpu_kernel(
     Switching oneDNN off is not something dynamo can trace, hence the custom op; the bf16
     ops around the gemm keep oneDNN. (``torch.backends.mkldnn.flags`` would also reset the
     TF32 flag, with a warning per call: the switch alone is set and restored here.)"""
-    if (inv_a.numel() > 1 or inv_b.numel() > 1) and not _cpu_rowwise_supported():
-        _warn_rowwise_emulated()
-        return ((a.to(torch.float32) @ b.to(torch.float32)) * inv_a * inv_b).to(out_dtype)
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
+        if (inv_a.numel() > 1 or inv_b.numel() > 1) and not _cpu_rowwise_supported():
+            # the per-tensor kernel with scales of one (exact fp32 sums of float8 products),
+            # then the row / column scales in fp32: rowwise's math on a torch whose CPU
+            # kernel takes per-tensor scales only
+            _warn_rowwise_emulated()
+            one = torch.ones((), dtype=torch.float32)
+            out = _kernel(a, b, one, one, torch.float32, use_fast_accum)
+            return (out * inv_a * inv_b).to(out_dtype)
         return _kernel(a, b, inv_a, inv_b, out_dtype, use_fast_accum)
     finally:
         torch._C._set_mkldnn_enabled(enabled)
@@ -460,9 +465,9 @@ def _warn_rowwise_emulated() -> None:
         _ROWWISE_WARNED = True
         warnings.warn(
             f"float8kit: torch {torch.__version__}'s CPU _scaled_mm takes per-tensor scales "
-            "only; rowwise float8 gemms on CPU run their fp32 emulation instead (fp32 "
-            "products of the float8 values, times the scales: the same math); torch 2.13 "
-            "and newer have the CPU kernel.",
+            "only; rowwise float8 gemms on CPU run it with scales of one and apply the row "
+            "and column scales in fp32 after it (the same math, one more pass over the "
+            "output); torch 2.13 and newer have the rowwise CPU kernel.",
             stacklevel=3,
         )
 

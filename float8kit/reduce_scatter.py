@@ -21,6 +21,8 @@ HSDP's replicate all-reduce runs after the reduce-scatter and stays in the reduc
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -74,15 +76,25 @@ def dequantize_sum(received: torch.Tensor, chunk: int, config: Float8ReduceScatt
     return hp.sum(dim=0).view(-1)[:chunk]
 
 
-def _op_factor(op, group_size: int) -> float:
-    """What a reduce op multiplies the sum by: SUM 1, AVG 1/size, PREMUL_SUM its factor."""
+def _op_factor(op, group_size: int, divide_factor: float | None = None) -> float:
+    """What a reduce op multiplies the sum by: SUM 1, AVG 1/size, PREMUL_SUM its factor
+    (on torch 2.11, whose ``ReduceOp`` keeps that factor in C++, ``1 / divide_factor``: the
+    FSDP2 module's gradient divide factor, which is what FSDP2 built the op from)."""
     kind = op if isinstance(op, dist.ReduceOp.RedOpType) else op.op
     if kind == dist.ReduceOp.SUM:
         return 1.0
     if kind == dist.ReduceOp.AVG:
         return 1.0 / group_size
     if kind == dist.ReduceOp.PREMUL_SUM:
-        return float(op.factor)
+        if hasattr(op, "factor"):
+            return float(op.factor)
+        if divide_factor is None:
+            raise ValueError(
+                f"float8 reduce-scatter cannot read a PREMUL_SUM factor in torch "
+                f"{torch.__version__} and was given no FSDP2 module to read the gradient "
+                "divide factor from: enable it with enable_float8_reduce_scatter(model)"
+            )
+        return 1.0 / divide_factor
     raise ValueError(
         f"float8 reduce-scatter supports SUM, AVG and PREMUL_SUM gradient reductions, got {op}"
     )
@@ -96,8 +108,16 @@ class Float8ReduceScatter(ReduceScatter):
     uint8 bytes, equal splits, so gloo, NCCL and any backend with all-to-all carry it.
     """
 
-    def __init__(self, config: Float8ReduceScatterConfig):
+    def __init__(self, config: Float8ReduceScatterConfig, owner: FSDPModule | None = None):
         self.config = config
+        # the FSDP2 module this comm reduces for (weakly): its gradient divide factor is
+        # PREMUL_SUM's factor where torch does not show it on the op (torch 2.11)
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    def _divide_factor(self) -> float | None:
+        owner = self._owner() if self._owner is not None else None
+        group = owner._get_fsdp_state()._fsdp_param_group if owner is not None else None
+        return None if group is None else group.gradient_divide_factor
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -122,7 +142,7 @@ class Float8ReduceScatter(ReduceScatter):
                 f"reduce-scatter input has {input_tensor.numel()} elements, expected "
                 f"{chunk} x {world} ranks"
             )
-        factor = _op_factor(op, world)
+        factor = _op_factor(op, world, self._divide_factor())
         send = quantize_chunks(input_tensor.reshape(-1), world, self.config)
         received = torch.empty_like(send)
         dist.all_to_all_single(received, send, group=group)
@@ -174,9 +194,8 @@ def enable_float8_reduce_scatter(
                 f"a second call with a different config ({config}) is refused"
             )
         return module
-    comm = Float8ReduceScatter(config)
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            sub.set_custom_reduce_scatter(comm)
-    module._float8_reduce_scatter = comm
+            sub.set_custom_reduce_scatter(Float8ReduceScatter(config, owner=sub))
+    module._float8_reduce_scatter = Float8ReduceScatter(config)  # records the config
     return module

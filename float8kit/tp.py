@@ -30,6 +30,7 @@ recipe; ``float8kit/dtensor.py``): they gather activations in hp.
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -51,10 +52,26 @@ from float8kit.linear import Float8Linear
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
 
 
+# torch 2.11's dynamo cannot trace the call of a Placement's method (``Shard(d).
+# _to_replicate_tensor``: "Dynamo does not know how to trace method"); from 2.13 on it can.
+_PLACEMENT_METHODS_TRACE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
+
+
 def _gather_local(local: torch.Tensor, dim: int, mesh, logical_shape) -> torch.Tensor:
     """All-gather a ``Shard(dim)`` local tensor of a 1-D mesh to the whole tensor (uneven
     shards are padded and unpadded as DTensor does)."""
-    return Shard(dim)._to_replicate_tensor(local, mesh, 0, logical_shape)
+    if _PLACEMENT_METHODS_TRACE:
+        return Shard(dim)._to_replicate_tensor(local, mesh, 0, logical_shape)
+    # the same all-gather by hand: ranks hold chunks of ceil(n / world) rows along ``dim``
+    # (the last ones shorter or empty), padded to that size, gathered, cut back to n
+    n, world = logical_shape[dim], mesh.size(0)
+    chunk = -(-n // world)
+    pad = chunk - local.shape[dim]
+    if pad:
+        widths = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
+        local = torch.nn.functional.pad(local, widths)
+    out = funcol.all_gather_tensor(local.contiguous(), gather_dim=dim, group=(mesh, 0))
+    return out.narrow(dim, 0, n) if chunk * world != n else out
 
 
 def _cast_and_gather(hp: DTensor, cast: CastConfig, role: GemmRole, config) -> DTensor:

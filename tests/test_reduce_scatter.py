@@ -148,7 +148,13 @@ def test_reduce_ops_fsdp2_passes():
 
     assert _op_factor(dist.ReduceOp.SUM, 3) == 1.0
     assert _op_factor(dist.ReduceOp.AVG, 4) == 0.25
-    assert _op_factor(dist._make_nccl_premul_sum(0.125), 3) == 0.125
+    premul = dist._make_nccl_premul_sum(0.125)
+    if hasattr(premul, "factor"):
+        assert _op_factor(premul, 3) == 0.125
+    else:  # torch 2.11: the factor is not readable from Python; the module's divide factor
+        assert _op_factor(premul, 3, divide_factor=8.0) == 0.125
+        with pytest.raises(ValueError, match="no FSDP2 module to read"):
+            _op_factor(premul, 3)
     with pytest.raises(ValueError, match="SUM, AVG and PREMUL_SUM"):
         _op_factor(dist.ReduceOp.MAX, 2)
 
@@ -168,15 +174,25 @@ LR = 1e-3
 TENSORWISE = Float8LinearConfig()
 
 
+# FSDP2's default reduce-scatter: ``reduce_scatter_single`` from torch 2.13 on,
+# ``reduce_scatter_tensor`` (same input argument) in torch 2.11.
+_RS = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
+def _dist_name(name: str) -> str:
+    return _RS if name == "reduce_scatter_single" else name
+
+
 class _SentBytes:
-    """Bytes each rank hands to ``all_to_all_single`` / ``reduce_scatter_single`` (their
-    inputs: what the rank sends), while active."""
+    """Bytes each rank hands to ``all_to_all_single`` / FSDP2's reduce-scatter (their
+    inputs: what the rank sends), while active; counted under the names "all_to_all_single"
+    and "reduce_scatter_single" on every torch."""
 
     NAMES = ("all_to_all_single", "reduce_scatter_single")
 
     def __enter__(self):
         self.bytes = dict.fromkeys(self.NAMES, 0)
-        self.orig = {n: getattr(dist, n) for n in self.NAMES}
+        self.orig = {n: getattr(dist, _dist_name(n)) for n in self.NAMES}
 
         def counter(name):
             def counted(*args, **kwargs):
@@ -187,12 +203,12 @@ class _SentBytes:
             return counted
 
         for n in self.NAMES:
-            setattr(dist, n, counter(n))
+            setattr(dist, _dist_name(n), counter(n))
         return self
 
     def __exit__(self, *exc):
         for n, f in self.orig.items():
-            setattr(dist, n, f)
+            setattr(dist, _dist_name(n), f)
 
 
 def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:

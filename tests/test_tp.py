@@ -84,26 +84,30 @@ def _train(model, xs, ys, *, seq_shard: slice | None = None, world: int = 1) -> 
     return losses
 
 
+# Every DTensor and float8kit all-gather goes through ``funcol.all_gather_single`` from
+# torch 2.13 on, through ``funcol.all_gather_tensor`` (same first argument) in torch 2.11.
+_AG = "all_gather_single" if hasattr(funcol, "all_gather_single") else "all_gather_tensor"
+
+
 class _GatherBytes:
-    """Counts the bytes that all-gathers move (every DTensor and float8kit all-gather goes
-    through ``funcol.all_gather_single``), per phase."""
+    """Counts the bytes that all-gathers move, per phase."""
 
     def __init__(self):
         self.bytes = {"forward": 0, "backward": 0}
         self.phase = "forward"
 
     def __enter__(self):
-        self.orig = funcol.all_gather_single
+        self.orig = getattr(funcol, _AG)
 
         def counted(t, *args, **kwargs):
             self.bytes[self.phase] += t.numel() * t.element_size()
             return self.orig(t, *args, **kwargs)
 
-        funcol.all_gather_single = counted
+        setattr(funcol, _AG, counted)
         return self
 
     def __exit__(self, *exc):
-        funcol.all_gather_single = self.orig
+        setattr(funcol, _AG, self.orig)
 
 
 def _sp_plan(styles) -> dict:
