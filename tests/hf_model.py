@@ -4,6 +4,7 @@ each rank's results into the folder $FLOAT8KIT_RESULTS (JSON, and rank 0's param
 the first optimizer step as a torch file)."""
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -131,6 +132,18 @@ def enable_accelerate_fsdp_on_cpu():
     accelerate.state.AcceleratorState.__init__ = fsdp_on_cpu
 
 
+class Warnings(logging.Handler):
+    """The messages ``Float8Callback`` logs at WARNING."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("float8kit.integrations.hf").addHandler(self)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def fsdp_run(out_dir, steps: int, callbacks=()) -> tuple[Trainer, ParamsAfterFirstStep]:
     """``steps`` optimizer steps of 2 micro-batches of 4 sequences per rank, in order
     (sequential sampler): the same global batches as one process with 8 per micro-batch."""
@@ -165,9 +178,14 @@ def _sharded_weights(model) -> list[str]:
 
 
 if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/hf_model.py
-    enable_accelerate_fsdp_on_cpu()
     out = Path(os.environ["FLOAT8KIT_RESULTS"])
     rank = int(os.environ["RANK"])
+    # As accelerate 1.15 has it on CPU: the FSDP plugin dropped, DDP, and the callback warns.
+    warned = Warnings()
+    ddp, _ = fsdp_run(out / f"ddp{rank}", 1, [Float8Callback()])
+    ddp_result = {"model_type": type(ddp.model_wrapped).__name__, "warnings": warned.messages}
+    enable_accelerate_fsdp_on_cpu()
+    warned.messages = []
     cb = Float8Callback(Float8LinearConfig(enable_fsdp_float8_all_gather=True))
     trainer, params = fsdp_run(out / f"out{rank}", 3, [cb])
     opt = trainer.optimizer
@@ -187,6 +205,8 @@ if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/hf_model.py
         "precompute_calls": cb.precompute_calls,
         "global_step": trainer.state.global_step,
         "losses": losses(trainer),
+        "warnings": warned.messages,
+        "without_shim": ddp_result,
     }
     if rank == 0:
         torch.save(params.params, out / "params_step1.pt")

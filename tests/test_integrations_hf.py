@@ -191,7 +191,8 @@ def test_sft_float8_trains_like_bf16_and_saves_a_plain_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def fsdp2_ranks(tmp_path_factory):
     """tests/hf_model.py under torchrun: 2 gloo ranks, Trainer(fsdp=True,
-    fsdp_config={"version": 2}), Float8Callback with float8 all-gather, 3 steps."""
+    fsdp_config={"version": 2}), Float8Callback with float8 all-gather, 3 steps (after 1
+    step as accelerate runs it on CPU unshimmed)."""
     out = tmp_path_factory.mktemp("hf_fsdp2")
     r = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -227,6 +228,19 @@ def test_fsdp2_through_accelerate_shards_float8_weights(fsdp2_ranks):
         assert x["n_held"] == x["n_held_distinct_model_params"] == x["n_params"] == 21
         assert x["global_step"] == 3 and x["precompute_calls"] == 3
     assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+@pytest.mark.slow
+def test_fsdp_that_accelerate_dropped_is_warned_about(fsdp2_ranks):
+    # The same Trainer without the CPU shim: accelerate 1.15 drops the FSDP plugin on gloo
+    # CPU ranks and wraps the model in DDP; the callback says so, once, on every rank.
+    ranks, _ = fsdp2_ranks
+    for x in ranks:
+        dropped = x["without_shim"]
+        assert dropped["model_type"] == "DistributedDataParallel"
+        assert len(dropped["warnings"]) == 1
+        assert "accelerate did not shard the model" in dropped["warnings"][0]
+        assert x["warnings"] == []  # sharded: nothing to say
 
 
 @pytest.mark.slow
