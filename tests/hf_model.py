@@ -1,7 +1,7 @@
 """A tiny Llama, its data and training arguments for tests/test_integrations_hf.py; run under
 torchrun it trains with FSDP2 through accelerate (``fsdp_config={"version": 2}``) and writes
-each rank's results into the folder $FLOAT8KIT_RESULTS (JSON, and rank 0's parameters after
-the first optimizer step as a torch file)."""
+each rank's results into the folder $FLOAT8KIT_RESULTS (JSON; rank 0's full parameters after
+the first and the last optimizer step as torch files; the checkpoint ``save_model`` wrote)."""
 
 import json
 import logging
@@ -208,7 +208,14 @@ if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/hf_model.py
         "warnings": warned.messages,
         "without_shim": ddp_result,
     }
+    # save_model gathers the sharded float8 weights into a plain hp checkpoint
+    final = {}
+    for name, p in trainer.model.named_parameters():
+        full = p.full_tensor()  # a collective: every rank, same order
+        final[name] = getattr(full, "_tensor", full).detach().clone()
+    trainer.save_model(str(out / "saved"))
     if rank == 0:
         torch.save(params.params, out / "params_step1.pt")
+        torch.save(final, out / "params_final.pt")
     # one file per rank: two ranks printing at once can interleave their lines
     (out / f"rank{rank}.json").write_text(json.dumps(result))

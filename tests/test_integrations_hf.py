@@ -210,12 +210,12 @@ def fsdp2_ranks(tmp_path_factory):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    return ranks, torch.load(out / "params_step1.pt")
+    return ranks, torch.load(out / "params_step1.pt"), out
 
 
 @pytest.mark.slow
 def test_fsdp2_through_accelerate_shards_float8_weights(fsdp2_ranks):
-    ranks, _ = fsdp2_ranks
+    ranks, _, _ = fsdp2_ranks
     assert sorted(x["rank"] for x in ranks) == [0, 1]
     for x in ranks:
         # accelerate prepared the model with FSDP2 (not DDP, its CPU default)
@@ -234,7 +234,7 @@ def test_fsdp2_through_accelerate_shards_float8_weights(fsdp2_ranks):
 def test_fsdp_that_accelerate_dropped_is_warned_about(fsdp2_ranks):
     # The same Trainer without the CPU shim: accelerate 1.15 drops the FSDP plugin on gloo
     # CPU ranks and wraps the model in DDP; the callback says so, once, on every rank.
-    ranks, _ = fsdp2_ranks
+    ranks, _, _ = fsdp2_ranks
     for x in ranks:
         dropped = x["without_shim"]
         assert dropped["model_type"] == "DistributedDataParallel"
@@ -245,7 +245,7 @@ def test_fsdp_that_accelerate_dropped_is_warned_about(fsdp2_ranks):
 
 @pytest.mark.slow
 def test_fsdp2_through_accelerate_trains_like_one_process(fsdp2_ranks, tmp_path):
-    ranks, fsdp_step1 = fsdp2_ranks
+    ranks, fsdp_step1, _ = fsdp2_ranks
     # One process, same global batches (8 sequences per micro-batch, in order), float8.
     ref_step1 = hm.ParamsAfterFirstStep()
     ref = _trainer(tmp_path, 3, [ref_step1, Float8Callback()], train_sampling_strategy="sequential")
@@ -269,3 +269,20 @@ def test_fsdp2_through_accelerate_trains_like_one_process(fsdp2_ranks, tmp_path)
         assert abs(moved.mean() / moved_ref.mean() - 1) < 0.01, name
         flipped = ((got - want).abs() > hm.LR).float().mean()
         assert flipped < 0.1, (name, flipped)
+
+
+@pytest.mark.slow
+def test_fsdp2_save_model_writes_a_plain_checkpoint(fsdp2_ranks):
+    # save_model under FSDP2 (accelerate's full state dict) -> from_pretrained into a model
+    # that never heard of float8kit: every tensor bitwise the gathered trained parameters.
+    _, _, out = fsdp2_ranks
+    trained = torch.load(out / "params_final.pt")
+    plain = LlamaForCausalLM.from_pretrained(str(out / "saved"))
+    assert not any(isinstance(m, Float8Linear) for m in plain.modules())
+    loaded = dict(plain.named_parameters())
+    assert loaded.keys() == trained.keys()
+    for k, v in trained.items():
+        assert torch.equal(loaded[k].detach(), v), k
+    assert not torch.equal(  # trained weights, not the initial ones
+        trained["model.layers.0.mlp.up_proj.weight"], _model().model.layers[0].mlp.up_proj.weight
+    )
