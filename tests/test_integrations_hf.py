@@ -52,7 +52,10 @@ def test_converts_at_init_and_precomputes_once_per_optimizer_step(tmp_path, capl
     assert logged == [
         "float8kit: 14 of 15 Linear layers run in float8 (14 converted now), 1 kept in hp"
     ]
-    trainer.train()
+    with caplog.at_level(logging.INFO, logger="float8kit.integrations.hf"):
+        trainer.train()
+    logged = [r.getMessage() for r in caplog.records if "float8kit" in r.getMessage()]
+    assert len(logged) == 1  # no FSDP asked for: no word about sharding at on_train_begin
     # 3 optimizer steps of 2 micro-batches each: one precompute per optimizer step.
     assert trainer.state.global_step == 3
     assert cb.precompute_calls == 3
