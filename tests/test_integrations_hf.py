@@ -1,6 +1,13 @@
-"""float8kit.integrations.hf: Float8Callback in a real HF Trainer (tiny Llama, CPU)."""
+"""float8kit.integrations.hf: Float8Callback in real HF trainers (tiny Llama, CPU): plain
+``Trainer`` and TRL's ``SFTTrainer`` in one process, and ``Trainer`` with FSDP2 through
+accelerate on 2 gloo processes with float8 all-gather."""
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,73 +15,26 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
+import hf_model as hm  # noqa: E402  (tests/hf_model.py)
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
 from float8kit import Float8Linear, Float8LinearConfig  # noqa: E402
 from float8kit.integrations.hf import Float8Callback  # noqa: E402
+from tests.helpers import count_scaled_mm  # noqa: E402
 
-VOCAB, SEQ = 128, 32
-
-
-class _Tokens(torch.utils.data.Dataset):
-    """Sequences that count up from a random start (mod VOCAB): learnable in a few steps."""
-
-    def __init__(self, n: int):
-        g = torch.Generator().manual_seed(0)
-        start = torch.randint(0, VOCAB, (n, 1), generator=g)
-        self.ids = (start + torch.arange(SEQ)) % VOCAB
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def _model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-    )
-    return LlamaForCausalLM(cfg)
+REPO = Path(__file__).resolve().parents[1]
+_model, _losses = hm.llama, hm.losses
 
 
 def _trainer(tmp_path, steps: int, callbacks=(), model=None, optimizers=(None, None), **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=steps,
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
-        learning_rate=3e-3,
-        lr_scheduler_type="constant",
-        use_cpu=True,
-        bf16=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
-    kwargs.update(overrides)
-    args = TrainingArguments(**kwargs)
+    args = TrainingArguments(**hm.training_kwargs(tmp_path / "out", steps, **overrides))
     return Trainer(
         model=model or _model(),
         args=args,
-        train_dataset=_Tokens(16 * steps),
+        train_dataset=hm.Tokens(16 * steps),
         callbacks=list(callbacks),
         optimizers=optimizers,
     )
-
-
-def _losses(trainer: Trainer) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 def test_converts_at_init_and_precomputes_once_per_optimizer_step(tmp_path, caplog):
@@ -92,7 +52,10 @@ def test_converts_at_init_and_precomputes_once_per_optimizer_step(tmp_path, capl
     assert logged == [
         "float8kit: 14 of 15 Linear layers run in float8 (14 converted now), 1 kept in hp"
     ]
-    trainer.train()
+    with caplog.at_level(logging.INFO, logger="float8kit.integrations.hf"):
+        trainer.train()
+    logged = [r.getMessage() for r in caplog.records if "float8kit" in r.getMessage()]
+    assert len(logged) == 1  # no FSDP asked for: no word about sharding at on_train_begin
     # 3 optimizer steps of 2 micro-batches each: one precompute per optimizer step.
     assert trainer.state.global_step == 3
     assert cb.precompute_calls == 3
@@ -150,3 +113,179 @@ def test_importing_float8kit_imports_no_trainer():
     code = f"import sys, float8kit; print(sorted(m for m in {names} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# ------------------------------------------------------------------------ TRL SFTTrainer
+
+
+def _sft(tmp_path, steps: int, callbacks=()):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    # sequential: the same batches as _trainer(..., train_sampling_strategy="sequential")
+    args = SFTConfig(
+        **hm.training_kwargs(
+            tmp_path / "out", steps, train_sampling_strategy="sequential", max_length=None
+        )
+    )
+    return SFTTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=Dataset.from_dict(hm.token_lists(16 * steps)),
+        processing_class=hm.tokenizer(),
+        callbacks=list(callbacks),
+    )
+
+
+def test_sft_trainer_converts_and_precomputes_once_per_optimizer_step(tmp_path):
+    pytest.importorskip("trl")
+    cb = Float8Callback()
+    sft = _sft(tmp_path / "sft", 3, [cb])
+    assert len(cb.converted) == 14 and not isinstance(sft.model.lm_head, Float8Linear)
+    # SFTTrainer turns gradient checkpointing on and computes the loss with its own fused
+    # LM head (reading lm_head.weight, which stays hp): float8 runs under both.
+    assert sft.args.gradient_checkpointing
+    with count_scaled_mm() as sft_gemms:
+        sft.train()
+    assert sft.state.global_step == 3 and cb.precompute_calls == 3
+
+    plain_cb = Float8Callback()
+    plain = _trainer(tmp_path / "plain", 3, [plain_cb], train_sampling_strategy="sequential")
+    with count_scaled_mm() as plain_gemms:
+        plain.train()
+    # 6 micro-batches x 14 layers: 3 float8 gemms each (output, grad_input, grad_weight),
+    # and under SFT's checkpointing the forward gemm once more, recomputed for backward.
+    assert len(plain_gemms) == 6 * 14 * 3
+    assert len(sft_gemms) == 6 * 14 * 4
+    # Same weights, batches and float8 layers; only the loss head differs (SFT's chunked
+    # log-probs vs the model's cross-entropy): measured within 0.05%.
+    ref, got = _losses(plain), _losses(sft)
+    assert len(ref) == len(got) == 3
+    for r, g in zip(ref, got, strict=True):
+        assert abs(g - r) / r < 2e-3, (ref, got)
+
+
+def test_sft_float8_trains_like_bf16_and_saves_a_plain_checkpoint(tmp_path):
+    pytest.importorskip("trl")
+    bf16 = _sft(tmp_path / "bf16", 30)
+    bf16.train()
+    cb = Float8Callback()
+    fp8 = _sft(tmp_path / "fp8", 30, [cb])
+    fp8.train()
+    ref, got = _losses(bf16), _losses(fp8)
+    assert len(ref) == len(got) == 30
+    assert ref[-1] < 0.5 * ref[0]  # it learns
+    mean_ref, mean_got = sum(ref[-10:]) / 10, sum(got[-10:]) / 10
+    assert abs(mean_got - mean_ref) / mean_ref < 0.02, (mean_ref, mean_got)
+    assert cb.precompute_calls == 30
+
+    fp8.save_model(str(tmp_path / "saved"))
+    plain = LlamaForCausalLM.from_pretrained(str(tmp_path / "saved"))
+    assert not any(isinstance(m, Float8Linear) for m in plain.modules())
+    ours, theirs = fp8.model.state_dict(), plain.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+
+
+# ------------------------------------------------------------ FSDP2 through accelerate
+
+
+@pytest.fixture(scope="module")
+def fsdp2_ranks(tmp_path_factory):
+    """tests/hf_model.py under torchrun: 2 gloo ranks, Trainer(fsdp=True,
+    fsdp_config={"version": 2}), Float8Callback with float8 all-gather, 3 steps (after 1
+    step as accelerate runs it on CPU unshimmed)."""
+    out = tmp_path_factory.mktemp("hf_fsdp2")
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + ["tests/hf_model.py"],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(REPO),
+            "FLOAT8KIT_RESULTS": str(out),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return ranks, torch.load(out / "params_step1.pt"), out
+
+
+@pytest.mark.slow
+def test_fsdp2_through_accelerate_shards_float8_weights(fsdp2_ranks):
+    ranks, _, _ = fsdp2_ranks
+    assert sorted(x["rank"] for x in ranks) == [0, 1]
+    for x in ranks:
+        # accelerate prepared the model with FSDP2 (not DDP, its CPU default)
+        assert x["fsdp"] and x["distributed_type"] == "DistributedType.FSDP"
+        assert x["model_type"] == "FSDPLlamaForCausalLM"
+        assert len(x["converted"]) == 14
+        # every float8 weight is sharded as float8kit's float8 all-gather weight
+        assert x["weights"] == ["DTensor/Float8AllGatherWeight"] * 14
+        # the optimizer holds each of the sharded model's parameters, once
+        assert x["n_held"] == x["n_held_distinct_model_params"] == x["n_params"] == 21
+        assert x["global_step"] == 3 and x["precompute_calls"] == 3
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+@pytest.mark.slow
+def test_fsdp_that_accelerate_dropped_is_warned_about(fsdp2_ranks):
+    # The same Trainer without the CPU shim: accelerate 1.15 drops the FSDP plugin on gloo
+    # CPU ranks and wraps the model in DDP; the callback says so, once, on every rank.
+    ranks, _, _ = fsdp2_ranks
+    for x in ranks:
+        dropped = x["without_shim"]
+        assert dropped["model_type"] == "DistributedDataParallel"
+        assert len(dropped["warnings"]) == 1
+        assert "accelerate did not shard the model" in dropped["warnings"][0]
+        assert x["warnings"] == []  # sharded: nothing to say
+
+
+@pytest.mark.slow
+def test_fsdp2_through_accelerate_trains_like_one_process(fsdp2_ranks, tmp_path):
+    ranks, fsdp_step1, _ = fsdp2_ranks
+    # One process, same global batches (8 sequences per micro-batch, in order), float8.
+    ref_step1 = hm.ParamsAfterFirstStep()
+    ref = _trainer(tmp_path, 3, [ref_step1, Float8Callback()], train_sampling_strategy="sequential")
+    ref.train()
+    # FSDP2 computes the loss from bf16 logits (mp_policy param_dtype): its logged losses
+    # are bf16 values (relative spacing 2^-7 above 4); measured within 0.2% of one process.
+    for r, g in zip(_losses(ref), ranks[0]["losses"], strict=True):
+        assert abs(g - r) / r < 0.01, (_losses(ref), ranks[0]["losses"])
+
+    # AdamW's first step moves every element with a gradient by exactly lr (m/sqrt(v) is
+    # +-1): a parameter the optimizer missed would not move, one stepped twice would move
+    # 2 lr. Against one process: the same steps, except where bf16/float8 noise flips the
+    # sign of a tiny gradient (measured at most 6% of a 64-element norm weight, 3% of a
+    # matrix).
+    init = dict(_model().named_parameters())
+    assert fsdp_step1.keys() == ref_step1.params.keys() == init.keys()
+    for name, got in fsdp_step1.items():
+        want, p0 = ref_step1.params[name], init[name].detach()
+        moved, moved_ref = (got - p0).abs(), (want - p0).abs()
+        assert moved.max() <= hm.LR * (1 + 1e-3), name
+        assert abs(moved.mean() / moved_ref.mean() - 1) < 0.01, name
+        flipped = ((got - want).abs() > hm.LR).float().mean()
+        assert flipped < 0.1, (name, flipped)
+
+
+@pytest.mark.slow
+def test_fsdp2_save_model_writes_a_plain_checkpoint(fsdp2_ranks):
+    # save_model under FSDP2 (accelerate's full state dict) -> from_pretrained into a model
+    # that never heard of float8kit: every tensor bitwise the gathered trained parameters.
+    _, _, out = fsdp2_ranks
+    trained = torch.load(out / "params_final.pt")
+    plain = LlamaForCausalLM.from_pretrained(str(out / "saved"))
+    assert not any(isinstance(m, Float8Linear) for m in plain.modules())
+    loaded = dict(plain.named_parameters())
+    assert loaded.keys() == trained.keys()
+    for k, v in trained.items():
+        assert torch.equal(loaded[k].detach(), v), k
+    assert not torch.equal(  # trained weights, not the initial ones
+        trained["model.layers.0.mlp.up_proj.weight"], _model().model.layers[0].mlp.up_proj.weight
+    )

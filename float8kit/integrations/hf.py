@@ -2,11 +2,14 @@
 
     trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[Float8Callback()])
 
-The two moments that matter, in ``Trainer``'s own order:
+The moments that matter, in ``Trainer``'s own order:
 
 - ``on_init_end``: the model is on its device, and neither the optimizer nor accelerate's
   ``prepare`` (FSDP2 wrapping) exists yet: the callback converts the model there, exactly as
   ``convert_to_float8_training`` would before ``fully_shard``.
+- ``on_train_begin``: after ``prepare``; a warning when ``TrainingArguments(fsdp=...)`` is set
+  but accelerate did not shard the model (it turns FSDP on for accelerator devices only: on
+  CPU gloo ranks it trains with DDP, silently).
 - ``on_optimizer_step``: right after ``optimizer.step()``, once per real optimizer step (not
   per micro-batch under gradient accumulation): the callback calls ``precompute_scales``.
   It also runs when a GradScaler skipped the step; that is safe: the weights did not change,
@@ -54,6 +57,12 @@ def default_hf_filter(config: Float8LinearConfig) -> Callable[[nn.Module, str], 
         return default_module_filter(module, fqn, config)
 
     return keep
+
+
+def _is_fsdp2(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 class Float8Callback(TrainerCallback):
@@ -107,6 +116,16 @@ class Float8Callback(TrainerCallback):
             len(set(self.converted) - already),
             n_linears - len(self.converted),
         )
+        return control
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if getattr(args, "fsdp", False) and model is not None and not _is_fsdp2(model):
+            logger.warning(
+                "float8kit: TrainingArguments(fsdp=...) is set but accelerate did not shard "
+                "the model (no fully_shard): training runs without FSDP, and float8 "
+                "all-gather does not apply. accelerate turns FSDP on for accelerator "
+                "devices only (on CPU gloo ranks, use_cpu=True, it trains with DDP)"
+            )
         return control
 
     def on_optimizer_step(self, args, state, control, model=None, **kwargs):
