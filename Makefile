@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv --system-site-packages $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test,recipes,dev]"
+	# torchtitan (tests/test_integrations_torchtitan.py) without its declared deps: the test
+	# extra lists the few its imports need. It requires Python >= 3.11.
+	if $(BIN)/python -c "import sys; sys.exit(sys.version_info < (3, 11))"; then \
+		$(BIN)/pip install -q --no-deps torchtitan==0.3.0; fi
 	@$(BIN)/python -c "import torch, torchao; print('torch', torch.__version__, '| torchao', torchao.__version__)" 2>/dev/null | tail -1
 	touch $(STAMP)
 
