@@ -34,6 +34,7 @@ from float8kit import (  # noqa: E402
     convert_to_float8_training,
     default_module_filter,
     precompute_scales,
+    scale_state,
 )
 from float8kit.integrations.torchtitan import (  # noqa: E402
     Float8KitConverter,
@@ -206,6 +207,44 @@ def test_meta_build_init_states_equals_a_real_build(float8, dtype):
     for name, value in ref.state_dict().items():
         if name.startswith("fp8_"):
             assert torch.equal(meta_state[f"layers.0.w1.{name}"], value), name
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["partial_dtensor", "spmd_types"])
+def test_parallelize_declares_the_scale_state(one_rank, backend):
+    # torchtitan's decoders give every Linear a sharding_config naming its weight only
+    # (set_decoder_sharding_config); Module.parallelize refuses a buffer it does not name
+    import spmd_types as spmd
+    from torchtitan.distributed.parallel_dims import ParallelDims
+    from torchtitan.models.common.decoder_sharding import dense_param_placement
+    from torchtitan.protocols.sharding import ShardingConfig
+
+    cfg = tiny_config()
+    shared = ShardingConfig(state_shardings={"weight": dense_param_placement(tp=spmd.S(0))})
+    for _, linear, _, _ in cfg.traverse(Linear.Config):
+        linear.sharding_config = shared  # one object for every layer, as torchtitan may
+    model = build(converted(cfg, recipe_name="delayed"), meta=True)
+    plain = copy.deepcopy(model)
+    dims = dict(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    model.parallelize(ParallelDims(**dims, spmd_backend=backend))
+    assert set(shared.state_shardings) == {"weight"}  # the shared config is left as it was
+    layer = model.layers[0].w1
+    names = scale_state.buffer_names(layer.config)
+    assert len(names) == 9 and set(layer._sharding_config.state_shardings) == {"weight", *names}
+    x = torch.randn(4, 16, DIM, generator=torch.Generator().manual_seed(3))
+    grad = torch.randn(4, 16, OUT, generator=torch.Generator().manual_seed(4))
+    a, b = fwd_bwd(model, x, grad), fwd_bwd(plain, x, grad)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, plain.state_dict()[name]), name
 
 
 # ---------------------------------------------------------------------------- numerics

@@ -31,6 +31,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import spmd_types as spmd
 import torch
 from torch import nn
 from torchtitan.components.quantization import QuantizationConverter
@@ -75,6 +76,23 @@ class Float8KitLinear(Float8Linear, Module):
         Float8Linear.__init__(
             self, config.in_features, config.out_features, bias=config.bias, config=config.float8
         )
+
+    def parallelize(self, parallel_dims) -> None:
+        """torchtitan's ``Module.parallelize``, with the float8 scale state declared: its
+        ``sharding_config`` (set for a Linear, e.g. by ``set_decoder_sharding_config``) names
+        the weight and bias only, and every buffer needs a placement. The scale state is one
+        per layer: replicated on every mesh axis the weight's placement names."""
+        sc = self._sharding_config
+        names = scale_state.buffer_names(self.config)
+        if sc is not None and any(n not in sc.state_shardings for n in names):
+            from torchtitan.distributed.parallel_dims import SpmdLayout
+
+            axes = dict.fromkeys(a for lay in sc.state_shardings.values() for a in lay.axes())
+            replicated = SpmdLayout({a: spmd.R for a in axes})
+            shardings = {n: replicated for n in names} | dict(sc.state_shardings)
+            # a copy: one ShardingConfig object may serve several layers
+            self._sharding_config = dataclasses.replace(sc, state_shardings=shardings)
+        super().parallelize(parallel_dims)
 
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
         """The float8 scale state at its initial values, on ``buffer_device`` if given (where
