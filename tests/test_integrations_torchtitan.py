@@ -176,9 +176,22 @@ def test_converter_filters_and_refuses_a_second_config():
 # ---------------------------------------------------------------------------- meta build + init
 
 
-@pytest.mark.parametrize("float8", [Float8LinearConfig.from_recipe_name("delayed"), STATIC])
+# the float8 buffers per layer: DELAYED 3 per operand, STATIC 1; a float8 all-gather weight
+# (a wrapper parameter that param_init initializes through) keeps none
+META_CASES = {
+    "delayed": (Float8LinearConfig.from_recipe_name("delayed"), 9),
+    "static_input": (STATIC, 4),
+    "fsdp_float8_all_gather": (
+        dataclasses.replace(Float8LinearConfig(), enable_fsdp_float8_all_gather=True),
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", META_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_meta_build_init_states_equals_a_real_build(float8, dtype):
+def test_meta_build_init_states_equals_a_real_build(case, dtype):
+    float8, per_layer = META_CASES[case]
     cfg = converted(tiny_config(), float8=float8)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # torchtitan builds under training.dtype
@@ -194,7 +207,7 @@ def test_meta_build_init_states_equals_a_real_build(float8, dtype):
     meta_state, real_state = meta.state_dict(), real.state_dict()
     assert meta_state.keys() == real_state.keys()
     buffers = [n for n in meta_state if ".fp8_" in n]
-    assert len(buffers) == 6 * (9 if float8 is not STATIC else 4)  # 6 float8 layers
+    assert len(buffers) == 6 * per_layer  # 6 float8 layers
     for name, value in meta_state.items():
         assert torch.equal(value, real_state[name]), name
         assert torch.isfinite(value).all(), name
@@ -202,6 +215,8 @@ def test_meta_build_init_states_equals_a_real_build(float8, dtype):
         assert meta_state[name].dtype == real_state[name].dtype == torch.float32, name
     if float8 is STATIC:
         assert meta_state["layers.0.w1.fp8_scale_input"].item() == 8.0
+    if float8.enable_fsdp_float8_all_gather:  # param_init went through the wrapper
+        assert type(meta.layers[0].w1.weight).__name__ == "Float8AllGatherWeight"
     # a delayed layer starts unset, as a plain Float8Linear does
     ref = Float8Linear(DIM, HIDDEN, config=float8)
     for name, value in ref.state_dict().items():
