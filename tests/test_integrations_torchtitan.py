@@ -290,11 +290,18 @@ def test_forward_backward_is_convert_to_float8_training_and_close_to_hp(recipe):
     assert a[2].keys() == b[2].keys()
     for name in a[2]:
         assert torch.equal(a[2][name], b[2][name]), name
-    # and close to the unconverted (fp32) model
-    assert sqnr(ref[0], a[0]) > 25, sqnr(ref[0], a[0])
-    assert sqnr(ref[1], a[1]) > 20, sqnr(ref[1], a[1])
-    for name in ("layers.0.w1.weight", "layers.1.w2.weight"):
-        assert sqnr(ref[2][name], a[2][name]) > 20, (name, sqnr(ref[2][name], a[2][name]))
+    # and close to the unconverted (fp32) model. Its output and input grad are mostly the
+    # residual stream and the hp head; each block's float8 branch (three float8 gemms) and the
+    # weight grads (e5m2 grad_output) carry the float8 error.
+    assert sqnr(ref[0], a[0]) > 40, sqnr(ref[0], a[0])
+    assert sqnr(ref[1], a[1]) > 40, sqnr(ref[1], a[1])
+    with torch.no_grad():
+        for i in range(2):
+            branch = sqnr(base.layers[i](base.norms[i](x)), ours.layers[i](ours.norms[i](x)))
+            assert branch > 20, (i, branch)
+    for name in a[2]:
+        if name.startswith("layers."):  # the float8 layers
+            assert sqnr(ref[2][name], a[2][name]) > 18, (name, sqnr(ref[2][name], a[2][name]))
 
 
 # ---------------------------------------------------------------------------- post-optimizer hook
