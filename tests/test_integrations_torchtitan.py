@@ -224,6 +224,16 @@ def test_meta_build_init_states_equals_a_real_build(case, dtype):
             assert torch.equal(meta_state[f"layers.0.w1.{name}"], value), name
 
 
+def test_init_states_puts_the_scale_state_on_buffer_device():
+    # torchtitan's CPU offload: parameters on the CPU, buffers where the compute runs (meta
+    # here stands in for that other device: the one every machine has)
+    model = build(converted(tiny_config(), recipe_name="delayed"))
+    model.init_states(buffer_device=torch.device("meta"))
+    fp8 = {n: b for n, b in model.named_buffers() if ".fp8_" in n}
+    assert len(fp8) == 6 * 9 and all(b.is_meta and b.dtype == torch.float32 for b in fp8.values())
+    assert not any(p.is_meta for p in model.parameters())
+
+
 @pytest.fixture
 def one_rank():
     import torch.distributed as dist
