@@ -5,8 +5,10 @@ a GPU and is not run here)."""
 import copy
 import dataclasses
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -403,3 +405,43 @@ def test_importing_float8kit_imports_no_torchtitan():
     code = "import sys, float8kit; print('torchtitan' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_tensor_parallel_through_torchtitans_parallelize_two_ranks(tmp_path):
+    # tests/torchtitan_tp.py: w1/w3 colwise, w2 rowwise, by torchtitan's own sharding
+    # helpers and Module.parallelize, on 2 gloo ranks; against the same model on one process
+    repo = Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + ["tests/torchtitan_tp.py"],
+        cwd=repo,
+        env={
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(repo),
+            "FLOAT8KIT_RESULTS": str(tmp_path),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for recipe in ("tensorwise", "delayed"):
+            x = result[recipe]
+            assert x["weights"] == [
+                ["DTensor", ["S(0)"]],
+                ["DTensor", ["S(1)"]],
+                ["DTensor", ["S(0)"]],
+            ]
+            # the same float8 math: only the rowwise gemm's split sum rounds differently
+            assert min(x["out_vs_one_process"]) > 100, x["out_vs_one_process"]
+            assert min(x["grad_input_vs_one_process"]) > 100, x["grad_input_vs_one_process"]
+            # and float8 it is: as far from hp as float8 goes
+            assert 18 < min(x["out_vs_hp"]) and max(x["out_vs_hp"]) < 35, x["out_vs_hp"]
+        # the delayed scale state is replicated DTensors, updated by precompute_scales to
+        # exactly the one-process scales after each step
+        assert result["delayed"]["buffers"] == ["DTensor"]
+        assert result["delayed"]["scales_equal"] == [True, True, True]
