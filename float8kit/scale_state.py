@@ -101,15 +101,20 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     for name in [n for n in module._buffers if n.startswith("fp8_") and n not in keep]:
         del module._buffers[name]
     device = module.weight.device
+    # fp32 whatever the default dtype (a model built under torch.set_default_dtype(bf16), as
+    # torchtitan builds its models, would otherwise get bf16 scales)
+    fp32 = torch.float32
     for role in GEMM_ROLES:
         cast = config.stateful_cast(role)
         if cast is None:
             continue
         if cast.scaling_type is ScalingType.DELAYED:
-            history = torch.full((cast.amax_history_len,), UNSET, device=device)
+            history = torch.full((cast.amax_history_len,), UNSET, dtype=fp32, device=device)
             module.register_buffer(history_name(role), history)
-            module.register_buffer(amax_name(role), torch.full((), UNSET, device=device))
-        scale = torch.full((), _initial_scale(cast), device=device)
+            module.register_buffer(
+                amax_name(role), torch.full((), UNSET, dtype=fp32, device=device)
+            )
+        scale = torch.full((), _initial_scale(cast), dtype=fp32, device=device)
         module.register_buffer(scale_name(role), scale)
     module._fp8_forward_count = torch.zeros((), dtype=torch.int64, device="cpu")
     module._fp8_uncalibrated = needs_calibration(config)

@@ -71,6 +71,24 @@ def test_model_dtype_casts_keep_scale_state_fp32(cast):
     assert all(v.is_meta and v.dtype == torch.float32 for v in float8_state(model).values())
 
 
+@pytest.mark.parametrize("config", [DELAYED, STATIC_FIXED], ids=["delayed", "static"])
+def test_state_built_under_another_default_dtype_is_fp32(config):
+    # torchtitan builds models under torch.set_default_dtype(training dtype): the state is
+    # created fp32 all the same, with the values an fp32 build gives
+    ref = float8kit.Float8Linear(64, 32, config=config)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = float8kit.Float8Linear(64, 32, config=config)
+    finally:
+        torch.set_default_dtype(default)
+    assert layer.weight.dtype == torch.bfloat16
+    state = {k: v for k, v in layer.state_dict().items() if k.startswith("fp8_")}
+    assert len(state) == (9 if config is DELAYED else 3)
+    for key, value in state.items():
+        assert value.dtype == torch.float32 and torch.equal(value, ref.state_dict()[key]), key
+
+
 def test_fp16_delayed_model_keeps_finite_grads_with_small_gradients():
     # 0.1.0: .half() made the scales fp16, where e5m2's 57344 / amax overflows to inf for any
     # amax < 0.875: the grad_output scale was inf and the grads NaN from the second step on
