@@ -13,12 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 import float8kit
 from float8kit import Float8LinearConfig, GemmRole, linear, shared_cast
+from float8kit.config import FP8_DTYPES
 from float8kit.linear import cast_to_float8
 from tests.test_memory import LiveTensors, _storages
 
@@ -403,3 +406,63 @@ def test_delayed_layers_with_unequal_state_do_not_tie():
         lins[0].fp8_scale_input._version,
         lins[1].fp8_scale_input._version,
     )
+
+
+class _CountFloat8Casts(CustomGraphPass):
+    """An inductor post-grad pass that counts the hp -> float8 conversions of each graph it
+    sees (forward, then backward)."""
+
+    def __init__(self):
+        self.counts = []
+
+    def __call__(self, graph):
+        n = 0
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in _CONVERSIONS:
+                dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
+                n += dtype in FP8_DTYPES
+        self.counts.append(n)
+
+    def uuid(self):
+        return None
+
+
+_CONVERSIONS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe):
+    """Under torch.compile no shared-cast cache runs, and none is needed: AOTAutograd's
+    common-subexpression elimination merges the identical casts of the tensor q/k/v read
+    (and of the one gate/up read) into one op, and the partitioner keeps no float8 tensor for
+    backward at all (it keeps hp tensors that backward needs anyway, the attention's and the
+    SwiGLU's, and casts again there). One graph, and gradients bitwise eager."""
+    block, forward, dtype = hf_block(recipe)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 128, DIM, generator=g, dtype=dtype)
+    go = torch.randn(1, 128, DIM, generator=g, dtype=dtype)
+
+    def grads(f, saved):
+        xi = x.clone().requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = f(block, xi)
+        out.backward(go)
+        out = [xi.grad, *(p.grad.clone() for p in block.parameters())]
+        block.zero_grad(set_to_none=True)
+        return out
+
+    torch._dynamo.reset()
+    count = _CountFloat8Casts()
+    eager_saved, compiled_saved = [], []
+    eager = grads(forward, eager_saved)
+    with inductor_config.patch(post_grad_custom_post_pass=count, emulate_precision_casts=True):
+        compiled = grads(torch.compile(forward, fullgraph=True), compiled_saved)
+    float8 = [t for t in compiled_saved if t.dtype in FP8_DTYPES]
+    assert float8 == []
+    assert any(isinstance(t, float8kit.Float8TrainingTensor) for t in eager_saved)
+    # forward: one cast per distinct input (the q/k/v input, o_proj's, the gate/up input,
+    # down_proj's) and one per weight; eager without the cache casts 7 inputs
+    assert count.counts[0] == 4 + 7, count.counts
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.equal(a, b)
