@@ -34,7 +34,6 @@ RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"
 # The targets: bytes per token vs the bf16 block without checkpointing.
 NO_AC_MAX = 0.95  # every recipe but rowwise_with_gw_hp (hp grad_weight gemm: hp input kept)
 POLICY_MAX = 0.60  # tensorwise and rowwise with checkpoint_policy
-POLICY_MAX_HF = 0.62  # the HF block misses POLICY_MAX (see the test)
 MODES = ["none", "recompute_norms", "policy", "full"]
 
 
@@ -190,10 +189,10 @@ def test_hf_block_keeps_less_than_bf16_without_checkpointing(hf_table):
     for recipe in ("tensorwise", "rowwise", "blockwise", "delayed"):
         assert _row(rows, recipe, "recompute_norms")["ratio_vs_bf16"] <= NO_AC_MAX, recipe
     for recipe in ("tensorwise", "rowwise"):
-        # measured 0.61x: the policy keeps every float8 gemm's hp output (the o_proj and
-        # down_proj ones too, whose only reader is a residual add) so that backward runs no
-        # gemm twice; the recipes' Block (fp32 weights, autocast) is under the target
-        assert _row(rows, recipe, "policy")["ratio_vs_bf16"] <= POLICY_MAX_HF, recipe
+        # the policy keeps the float8 gemms' hp outputs and the block input, and recomputes
+        # the input casts with the norms, attention and SwiGLU they read (keeping the casts
+        # too measured 0.61x)
+        assert _row(rows, recipe, "policy")["ratio_vs_bf16"] <= POLICY_MAX, recipe
 
 
 def test_recipes_block_meets_the_targets():
