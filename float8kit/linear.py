@@ -583,6 +583,12 @@ class Float8Linear(nn.Linear):
             owner = shared_cast.delayed_owner(share, c.cast_config_input, c, input.dtype, self)
             if owner is not None:
                 scale_state.tie_input(self, owner, input, record)
+            tie = self.__dict__.get(scale_state.TIED)
+            if tie is not None:  # check that the tied layers still read one tensor
+                state = shared_cast.region_state(share)
+                if owner is not None and owner.__dict__.get(scale_state.TIED) is tie:
+                    tie.read(owner, share, state)  # the first reader of this tensor
+                tie.read(self, share, state)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
         states = [t for role in GEMM_ROLES for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states, share)

@@ -99,12 +99,47 @@ def _initial_scale(cast: CastConfig) -> float:
     return UNSET
 
 
-# Host-side attributes of a Float8Linear for tied input state: TIED, set on every layer of a
-# tie (its input buffers may be another layer's); TIE_REFUSED, the last comparison that found
-# the states unequal (the owner's scale buffer, its version, this layer's scale version), so
-# that a pair that differs is compared again only after a scale update or a load.
+# Host-side attributes of a Float8Linear for tied input state: TIED, the ``Tie`` of every
+# layer of a tie; TIE_REFUSED, the last comparison that found the states unequal (the owner's
+# scale buffer, its version, this layer's scale version), so that a pair that differs is
+# compared again only after a scale update or a load.
 TIED = "_fp8_input_tied"
 TIE_REFUSED = "_fp8_input_tie_refused"
+
+
+class Tie:
+    """The layers that share one input state, and which of them read the current tensor.
+
+    A tie stays right while its layers keep reading one tensor: each tensor (a "round") is
+    read by all of them before the next one. A layer that reads another tensor while the
+    current one is still alive and not read by every layer breaks that: it would record its
+    amax into the others' state. ``read`` then unties that layer and warns."""
+
+    def __init__(self, *layers: nn.Module):
+        self.layers = [weakref.ref(m) for m in layers]
+        self.source, self.state, self.readers = None, None, set()
+
+    def read(self, layer: nn.Module, source: torch.Tensor, state: tuple) -> bool:
+        """Note that ``layer`` reads ``source`` (in ``state``: version, checkpoint region);
+        False (and ``layer`` untied, with a warning) where that breaks the tie."""
+        current = None if self.source is None else self.source()
+        if current is source and state == self.state:
+            self.readers.add(id(layer))
+            return True
+        live = {id(m) for ref in self.layers if (m := ref()) is not None}
+        if current is not None and not live <= self.readers:
+            warnings.warn(
+                f"float8kit: a Float8Linear({layer.in_features}, {layer.out_features}) whose "
+                "DELAYED input state was tied to other layers' (they read one tensor at "
+                "its first forward) now reads another tensor: untied from here on; amaxes "
+                "recorded this step may include the other layers' input",
+                UserWarning,
+                stacklevel=3,
+            )
+            untie_input(layer)
+            return False
+        self.source, self.state, self.readers = weakref.ref(source), state, {id(layer)}
+        return True
 
 
 def _input_names() -> list[str]:
@@ -128,8 +163,8 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
     names = _input_names()
     mine = [module._buffers[n] for n in names]
     theirs = [owner._buffers[n] for n in names]
-    if mine[2] is theirs[2]:
-        return
+    if mine[2] is theirs[2] or TIED in module.__dict__:
+        return  # tied to it, or to other layers
     if any(isinstance(t, DTensor) for t in (*mine, *theirs)):
         return  # tensor parallel: replicated state, not tied
     memo = (weakref.ref(theirs[2]), theirs[2]._version, mine[2]._version)
@@ -153,7 +188,11 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
     for name, buf in zip(names, theirs, strict=True):
         module._buffers[name] = buf
     module.__dict__.pop(TIE_REFUSED, None)
-    module.__dict__[TIED] = owner.__dict__[TIED] = True
+    tie = owner.__dict__.get(TIED)
+    if tie is None:
+        tie = owner.__dict__[TIED] = Tie(owner)
+    tie.layers.append(weakref.ref(module))
+    module.__dict__[TIED] = tie
     # one scale buffer: set for both where the host knew it set for either
     op = OPERAND_NAMES[GemmRole.INPUT]
     for a, b in ((module, owner), (owner, module)):
@@ -164,7 +203,9 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
 
 def untie_input(module: nn.Module) -> None:
     """Give a tied layer its own copies of its input state buffers (same values)."""
-    if module.__dict__.pop(TIED, False):
+    tie = module.__dict__.pop(TIED, None)
+    if tie is not None:
+        tie.layers = [ref for ref in tie.layers if ref() not in (None, module)]
         for name in _input_names():
             module._buffers[name] = module._buffers[name].clone()
 
@@ -178,7 +219,7 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     ``_fp8_uncalibrated`` (operands whose STATIC scale is not set yet).
     """
     module.__dict__.pop(DELAYED_SCALES_SET, None)
-    module.__dict__.pop(TIED, None)
+    untie_input(module)
     keep = set(buffer_names(config))
     for name in [n for n in module._buffers if n.startswith("fp8_") and n not in keep]:
         del module._buffers[name]

@@ -75,6 +75,11 @@ def _key(cast, reduce_dim, config, dtype, scale) -> tuple:
     return (cast, reduce_dim, config, dtype, state)
 
 
+def region_state(source: torch.Tensor) -> tuple:
+    """``source``'s version and the checkpoint region it is read in: what an entry is for."""
+    return _state(source)
+
+
 def _state(source: torch.Tensor) -> tuple:
     # The region's pack hook, weakly: an entry must not keep a checkpoint frame alive.
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)

@@ -465,3 +465,26 @@ def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe)
     assert count.counts[0] == 4 + 7, count.counts
     for a, b in zip(compiled, eager, strict=True):
         assert torch.equal(a, b)
+
+
+def test_delayed_tied_layer_that_reads_another_tensor_is_untied_with_a_warning():
+    lins = [
+        float8kit.Float8Linear(DIM, 64, config=Float8LinearConfig.from_recipe_name("delayed"))
+        for _ in range(3)
+    ]
+    x = torch.randn(128, DIM, requires_grad=True)
+    for _ in range(2):  # tie, then a forward as tied: no warning
+        h = x * 2
+        for lin in lins:
+            lin(h)
+    assert lins[0].fp8_scale_input is lins[1].fp8_scale_input is lins[2].fp8_scale_input
+    ref = copy.deepcopy(lins[2])  # its own state, as it is now
+    h, other = x * 2, x * 3
+    lins[0](h)
+    with pytest.warns(UserWarning, match="now reads another tensor"):
+        out = lins[2](other)
+    assert lins[2].fp8_scale_input is not lins[0].fp8_scale_input
+    assert lins[1].fp8_scale_input is lins[0].fp8_scale_input  # the others stay tied
+    lins[1](h)
+    # untied before it cast: its output is the one its own state gives
+    assert torch.equal(out, ref(other))
