@@ -429,6 +429,61 @@ class _CountFloat8Casts(CustomGraphPass):
 _CONVERSIONS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
+def compiled_saved(recipe: str, tokens: int) -> dict:
+    """One forward of the HF block compiled (inductor, fullgraph): the bytes of the tensors
+    its graph saves for backward (each storage once; parameters, buffers and the output
+    excluded), how many of them are float8, and the float8 casts of its forward graph."""
+    block, forward, dtype = hf_block(recipe)
+    torch._dynamo.reset()
+    count = _CountFloat8Casts()
+    x = torch.randn(1, tokens, DIM, generator=torch.Generator().manual_seed(1), dtype=dtype)
+    x.requires_grad_()
+    skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers())}
+    seen, float8 = {}, 0
+
+    def pack(t):
+        nonlocal float8
+        float8 += t.dtype in FP8_DTYPES
+        for inner in _storages(t):
+            if (ptr := inner.untyped_storage().data_ptr()) not in skip:
+                seen[ptr] = inner.untyped_storage().nbytes()
+        return t
+
+    with inductor_config.patch(post_grad_custom_post_pass=count):
+        f = torch.compile(forward, fullgraph=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = f(block, x)
+        seen.pop(out.untyped_storage().data_ptr(), None)
+        out.float().sum().backward()
+    return {"bytes": sum(seen.values()), "float8_saved": float8, "casts": count.counts[0]}
+
+
+def compiled_table(recipes=("tensorwise", "rowwise")) -> dict:
+    """The HF block compiled: bytes per token its graph saves for backward (slope from 128
+    to 256 tokens), bf16 and each recipe, against the compiled bf16 block and the eager
+    bf16 block; the float8 tensors it saves and the float8 casts of its forward graph."""
+    eager_bf16 = (
+        kept_bytes("hf_llama", "bf16", "none", TOKENS[1])
+        - kept_bytes("hf_llama", "bf16", "none", TOKENS[0])
+    ) / (TOKENS[1] - TOKENS[0])
+    rows, base = [], None
+    for recipe in ("bf16", *recipes):
+        lo, hi = (compiled_saved(recipe, t) for t in TOKENS)
+        per_token = (hi["bytes"] - lo["bytes"]) / (TOKENS[1] - TOKENS[0])
+        base = per_token if base is None else base
+        rows.append(
+            {
+                "recipe": recipe,
+                "bytes_per_token": per_token,
+                "ratio_vs_compiled_bf16": per_token / base,
+                "ratio_vs_eager_bf16": per_token / eager_bf16,
+                "float8_saved": hi["float8_saved"],
+                "forward_float8_casts": hi["casts"],
+            }
+        )
+    return {"dim": DIM, "hidden": HIDDEN, "heads": HEADS, "tokens": list(TOKENS), "rows": rows}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe):
