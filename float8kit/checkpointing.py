@@ -8,9 +8,8 @@ nothing from float8kit: a recomputed forward casts the same input with the same 
 the first forward made (tests/test_checkpointing.py checks every recipe, eager and compiled).
 
 Selective (op-level) checkpointing chooses per op what to keep. ``checkpoint_policy`` keeps
-the float8 gemm outputs and the float8 casts, as torchtitan's op-level list keeps
-``_scaled_mm``; the rest of the block (norms, activations, the casts' elementwise math) is
-recomputed::
+the float8 gemm outputs, as torchtitan's op-level list keeps ``_scaled_mm``; the rest of the
+block (norms, activations, attention, the float8 casts) is recomputed::
 
     from functools import partial
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -75,34 +74,40 @@ def _marking():
 
 
 def kept_cast():
-    """Marks the casts run inside as ones whose float8 copy ``checkpoint_policy`` keeps (the
-    input's copy for the grad_weight gemm); it recomputes every other cast. Nothing while
-    compiling (the policy keeps every cast there)."""
+    """Marks the casts run inside as ones whose float8 copy backward reads (the input's copy
+    for the grad_weight gemm): ``checkpoint_policy(keep_input_casts=True)`` keeps those and
+    recomputes every other cast. Nothing while compiling (that policy keeps every cast
+    there)."""
     return contextlib.nullcontext() if torch.compiler.is_compiling() else _marking()
 
 
 def checkpoint_policy(
     save_ops: Iterable[torch._ops.OpOverload] = (),
+    keep_input_casts: bool = False,
 ) -> Callable[..., CheckpointPolicy]:
-    """A selective activation checkpointing policy that keeps float8 work for backward.
+    """A selective activation checkpointing policy that keeps float8 gemm work for backward.
 
     For ``torch.utils.checkpoint.create_selective_checkpoint_contexts(policy)`` (the
     ``context_fn`` of ``checkpoint(..., use_reentrant=False)`` or ``checkpoint_wrapper``).
     ``MUST_SAVE``: the output of every float8 gemm (a ``Float8Linear``'s forward gemm, a
-    float8 expert weight's grouped gemm: ``torch._scaled_grouped_mm`` or its emulation) and
-    the float8 data of the input casts backward reads (the input's copy for the grad_weight
-    gemm, 1 byte per element: what the layer saves for backward anyway, so the recomputed
-    forward reuses it instead of casting again); also the ops in ``save_ops``.
-    ``PREFER_RECOMPUTE``: everything else, including the weight's cast (a weight-sized
-    float8 tensor per layer, which would outweigh the per-token savings of short sequences)
-    and an input cast that only the output gemm reads (rowwise: scaled along dim 1, while
-    backward reads the dim-0 copy): one or two casts per layer in backward. Under
-    ``torch.compile`` the policy cannot tell the casts apart and keeps them all. Gradients
-    are bitwise those of the same model without checkpointing.
+    float8 expert weight's grouped gemm: ``torch._scaled_grouped_mm`` or its emulation), so
+    that backward runs no gemm twice; also the ops in ``save_ops``. ``PREFER_RECOMPUTE``:
+    everything else, the float8 casts included: the weight's (a weight-sized float8 tensor
+    per layer) and the input's. An input cast reads an hp tensor that the recomputed forward
+    makes anyway (a norm's, the attention's or the activation's output, which their own
+    backward needs), so recomputing it is one elementwise pass per layer, against keeping
+    one byte per element of every float8 layer's input from forward to backward. Gradients
+    are bitwise those of the same model without checkpointing (a recomputed cast is bitwise
+    the first one: same tensor, same scale).
 
     Args:
         save_ops: more ops to keep, e.g. ``{torch.ops.aten._scaled_dot_product_flash_attention
             .default}`` or ``{torch.ops.aten.mm.default}`` for the hp matmuls too.
+        keep_input_casts: also keep the float8 data of the input casts backward reads (the
+            input's copy for the grad_weight gemm; rowwise recomputes its dim-1 copy, which
+            only the output gemm reads): no cast of an input in backward, for one byte per
+            element kept. Under ``torch.compile`` the policy cannot tell the casts apart and
+            then keeps them all.
 
     Returns:
         ``policy(ctx, op, *args, **kwargs) -> CheckpointPolicy``.
@@ -112,7 +117,11 @@ def checkpoint_policy(
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in extra or _is_float8_gemm(op, args):
             return CheckpointPolicy.MUST_SAVE
-        if _is_float8_cast(op, args, kwargs) and (_KEPT_CASTS or torch.compiler.is_compiling()):
+        if (
+            keep_input_casts
+            and _is_float8_cast(op, args, kwargs)
+            and (_KEPT_CASTS or torch.compiler.is_compiling())
+        ):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

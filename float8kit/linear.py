@@ -167,6 +167,14 @@ def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bo
     )
 
 
+def _shares_delayed_input(config: Float8LinearConfig) -> bool:
+    """Whether a layer's DELAYED input cast can be shared (its one cast serves both gemms)."""
+    first = config.cast_config_input
+    return first.scaling_type is ScalingType.DELAYED and _reusable(
+        first, config.cast_config_input_for_grad_weight
+    )
+
+
 def _weight_for_grad_input(
     w_saved: torch.Tensor, config: Float8LinearConfig, state: tuple, recast: tuple | None = None
 ) -> Float8TrainingTensor:
@@ -237,18 +245,18 @@ def input_for_backward(
     first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
     if _reusable(first, second):
         if dtensor.is_float8(x):
-            shared_cast.store(share, first, -1, config, input_hp.dtype, x)
+            shared_cast.store(share, first, -1, config, input_hp.dtype, x, x_state[0])
         return x
     # An input that came in float8 (cast before a tensor-parallel all-gather) goes on
     # from its hp values.
     hp = _as_hp(input_hp)
     if not second.enabled:
         return hp
-    kept = shared_cast.lookup(share, second, 0, config, hp.dtype)
+    kept = shared_cast.lookup(share, second, 0, config, hp.dtype, x_state[0])
     if kept is None:
         with kept_cast():  # checkpoint_policy keeps this cast's data
             kept = cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
-        shared_cast.store(share, second, 0, config, hp.dtype, kept)
+        shared_cast.store(share, second, 0, config, hp.dtype, kept, x_state[0])
     return kept
 
 
@@ -326,8 +334,9 @@ class _Float8Matmul(torch.autograd.Function):
             if input_is_fp8:
                 x = input_hp
             elif _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight):
-                # another layer's cast of the same tensor (shared_cast; DYNAMIC only)
-                x = shared_cast.lookup(share, c.cast_config_input, -1, c, input_hp.dtype)
+                # another layer's cast of the same tensor (shared_cast: DYNAMIC, or DELAYED
+                # with this layer's scale buffer, shared once the layers' states are tied)
+                x = shared_cast.lookup(share, c.cast_config_input, -1, c, input_hp.dtype, x_scale)
             if x is None:
                 # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy)
                 kept = ctx.needs_input_grad[1] and _reusable(
@@ -491,6 +500,9 @@ class Float8Linear(nn.Linear):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
+        # a tied input state (scale_state.tie_input) takes this layer's values, not the
+        # last-loaded layer's of the tie
+        scale_state.untie_input(self)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
         )
@@ -565,6 +577,18 @@ class Float8Linear(nn.Linear):
                 "torch.autocast for a mixed-precision model"
                 + ("" if input.is_floating_point() else "; integer inputs are never accepted")
             )
+        if share is not None and input.numel() > 0 and _shares_delayed_input(c):
+            # the first layer that cast this tensor in this forward: tie this layer's input
+            # state to it where they are equal, so that it reuses that cast (shared_cast)
+            owner = shared_cast.delayed_owner(share, c.cast_config_input, c, input.dtype, self)
+            if owner is not None:
+                scale_state.tie_input(self, owner, input, record)
+            tie = self.__dict__.get(scale_state.TIED)
+            if tie is not None:  # check that the tied layers still read one tensor
+                state = shared_cast.region_state(share)
+                if owner is not None and owner.__dict__.get(scale_state.TIED) is tie:
+                    tie.read(owner, share, state)  # the first reader of this tensor
+                tie.read(self, share, state)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
         states = [t for role in GEMM_ROLES for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states, share)

@@ -40,6 +40,9 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     to the host at all.
     """
     records, counts = [], []
+    # A tied input state (scale_state.tie_input) is one set of buffers for several layers:
+    # one record, updated once, whose scale-set flag marks every layer of the tie.
+    seen: dict[int, list] = {}
     for fqn, mod in module.named_modules():
         if not isinstance(mod, Float8Linear):
             continue
@@ -59,16 +62,21 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
             # local tensors (same storage).
             buffers = {n: dtensor.local(b) for n, b in mod._buffers.items()}
             operand = scale_state.OPERAND_NAMES[role]
+            scale = buffers[scale_state.scale_name(role)]
+            marked = operand in getattr(mod, scale_state.DELAYED_SCALES_SET, ())
+            targets = [] if marked else [(mod, operand)]
+            if id(scale) in seen:
+                seen[id(scale)] += targets
+                continue
+            seen[id(scale)] = targets
             records.append(
                 (
                     key,
                     f"{fqn or '<root>'}.{operand}",
                     buffers[scale_state.amax_name(role)],
                     buffers[scale_state.history_name(role)],
-                    buffers[scale_state.scale_name(role)],
-                    None
-                    if operand in getattr(mod, scale_state.DELAYED_SCALES_SET, ())
-                    else (mod, operand),
+                    scale,
+                    targets,
                 )
             )
         if has_delayed:
@@ -83,7 +91,7 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     pending = [r[2] for r in records]
     histories = [r[3] for r in records]
     scales = [r[4] for r in records]
-    unmarked = [(i, r[5]) for i, r in enumerate(records) if r[5] is not None]
+    unmarked = [(i, r[5]) for i, r in enumerate(records) if r[5]]
     names = "\n".join(r[1] for r in records)
     local = torch.stack(pending).to(torch.float32)
 
@@ -166,11 +174,13 @@ _STALE_WEIGHT_MESSAGE = (
 )
 
 
-def _mark_scales_set(is_set: list[bool], targets: list[tuple[nn.Module, str]]) -> None:
-    for ok, (mod, operand) in zip(is_set, targets, strict=True):
-        marked = getattr(mod, scale_state.DELAYED_SCALES_SET, ())
-        if ok and operand not in marked:
-            setattr(mod, scale_state.DELAYED_SCALES_SET, (*marked, operand))
+def _mark_scales_set(is_set: list[bool], targets: list[list[tuple[nn.Module, str]]]) -> None:
+    # one flag per scale buffer; a tied one marks every layer that shares it
+    for ok, mods in zip(is_set, targets, strict=True):
+        for mod, operand in mods:
+            marked = getattr(mod, scale_state.DELAYED_SCALES_SET, ())
+            if ok and operand not in marked:
+                setattr(mod, scale_state.DELAYED_SCALES_SET, (*marked, operand))
 
 
 _SCALES_SET = _HostReport(_mark_scales_set, wait=True)

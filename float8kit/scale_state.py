@@ -23,18 +23,29 @@ float8 state is reset to its initial values, as for a freshly converted layer. T
 ``strip_float8_state`` drops these buffers from a converted model's state_dict for the plain
 model. The buffers stay fp32 through ``model.to(dtype)`` and are reset when they come off
 the meta device (``after_apply``).
+
+Tied input state (``tie_input``): layers that read the same tensor (q/k/v, gate/up) and hold
+bitwise-equal DELAYED input state share one set of input buffers from then on, so that they
+can share one float8 cast of that tensor (float8kit/shared_cast.py). Each layer still has its
+own state_dict entries (same values); ``precompute_scales`` updates a shared buffer once. A
+load or a reset first unties the layer (its own copies), so that it takes the values it is
+given; the next forward ties it again where the states are still equal.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from float8kit.config import GEMM_ROLES, CastConfig, Float8LinearConfig, GemmRole, ScalingType
 from float8kit.scaling import UNSET
@@ -88,6 +99,117 @@ def _initial_scale(cast: CastConfig) -> float:
     return UNSET
 
 
+# Host-side attributes of a Float8Linear for tied input state: TIED, the ``Tie`` of every
+# layer of a tie; TIE_REFUSED, the last comparison that found the states unequal (the owner's
+# scale buffer, its version, this layer's scale version), so that a pair that differs is
+# compared again only after a scale update or a load.
+TIED = "_fp8_input_tied"
+TIE_REFUSED = "_fp8_input_tie_refused"
+
+
+class Tie:
+    """The layers that share one input state, and which of them read the current tensor.
+
+    A tie stays right while its layers keep reading one tensor: each tensor (a "round") is
+    read by all of them before the next one. A layer that reads another tensor while the
+    current one is still alive and not read by every layer breaks that: it would record its
+    amax into the others' state. ``read`` then unties that layer and warns."""
+
+    def __init__(self, *layers: nn.Module):
+        self.layers = [weakref.ref(m) for m in layers]
+        self.source, self.state, self.readers = None, None, set()
+
+    def read(self, layer: nn.Module, source: torch.Tensor, state: tuple) -> bool:
+        """Note that ``layer`` reads ``source`` (in ``state``: version, checkpoint region);
+        False (and ``layer`` untied, with a warning) where that breaks the tie."""
+        current = None if self.source is None else self.source()
+        if current is source and state == self.state:
+            self.readers.add(id(layer))
+            return True
+        live = {id(m) for ref in self.layers if (m := ref()) is not None}
+        if current is not None and not live <= self.readers:
+            warnings.warn(
+                f"float8kit: a Float8Linear({layer.in_features}, {layer.out_features}) whose "
+                "DELAYED input state was tied to other layers' (they read one tensor at "
+                "its first forward) now reads another tensor: untied from here on; amaxes "
+                "recorded this step may include the other layers' input",
+                UserWarning,
+                stacklevel=3,
+            )
+            untie_input(layer)
+            return False
+        self.source, self.state, self.readers = weakref.ref(source), state, {id(layer)}
+        return True
+
+
+def _input_names() -> list[str]:
+    role = GemmRole.INPUT
+    return [history_name(role), amax_name(role), scale_name(role)]
+
+
+@torch.no_grad()
+def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: bool) -> None:
+    """Make ``module``'s DELAYED input state ``owner``'s (the same buffers) if it equals the
+    state ``owner`` had before it cast ``hp`` in this forward, which ``module`` is about to
+    cast with the same cast; otherwise leave both alone.
+
+    Equal means bitwise: the same amax history and scale, and the amax record ``module``
+    would have after recording ``hp``'s amax (train mode, ``record``) equal to ``owner``'s now
+    (or, not recording, equal records). Then ``module``'s cast of ``hp`` and every later step
+    are bitwise what ``owner``'s state gives, as long as both keep reading one tensor: the
+    tie is how fan-out layers share one DELAYED cast. One host read per comparison: at the
+    first forward of a pair, and again after a scale update or load only while it differs.
+    """
+    names = _input_names()
+    mine = [module._buffers[n] for n in names]
+    theirs = [owner._buffers[n] for n in names]
+    if mine[2] is theirs[2] or TIED in module.__dict__:
+        return  # tied to it, or to other layers
+    if any(isinstance(t, DTensor) for t in (*mine, *theirs)):
+        return  # tensor parallel: replicated state, not tied
+    memo = (weakref.ref(theirs[2]), theirs[2]._version, mine[2]._version)
+    refused = module.__dict__.get(TIE_REFUSED)
+    if refused is not None and refused[0]() is theirs[2] and refused[1:] == memo[1:]:
+        return
+    # Out of sight of dispatch modes: a selective-checkpoint region replays the ops it saw in
+    # the first forward, and its recomputation (already tied) makes no comparison.
+    with _disable_current_modes():
+        amax = mine[1]
+        if record:
+            amax = amax.clamp(min=torch.linalg.vector_norm(hp, ord=math.inf).float())
+        equal = (
+            torch.equal(mine[0], theirs[0])
+            and torch.equal(mine[2], theirs[2])
+            and torch.equal(amax, theirs[1])
+        )
+    if not equal:
+        module.__dict__[TIE_REFUSED] = memo
+        return
+    for name, buf in zip(names, theirs, strict=True):
+        module._buffers[name] = buf
+    module.__dict__.pop(TIE_REFUSED, None)
+    tie = owner.__dict__.get(TIED)
+    if tie is None:
+        tie = owner.__dict__[TIED] = Tie(owner)
+    tie.layers.append(weakref.ref(module))
+    module.__dict__[TIED] = tie
+    # one scale buffer: set for both where the host knew it set for either
+    op = OPERAND_NAMES[GemmRole.INPUT]
+    for a, b in ((module, owner), (owner, module)):
+        marked = getattr(a, DELAYED_SCALES_SET, ())
+        if op in getattr(b, DELAYED_SCALES_SET, ()) and op not in marked:
+            setattr(a, DELAYED_SCALES_SET, (*marked, op))
+
+
+def untie_input(module: nn.Module) -> None:
+    """Give a tied layer its own copies of its input state buffers (same values)."""
+    tie = module.__dict__.pop(TIED, None)
+    if tie is not None:
+        tie.layers = [ref for ref in tie.layers if ref() not in (None, module)]
+        for name in _input_names():
+            module._buffers[name] = module._buffers[name].clone()
+
+
 def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     """(Re)create ``module``'s float8 state buffers for ``config`` on its weight's device,
     with their initial values. Buffers of a previous config that ``config`` lacks go away.
@@ -97,6 +219,7 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     ``_fp8_uncalibrated`` (operands whose STATIC scale is not set yet).
     """
     module.__dict__.pop(DELAYED_SCALES_SET, None)
+    untie_input(module)
     keep = set(buffer_names(config))
     for name in [n for n in module._buffers if n.startswith("fp8_") and n not in keep]:
         del module._buffers[name]
@@ -146,7 +269,9 @@ DELAYED_SCALES_SET = "_fp8_delayed_scales_set"
 
 @torch.no_grad()
 def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str]) -> None:
-    """Fill the float8 buffers ``names`` of ``module`` with their initial values."""
+    """Fill the float8 buffers ``names`` of ``module`` with their initial values (a tied
+    layer is untied first: the layers it shares state with keep theirs)."""
+    untie_input(module)
     module.__dict__.pop(DELAYED_SCALES_SET, None)
     for role in GEMM_ROLES:
         cast = config.stateful_cast(role)

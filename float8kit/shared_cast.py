@@ -20,8 +20,15 @@ The key:
 
 What is stored is only the copy backward keeps (tensorwise: the output gemm's cast, which
 backward reuses; rowwise: the dim-0 cast of the grad_weight gemm), so the cache never holds
-bytes that autograd does not hold anyway while the forward's tensors live. DELAYED and
-STATIC casts are never shared: their scales are per layer. Not used under ``torch.compile``
+bytes that autograd does not hold anyway while the forward's tensors live.
+
+A DELAYED cast depends on the tensor and the layer's scale buffer, so it is keyed on that
+buffer too (its identity and version): layers share it only when they share one scale state.
+They come to share one when they are seen reading the same tensor with equal states
+(``delayed_owner`` names the first layer that cast the tensor in this forward,
+``scale_state.tie_input`` compares and ties the next ones to it): from then on their input
+scale states are one set of buffers, so every later cast, record and scale update is the one
+each layer would have made alone. STATIC casts are never shared. Not used under ``torch.compile``
 (there AOTAutograd's common-subexpression elimination merges the identical cast ops of a
 graph) nor without autograd (nothing is kept then).
 """
@@ -49,10 +56,28 @@ def source_for(input: torch.Tensor) -> torch.Tensor | None:
     return input
 
 
-def shareable(cast: CastConfig) -> bool:
-    """Whether a cast may be shared between layers: DYNAMIC only (its scale depends on the
-    tensor alone)."""
-    return cast.enabled and cast.scaling_type is ScalingType.DYNAMIC
+def shareable(cast: CastConfig, scale: torch.Tensor | None = None) -> bool:
+    """Whether a cast may be shared between layers: DYNAMIC (its scale depends on the tensor
+    alone), or DELAYED with its scale buffer ``scale`` (shared between layers whose input
+    state is tied, see ``scale_state.tie_input``)."""
+    if not cast.enabled:
+        return False
+    if cast.scaling_type is ScalingType.DELAYED:
+        return scale is not None
+    return cast.scaling_type is ScalingType.DYNAMIC
+
+
+def _key(cast, reduce_dim, config, dtype, scale) -> tuple:
+    # A DELAYED cast: the scale buffer by identity (the entry keeps it alive, so the id is not
+    # reused while the entry lives) and version (precompute_scales writes it in place). Not
+    # the tensor itself: a tuple compares its items with ==, which for tensors compares values.
+    state = None if scale is None else (id(scale), scale._version)
+    return (cast, reduce_dim, config, dtype, state)
+
+
+def region_state(source: torch.Tensor) -> tuple:
+    """``source``'s version and the checkpoint region it is read in: what an entry is for."""
+    return _state(source)
 
 
 def _state(source: torch.Tensor) -> tuple:
@@ -67,15 +92,26 @@ def lookup(
     reduce_dim: int,
     config: Float8LinearConfig,
     dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The float8 copy of ``source`` a layer already made for this cast in this forward
-    (same version, same checkpoint region), or None."""
-    if source is None or not shareable(cast):
+    (same version, same checkpoint region; DELAYED: the same scale buffer ``scale``), or
+    None."""
+    if source is None or not shareable(cast, scale):
         return None
+    hit = _entry(source, create=False).get(_key(cast, reduce_dim, config, dtype, scale))
+    return None if hit is None else hit[0]
+
+
+def _entry(source: torch.Tensor, create: bool) -> dict:
+    state = _state(source)
     entry = _CASTS.get(source)
-    if entry is None or entry[0] != _state(source):
-        return None
-    return entry[1].get((cast, reduce_dim, config, dtype))
+    if entry is None or entry[0] != state:
+        if not create:
+            return {}
+        entry = (state, {})
+        _CASTS[source] = entry
+    return entry[1]
 
 
 def store(
@@ -85,17 +121,33 @@ def store(
     config: Float8LinearConfig,
     dtype: torch.dtype,
     fp8: torch.Tensor,
+    scale: torch.Tensor | None = None,
 ) -> None:
-    """Remember ``fp8`` as ``source``'s cast for the next layers of this forward. Entries of
-    an older version or another region of the same tensor are dropped."""
-    if source is None or not shareable(cast):
+    """Remember ``fp8`` as ``source``'s cast for the next layers of this forward (DELAYED:
+    those whose scale buffer is ``scale``). Entries of an older version or another region of
+    the same tensor are dropped."""
+    if source is None or not shareable(cast, scale):
         return
-    state = _state(source)
-    entry = _CASTS.get(source)
-    if entry is None or entry[0] != state:
-        entry = (state, {})
-        _CASTS[source] = entry
-    entry[1][(cast, reduce_dim, config, dtype)] = fp8
+    _entry(source, create=True)[_key(cast, reduce_dim, config, dtype, scale)] = (fp8, scale)
+
+
+def delayed_owner(
+    source: torch.Tensor,
+    cast: CastConfig,
+    config: Float8LinearConfig,
+    dtype: torch.dtype,
+    module: torch.nn.Module,
+) -> torch.nn.Module | None:
+    """The layer (not ``module``) that first cast ``source`` with this DELAYED input cast in
+    this forward (same version, same checkpoint region), or None: then ``module`` is that
+    first layer, and later ones get it here. What ``scale_state.tie_input`` ties to."""
+    entry = _entry(source, create=True)
+    key = ("owner", cast, config, dtype)
+    ref = entry.get(key)
+    owner = None if ref is None else ref()
+    if owner is None:
+        entry[key] = weakref.ref(module)
+    return None if owner is module else owner
 
 
 def clear() -> None:

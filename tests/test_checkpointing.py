@@ -30,8 +30,9 @@ def block(recipe: str) -> nn.Module:
     return convert_to_float8_training(b, config=config(recipe))
 
 
-def sac(module: nn.Module) -> nn.Module:
-    context_fn = functools.partial(create_selective_checkpoint_contexts, checkpoint_policy())
+def sac(module: nn.Module, **kwargs) -> nn.Module:
+    policy = checkpoint_policy(**kwargs)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
     return checkpoint_wrapper(module, context_fn=context_fn)
 
 
@@ -39,6 +40,7 @@ AC = {
     "full": checkpoint_wrapper,  # torch.utils.checkpoint, non-reentrant
     "reentrant": functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT),
     "selective": sac,
+    "selective_casts": functools.partial(sac, keep_input_casts=True),
 }
 
 
@@ -119,14 +121,14 @@ class CountOps(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_selective_policy_keeps_float8_gemm_outputs_and_casts(recipe):
+def test_selective_policy_keeps_float8_gemm_outputs(recipe):
     # What backward runs, per way of checkpointing: without checkpointing, each layer's two
     # backward gemms and its grad_output casts. Full checkpointing adds the forward again
     # (one gemm and the input/weight casts per layer); the policy adds no gemm and no cast.
     ref = nn.Sequential(block(recipe), block(recipe)).bfloat16()
     x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
     counts, grads = {}, {}
-    for ac in ("none", "full", "selective"):
+    for ac in ("none", "full", "selective", "selective_casts"):
         model = copy.deepcopy(ref)
         if ac != "none":
             model = AC[ac](model)
@@ -140,12 +142,14 @@ def test_selective_policy_keeps_float8_gemm_outputs_and_casts(recipe):
     gemms, casts = counts["none"]
     assert gemms == 2 * layers
     assert counts["full"] == (gemms + layers, casts + casts_fwd * layers)
-    # the policy recomputes no gemm; it recomputes the weight cast (a weight-sized float8
-    # tensor per layer not kept) and in rowwise the input scaled along dim 1, which only the
-    # output gemm reads (backward reads the dim-0 copy, kept): 1 byte per element not kept
+    # the policy recomputes no gemm, and every forward cast (input and weight: a float8 copy
+    # of neither is kept)
+    assert counts["selective"] == (gemms, casts + casts_fwd * layers), counts
+    # keep_input_casts: it recomputes the weight cast and in rowwise the input scaled along
+    # dim 1, which only the output gemm reads (backward reads the dim-0 copy, kept)
     recast = {"tensorwise": 1, "rowwise": 2}[recipe]
-    assert counts["selective"] == (gemms, casts + recast * layers), counts
-    for ac in ("full", "selective"):
+    assert counts["selective_casts"] == (gemms, casts + recast * layers), counts
+    for ac in ("full", "selective", "selective_casts"):
         for a, b in zip(grads[ac], grads["none"], strict=True):
             assert torch.equal(a, b), ac
 
@@ -156,10 +160,13 @@ def test_policy_saves_only_float8_work_and_extra_ops():
     x = torch.randn(4, 4)
     aten = torch.ops.aten
     assert policy(None, aten._scaled_mm.default, x, x) is keep
-    # a float8 cast: kept where a layer marks it as one backward reads, recomputed otherwise
-    assert policy(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is not keep
+    # a float8 cast: recomputed; with keep_input_casts, kept where a layer marks it as one
+    # backward reads
+    casts = checkpoint_policy(keep_input_casts=True)
+    assert casts(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is not keep
     with kept_cast():
-        assert policy(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is keep
+        assert policy(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is not keep
+        assert casts(None, aten._to_copy.default, x, dtype=torch.float8_e4m3fn) is keep
     assert policy(None, aten.mm.default, x, x) is keep  # asked for
     assert policy(None, aten._to_copy.default, x, dtype=torch.float32) is not keep
     assert checkpoint_policy()(None, aten.mm.default, x, x) is not keep  # an hp mm
