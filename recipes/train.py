@@ -708,10 +708,12 @@ def train(args: argparse.Namespace) -> list[dict]:
     if args.compile and args.tp > 1:
         # Tensor parallel: each block is compiled on its own (in place: the parameter names
         # do not change), as torchtitan does; the embedding, final norm, head and loss run
-        # eager. Compiling the whole model stops at the TP embedding (torch's
-        # RowwiseParallel on nn.Embedding: "Mixing fake modes NYI", docs/tp.md).
-        # fullgraph: a float8 activation (the sequence-parallel all-gather's output) must
-        # not leave a graph through a break, or the backward fails in AOTAutograd.
+        # eager. Compiling the whole model fails under FSDP2 x TP in torch 2.13: after
+        # graph breaks at FSDP2's hooks it stops at the TP embedding (torch's
+        # RowwiseParallel on nn.Embedding, its mask buffer: "Mixing fake modes NYI";
+        # docs/tp.md). fullgraph: a float8 activation (the sequence-parallel all-gather's
+        # output) must not leave a graph through a break, or the backward fails in
+        # AOTAutograd.
         for block in model.layers:
             block.compile(fullgraph=True)
     elif args.compile:
