@@ -61,8 +61,28 @@ def wrap_local(local: torch.Tensor, like: DTensor) -> DTensor:
         like.placements,
         run_check=False,
         shape=like.shape,
-        stride=like.stride(),
+        stride=_stride(like),
     )
+
+
+def _stride(t: DTensor) -> tuple[int, ...]:
+    """``t``'s stride; under torch.compile the contiguous stride of its shape.
+
+    Dynamo traces an autograd Function's backward in a strict mode where the strides of
+    gradients are unknown: reading one (``.stride()``) makes it give up that trace and
+    retrace the backward on ``.contiguous()`` gradients, and in torch 2.13 the abandoned
+    trace leaves ``_Float8Matmul.backward``'s ``torch.autocast(enabled=False)`` entered, so
+    the rest of the forward traces as if autocast were off (a compiled block's wk/wv then
+    ran in fp32 under bf16 autocast). The shape is read, never the stride: the tensors
+    wrapped here (casts and dequantizations of row-major activations, gradients and
+    weights) are contiguous, whose stride follows from the shape."""
+    if torch.compiler.is_compiling():
+        stride, n = [], 1
+        for size in reversed(t.shape):
+            stride.append(n)
+            n *= max(size, 1)
+        return tuple(reversed(stride))
+    return t.stride()
 
 
 def amax(hp: DTensor, reduce_dim: int | None) -> torch.Tensor:

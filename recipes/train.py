@@ -295,10 +295,6 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
         raise UsageError("--device cuda: no CUDA device is available")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checked before the process group exists: every rank fails alike, nothing hangs.
-    if args.compile and args.tp > 1:
-        # torch 2.13: dynamo fails on the whole tensor-parallel model ("Mixing fake modes
-        # NYI") and, per block, under autocast (tests/test_tp.py compiles fp32 blocks).
-        raise UsageError("--compile with --tp > 1 is not supported yet")
     if args.tp > 1 and ModelArgs.from_name(args.preset).n_experts:
         # model.tp_plan shards dense feed-forwards; experts would need expert parallelism
         raise UsageError(f"--tp > 1 is not supported with the MoE preset {args.preset!r}")
@@ -708,7 +704,20 @@ def train(args: argparse.Namespace) -> list[dict]:
         start = load_checkpoint(ckpt, model, optimizer, gen, meta, rank, world_size)
         print0(f"resumed from {ckpt} at step {start}")
     # Compile after loading: checkpoints see the plain module's parameter names.
-    fwd = torch.compile(model) if args.compile else model
+    fwd = model
+    if args.compile and args.tp > 1:
+        # Tensor parallel: each block is compiled on its own (in place: the parameter names
+        # do not change), as torchtitan does; the embedding, final norm, head and loss run
+        # eager. Compiling the whole model fails under FSDP2 x TP in torch 2.13: after
+        # graph breaks at FSDP2's hooks it stops at the TP embedding (torch's
+        # RowwiseParallel on nn.Embedding, its mask buffer: "Mixing fake modes NYI";
+        # docs/tp.md). fullgraph: a float8 activation (the sequence-parallel all-gather's
+        # output) must not leave a graph through a break, or the backward fails in
+        # AOTAutograd.
+        for block in model.layers:
+            block.compile(fullgraph=True)
+    elif args.compile:
+        fwd = torch.compile(model)
 
     out = Path(args.out)
     records: list[dict] = []

@@ -181,16 +181,55 @@ def _worker_tp2(rank: int, world: int, tmp: str) -> dict:
         model = parallelize_module(_mlp(recipe), mesh, _sp_plan(fp8_styles))
         model = torch.compile(model, fullgraph=True)
         res[f"compiled_fp8_sp_{recipe}"] = _train(model, xs, ys, seq_shard=seq, world=world)
+    res |= _compiled_llama_tp(mesh)
     return res
 
 
-def _llama(recipe: str, fp8_all_gather: bool = False, seed: int = 0):
+def _compiled_llama_tp(mesh) -> dict:
+    """The recipes' tiny Llama with float8kit's sequence-parallel styles under bf16 autocast,
+    eager and with each block compiled (as ``train.py --compile --tp``): losses, and the
+    graph breaks and compiled frames dynamo counted. Without fullgraph, so that a break is
+    counted rather than raised. One block: a compile costs about a minute per rank on 2
+    shared cores."""
+    from model import tp_plan
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tokens = _tokens(LLAMA_STEPS, 2)
+    res = {}
+    for recipe in ("tensorwise", "rowwise"):
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            model = _llama(recipe, n_layers=1)
+            parallelize_module(model, mesh, tp_plan(model, float8=True))
+            backend = CompileCounterWithBackend("inductor")
+            if compiled:
+                for block in model.layers:
+                    block.compile(backend=backend)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses, _ = _train_llama(model, tokens)
+            key = f"{'compiled' if compiled else 'eager'}_llama_{recipe}"
+            res[key] = losses
+            if compiled:
+                res[f"graph_breaks_{recipe}"] = sum(counters["graph_break"].values())
+                res[f"frames_{recipe}"] = backend.frame_count
+    return res
+
+
+def _llama(recipe: str, fp8_all_gather: bool = False, seed: int = 0, n_layers: int = 0):
+    """The recipes' tiny Llama converted to float8 (the lm head kept in hp); ``n_layers``:
+    fewer blocks than the preset's."""
     import dataclasses
 
     from model import ModelArgs, Transformer
 
     torch.manual_seed(seed)
-    model = Transformer(ModelArgs.from_name("tiny"))
+    args = ModelArgs.from_name("tiny")
+    if n_layers:
+        args = dataclasses.replace(args, n_layers=n_layers)
+    model = Transformer(args)
     config = Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(config, enable_fsdp_float8_all_gather=fp8_all_gather)
     return convert_to_float8_training(
@@ -366,6 +405,21 @@ def test_fsdp2_x_tp_dcp_round_trip(mesh2d):
 def test_sequence_parallel_compiled_matches_eager(tp2):
     for r in tp2:
         assert r["compiled_fp8_sp_tensorwise"] == r["fp8_sp_tensorwise"]  # bitwise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_compiled_tp_llama_matches_eager_under_autocast(tp2, recipe):
+    """Per-block torch.compile of the float8 sequence-parallel Llama (train.py --compile
+    --tp) under bf16 autocast: no graph break, losses as eager's (inductor fuses the casts,
+    so not bitwise; the bound is the measured gap with a wide margin)."""
+    for r in tp2:
+        assert r[f"graph_breaks_{recipe}"] == 0
+        assert r[f"frames_{recipe}"] >= 1  # the blocks really were compiled
+        diff = _rel_diff(r[f"compiled_llama_{recipe}"], r[f"eager_llama_{recipe}"])
+        print(f"{recipe}: compiled vs eager TP Llama, bf16 autocast: max rel loss diff {diff:.2e}")
+        assert diff < 2e-3
+    assert tp2[1][f"compiled_llama_{recipe}"] == tp2[0][f"compiled_llama_{recipe}"]
 
 
 # ---------------------------------------------------------------------------- bad input
