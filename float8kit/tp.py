@@ -70,7 +70,9 @@ def _gather_local(local: torch.Tensor, dim: int, mesh, logical_shape) -> torch.T
     if pad:
         widths = [0, 0] * (local.dim() - 1 - dim) + [0, pad]
         local = torch.nn.functional.pad(local, widths)
-    out = funcol.all_gather_tensor(local.contiguous(), gather_dim=dim, group=(mesh, 0))
+    # gathered along dim 0 (along another dim funcol calls a helper dynamo skips)
+    local = local.movedim(dim, 0).contiguous()
+    out = funcol.all_gather_tensor(local, gather_dim=0, group=(mesh, 0)).movedim(0, dim)
     return out.narrow(dim, 0, n) if chunk * world != n else out
 
 

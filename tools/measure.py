@@ -258,6 +258,21 @@ def memory_blocks() -> None:
     )
 
 
+def memory_compiled() -> None:
+    """Bytes a compiled HF LlamaDecoderLayer saves for backward, bf16 and float8 (the
+    float8 tensors it saves, the float8 casts of its forward graph)
+    (tests/test_memory_blocks.py)."""
+    from tests import test_memory_blocks
+
+    t0 = time.perf_counter()
+    write(
+        "memory_compiled",
+        ["tests/test_memory_blocks.py", "tests/test_memory.py"],
+        test_memory_blocks.compiled_table(),
+        time.perf_counter() - t0,
+    )
+
+
 def experts() -> None:
     """float8 MoE experts (tests/test_experts.py): SQNR vs fp32 of two grouped gemms with
     SiLU between, 4 experts, one with no tokens."""
@@ -599,6 +614,11 @@ def tp() -> None:
         "all_gather_bytes_fp8": {recipe: r[f"bytes_fp8_sp_{recipe}"] for recipe in sp},
         "all_gather_bytes_bf16": {recipe: r[f"bytes_torch_sp_{recipe}"] for recipe in sp},
         "compiled_equals_eager": r["compiled_fp8_sp_tensorwise"] == r["fp8_sp_tensorwise"],
+        "compiled_llama_rel_diff": {
+            recipe: t._rel_diff(r[f"compiled_llama_{recipe}"], r[f"eager_llama_{recipe}"])
+            for recipe in sp
+        },
+        "compiled_llama_graph_breaks": {recipe: r[f"graph_breaks_{recipe}"] for recipe in sp},
         "mesh2d_rel_diff": {
             recipe: max(t._rel_diff(x[f"2d_{recipe}"], m[0][f"ref_{recipe}"]) for x in m)
             for recipe in sp
@@ -813,6 +833,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "memory": memory,
     "monitor": monitor,
     "memory_blocks": memory_blocks,
+    "memory_compiled": memory_compiled,
     "experts": experts,
     "moe_hf": moe_hf,
     "tp": tp,

@@ -559,6 +559,39 @@ def monitor_overhead_table() -> str:
     )
 
 
+def memory_compiled_table() -> str:
+    d = load("memory_compiled")["data"]
+    rows = [
+        [
+            r["recipe"],
+            f(r["bytes_per_token"], ".0f"),
+            f"**{r['ratio_vs_compiled_bf16']:.2f}x**",
+            f"{r['ratio_vs_eager_bf16']:.2f}x",
+            r["float8_saved"],
+            r["forward_float8_casts"],
+        ]
+        for r in d["rows"]
+    ]
+    t1, t2 = d["tokens"]
+    return (
+        f"{caption('memory_compiled')}\n\n"
+        f"The HF `LlamaDecoderLayer` (hidden {d['dim']}, {d['heads']} heads, SwiGLU "
+        f"{d['hidden']}, bf16) compiled, no checkpointing: bytes its graph saves for backward "
+        f"per token (slope from {t1} to {t2} tokens)\n\n"
+        + table(
+            [
+                "recipe",
+                "bytes / token",
+                "vs compiled bf16",
+                "vs eager bf16",
+                "float8 tensors saved",
+                "float8 casts in forward",
+            ],
+            rows,
+        )
+    )
+
+
 def memory_blocks_table() -> str:
     d = load("memory_blocks")["data"]
     names = {"hf_llama": "HF `LlamaDecoderLayer` (bf16)", "recipes": "recipes' `Block` (autocast)"}
@@ -640,6 +673,15 @@ def tp_table() -> str:
         [
             "`torch.compile(fullgraph=True)` of the sequence-parallel float8 MLP vs eager",
             "**bitwise equal** losses" if d["compiled_equals_eager"] else "differ",
+        ],
+        [
+            f"recipes' Llama (1 block, seq {llama['seq']}, {llama['steps']} steps, bf16 "
+            "autocast), 2 ranks, float8 sequence parallel, each block compiled (as "
+            "`train.py --tp 2 --compile`) vs eager: max loss rel. diff; graph breaks",
+            "; ".join(
+                f"{k}: {rel(v)}; {d['compiled_llama_graph_breaks'][k]} graph breaks"
+                for k, v in d["compiled_llama_rel_diff"].items()
+            ),
         ],
         [
             f"FSDP2 (2) x TP (2), 4 ranks, recipes' Llama ({llama['preset']}, seq "
@@ -1178,6 +1220,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "monitor_drift": monitor_drift_table,
     "monitor_overhead": monitor_overhead_table,
     "memory_blocks": memory_blocks_table,
+    "memory_compiled": memory_compiled_table,
     "tp": tp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
