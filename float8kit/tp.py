@@ -72,7 +72,8 @@ def _gather_local(local: torch.Tensor, dim: int, mesh, logical_shape) -> torch.T
         local = torch.nn.functional.pad(local, widths)
     # gathered along dim 0 (along another dim funcol calls a helper dynamo skips)
     local = local.movedim(dim, 0).contiguous()
-    out = funcol.all_gather_tensor(local, gather_dim=0, group=(mesh, 0)).movedim(0, dim)
+    out = funcol.all_gather_tensor(local, gather_dim=0, group=(mesh, 0))
+    out = out.movedim(0, dim).contiguous()
     return out.narrow(dim, 0, n) if chunk * world != n else out
 
 
