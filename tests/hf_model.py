@@ -219,3 +219,7 @@ if __name__ == "__main__":  # torchrun --nproc-per-node 2 tests/hf_model.py
         torch.save(final, out / "params_final.pt")
     # one file per rank: two ranks printing at once can interleave their lines
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    # every rank waits, then tears gloo down itself: a rank leaving while the other is still
+    # in a collective aborts gloo at exit ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

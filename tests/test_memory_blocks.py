@@ -23,6 +23,7 @@ import float8kit
 from float8kit import Float8LinearConfig, GemmRole, linear, shared_cast
 from float8kit.config import FP8_DTYPES
 from float8kit.linear import cast_to_float8
+from tests.helpers import assert_compiled_matches_eager
 from tests.test_memory import LiveTensors, _storages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
@@ -491,7 +492,8 @@ def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe)
     common-subexpression elimination merges the identical casts of the tensor q/k/v read
     (and of the one gate/up read) into one op, and the partitioner keeps no float8 tensor for
     backward at all (it keeps hp tensors that backward needs anyway, the attention's and the
-    SwiGLU's, and casts again there). One graph, and gradients bitwise eager."""
+    SwiGLU's, and casts again there). One graph, and gradients bitwise eager (torch 2.13 and
+    newer; older torch: within float8 rounding)."""
     block, forward, dtype = hf_block(recipe)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 128, DIM, generator=g, dtype=dtype)
@@ -518,8 +520,8 @@ def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe)
     # forward: one cast per distinct input (the q/k/v input, o_proj's, the gate/up input,
     # down_proj's) and one per weight; eager without the cache casts 7 inputs
     assert count.counts[0] == 4 + 7, count.counts
-    for a, b in zip(compiled, eager, strict=True):
-        assert torch.equal(a, b)
+    for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):
+        assert_compiled_matches_eager(b, a, f"gradient {i}")
 
 
 def test_delayed_tied_layer_that_reads_another_tensor_is_untied_with_a_warning():
