@@ -23,7 +23,7 @@ import float8kit
 from float8kit import Float8LinearConfig, GemmRole, linear, shared_cast
 from float8kit.config import FP8_DTYPES
 from float8kit.linear import cast_to_float8
-from tests.helpers import assert_compiled_matches_eager
+from tests.helpers import COMPILE_IS_BITWISE, sqnr
 from tests.test_memory import LiveTensors, _storages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
@@ -521,7 +521,14 @@ def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe)
     # down_proj's) and one per weight; eager without the cache casts 7 inputs
     assert count.counts[0] == 4 + 7, count.counts
     for i, (a, b) in enumerate(zip(compiled, eager, strict=True)):
-        assert_compiled_matches_eager(b, a, f"gradient {i}")
+        if COMPILE_IS_BITWISE:
+            assert torch.equal(a, b), f"gradient {i}"
+        else:
+            # torch 2.11's inductor does not round this bf16 block's intermediates as eager
+            # does, so the float8 casts of the two differ by float8 roundings: the weight
+            # gradients agree to float8 precision there (23.6 dB at the least, measured),
+            # not to the 30 dB of the other compile tests; a wrong gradient is near 0 dB
+            assert sqnr(b, a) >= 20, f"gradient {i}"
 
 
 def test_delayed_tied_layer_that_reads_another_tensor_is_untied_with_a_warning():
