@@ -891,9 +891,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             dist.barrier()
         return records
     except UsageError as e:
-        # Usage errors are the same on every rank: say it once.
+        # Usage errors are the same on every rank: rank 0 says it. Under torchrun the other
+        # ranks wait to be stopped: one that exited first would have torchrun stop rank 0,
+        # sometimes before it printed (torchrun stops every rank once rank 0 exits).
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"train.py: error: {e}", file=sys.stderr)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(60)
         sys.exit(2)
     except OSError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
