@@ -22,6 +22,12 @@ from float8kit.config import (
     ScalingType,
 )
 from float8kit.convert import convert_to_float8_training, default_module_filter
+from float8kit.distributed.reduce_scatter import enable_float8_reduce_scatter
+from float8kit.distributed.tp import (
+    Float8ColwiseParallel,
+    Float8RowwiseParallel,
+    PrepareFloat8ModuleInput,
+)
 from float8kit.experts import (
     Float8ExpertWeight,
     convert_experts_to_float8_training,
@@ -30,11 +36,9 @@ from float8kit.experts import (
 from float8kit.linear import Float8Linear
 from float8kit.monitor import Float8Monitor
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
-from float8kit.reduce_scatter import enable_float8_reduce_scatter
 from float8kit.roofline import auto_module_filter
-from float8kit.scale_state import Float8LoadPlanner, strip_float8_state
+from float8kit.state import Float8LoadPlanner, strip_float8_state
 from float8kit.tensor import Float8TrainingTensor
-from float8kit.tp import Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 __version__ = "0.1.0"
 

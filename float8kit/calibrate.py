@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from float8kit import scale_state, scaling
+from float8kit import scaling, state
 from float8kit.config import GemmRole, ScalingType
 from float8kit.linear import Float8Linear
 
@@ -105,8 +105,8 @@ def calibrate(
             scale = scaling.amax_to_scale(
                 amax, cast.dtype_for(role), mod.config.round_scales_to_power_of_2
             )
-            mod._buffers[scale_state.scale_name(role)].copy_(scale)
-            done[scale_state.OPERAND_NAMES[role]] = float(amax)
+            mod._buffers[state.scale_name(role)].copy_(scale)
+            done[state.OPERAND_NAMES[role]] = float(amax)
         mod._fp8_uncalibrated = tuple(op for op in mod._fp8_uncalibrated if op not in done)
         report[fqn] = done
     if unseen:

@@ -20,7 +20,6 @@ block (norms, activations, attention, the float8 casts) is recomputed::
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import float8kit.gemm  # noqa: F401  (registers float8kit::emulated_grouped_mm)
+from float8kit import cast
 from float8kit.config import FP8_DTYPES
 from float8kit.tensor import Float8TrainingTensor
 
@@ -56,29 +56,6 @@ def _is_float8_cast(op, args, kwargs) -> bool:
     if op is torch.ops.prims.convert_element_type.default:
         return len(args) > 1 and args[1] in FP8_DTYPES
     return False
-
-
-# How many casts whose float8 copy backward reads are running now (``kept_cast``): eager,
-# the policy keeps those casts' data and recomputes the others.
-_KEPT_CASTS = 0
-
-
-@contextlib.contextmanager
-def _marking():
-    global _KEPT_CASTS
-    _KEPT_CASTS += 1
-    try:
-        yield
-    finally:
-        _KEPT_CASTS -= 1
-
-
-def kept_cast():
-    """Marks the casts run inside as ones whose float8 copy backward reads (the input's copy
-    for the grad_weight gemm): ``checkpoint_policy(keep_input_casts=True)`` keeps those and
-    recomputes every other cast. Nothing while compiling (that policy keeps every cast
-    there)."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else _marking()
 
 
 def checkpoint_policy(
@@ -120,21 +97,12 @@ def checkpoint_policy(
         if (
             keep_input_casts
             and _is_float8_cast(op, args, kwargs)
-            and (_KEPT_CASTS or torch.compiler.is_compiling())
+            and (cast.kept_casts_running() or torch.compiler.is_compiling())
         ):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
-
-
-def is_recomputing() -> bool:
-    """Whether an eager forward runs as the recomputation of activation checkpointing (inside
-    the backward pass), not as a new forward. Compiled graphs recompute inside the compiled
-    backward, never by running the Python forward again: False while compiling."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
 
 
 def default_norm_filter(module: nn.Module, fqn: str) -> bool:

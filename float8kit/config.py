@@ -56,6 +56,71 @@ class GemmRole(enum.Enum):
 GEMM_ROLES: tuple[GemmRole, ...] = (GemmRole.INPUT, GemmRole.WEIGHT, GemmRole.GRAD_OUTPUT)
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmOperand:
+    """One operand of one of a linear layer's gemms."""
+
+    role: GemmRole
+    # the Float8LinearConfig field that casts it for this gemm
+    cast_field: str
+    # the operand's dim this gemm reduces: where its axiswise and block scales run
+    reduce_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One of a linear layer's three gemms: ``left @ right``, with its two operands."""
+
+    name: str
+    left: GemmOperand
+    right: GemmOperand
+    # what the inner dim K and the output dim N are, for error messages
+    inner_dim: str
+    out_dim: str
+
+    @property
+    def config_field(self) -> str:
+        """Its ``GemmConfig`` field of ``Float8LinearConfig``."""
+        return f"gemm_config_{self.name}"
+
+
+# The three gemms of a linear layer, the table every module reads (written nowhere else):
+#   output      = input (M,K)         @ weight.T (K,N)   reduce K: input dim -1, weight dim -1
+#   grad_input  = grad_output (M,N)   @ weight (N,K)     reduce N: grad_output -1, weight 0
+#   grad_weight = grad_output.T (N,M) @ input (M,K)      reduce M: grad_output 0, input 0
+_IN, _W, _GO = GemmRole.INPUT, GemmRole.WEIGHT, GemmRole.GRAD_OUTPUT
+GEMMS: tuple[Gemm, ...] = (
+    Gemm(
+        "output",
+        GemmOperand(_IN, "cast_config_input", -1),
+        GemmOperand(_W, "cast_config_weight", -1),
+        "in_features",
+        "out_features",
+    ),
+    Gemm(
+        "grad_input",
+        GemmOperand(_GO, "cast_config_grad_output", -1),
+        GemmOperand(_W, "cast_config_weight_for_grad_input", 0),
+        "out_features",
+        "in_features",
+    ),
+    Gemm(
+        "grad_weight",
+        GemmOperand(_GO, "cast_config_grad_output_for_grad_weight", 0),
+        GemmOperand(_IN, "cast_config_input_for_grad_weight", 0),
+        "the token count (the input's leading dims flattened)",
+        "in_features",
+    ),
+)
+# operand role -> (its cast field in its first gemm, in its second gemm), in GEMM_ROLES' order
+OPERAND_USES: dict[GemmRole, tuple[str, str]] = {
+    role: tuple(
+        op.cast_field for gemm in GEMMS for op in (gemm.left, gemm.right) if op.role is role
+    )
+    for role in GEMM_ROLES
+}
+
+
 def _coerce_enum(obj, field: str, enum_cls: type[enum.Enum]) -> None:
     """Accept an enum member or its string value; raise naming ``field`` otherwise."""
     value = getattr(obj, field)
@@ -389,14 +454,7 @@ class Float8LinearConfig:
     @staticmethod
     def operand_uses() -> dict[GemmRole, tuple[str, str]]:
         """operand role -> (its cast field in the first gemm, in the second gemm)."""
-        return {
-            GemmRole.INPUT: ("cast_config_input", "cast_config_input_for_grad_weight"),
-            GemmRole.WEIGHT: ("cast_config_weight", "cast_config_weight_for_grad_input"),
-            GemmRole.GRAD_OUTPUT: (
-                "cast_config_grad_output",
-                "cast_config_grad_output_for_grad_weight",
-            ),
-        }
+        return OPERAND_USES
 
     def stateful_cast(self, role: GemmRole) -> CastConfig | None:
         """The DELAYED or STATIC cast of operand ``role`` (its uses agree), or None."""
@@ -409,14 +467,7 @@ class Float8LinearConfig:
     @staticmethod
     def gemm_operands() -> dict[str, tuple[str, str]]:
         """gemm name -> (left operand's cast field, right operand's cast field)."""
-        return {
-            "output": ("cast_config_input", "cast_config_weight"),
-            "grad_input": ("cast_config_grad_output", "cast_config_weight_for_grad_input"),
-            "grad_weight": (
-                "cast_config_grad_output_for_grad_weight",
-                "cast_config_input_for_grad_weight",
-            ),
-        }
+        return {g.name: (g.left.cast_field, g.right.cast_field) for g in GEMMS}
 
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8LinearConfig:

@@ -13,7 +13,7 @@ grouped gemms go through ``gemm.scaled_grouped_mm``:
 Tokens are sorted by expert: group ``g`` is rows ``offs[g-1]:offs[g]`` (``offs`` int32
 cumulative ends, as torch wants). Rowwise scales along the inner dim come from
 ``scaling`` (dynamic, e4m3: the only float8 grouped kernel); the grad_weight gemm's inner
-dim is the jagged token dim, so its scales are per group (``group_amax``), and an expert
+dim is the jagged token dim, so its scales are per group (``scaling.group_amax``), and an expert
 that got no tokens gets an exactly zero gradient.
 
 A converted weight runs in float8 or raises, never in hp silently. Float8 forms: that
@@ -42,16 +42,16 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from float8kit import scaling
+from float8kit import cast
 from float8kit.config import E4M3, Float8ExpertsConfig
-from float8kit.fsdp import (
-    _KEEP_SUBCLASS,
-    _mutated_weights,
-    _padded_shard_size,
+from float8kit.gemm import scaled_grouped_mm
+from float8kit.hp_weight import (
+    KEEP_SUBCLASS,
+    HpIdentity,
+    mutated_weights,
+    padded_shard_size,
     store_plain_weight,
 )
-from float8kit.gemm import scaled_grouped_mm
-from float8kit.identity import HpIdentity
 
 aten = torch.ops.aten
 
@@ -59,7 +59,7 @@ ParamFilter = Callable[[nn.Parameter, str], bool]
 
 # Ops that keep "the weight" (same values, a view, an expert picked out of it): the hp
 # wrapper stays a wrapper, so a gemm on what they return still meets the checks below.
-_KEEP_EXPERT = _KEEP_SUBCLASS | {
+_KEEP_EXPERT = KEEP_SUBCLASS | {
     aten.transpose.int,
     aten.t.default,
     aten.permute.default,
@@ -124,10 +124,7 @@ def _cast(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic rowwise e4m3 cast: ``(fp8 data, scale)``, one scale per slice along
     ``reduce_dim`` (kept as a size-1 dim)."""
-    amax = scaling.amax(hp, reduce_dim)
-    scale = scaling.amax_to_scale(amax, E4M3, config.round_scales_to_power_of_2)
-    # A dynamic scale already makes inf/NaN NaN (scale 0 or NaN): no guard pass needed.
-    return scaling.to_fp8_saturated(hp, scale, E4M3, guard_non_finite=False), scale
+    return cast.cast_rowwise(hp, reduce_dim, config.round_scales_to_power_of_2)
 
 
 def token_groups(offs: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -137,26 +134,12 @@ def token_groups(offs: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return torch.searchsorted(offs, rows, right=True)
 
 
-def group_amax(hp: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """max(|hp|) over each token group, per column: (num_groups, D) fp32 for ``hp`` (T, D).
-    An empty group has amax 0 (scale: the largest finite one; its gemm sums nothing). NaN
-    propagates."""
-    index = groups.unsqueeze(1).expand(hp.shape)
-    out = hp.new_zeros((num_groups + 1, hp.size(1)), dtype=torch.float32)
-    out = out.scatter_reduce(0, index, hp.abs().to(torch.float32), "amax", include_self=True)
-    return out[:num_groups]
-
-
 def _cast_per_group(
     hp: torch.Tensor, groups: torch.Tensor, num_groups: int, config: Float8ExpertsConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cast (T, D) ``hp`` with one scale per token group and column: ``(fp8 data, (G, D)
-    scales)``. Rows past the last group get scale 1 (the gemm ignores them)."""
-    scale = scaling.amax_to_scale(
-        group_amax(hp, groups, num_groups), E4M3, config.round_scales_to_power_of_2
-    )
-    per_row = torch.cat([scale, scale.new_ones((1, scale.size(1)))])[groups]
-    return scaling.to_fp8_saturated(hp, per_row, E4M3, guard_non_finite=False), scale
+    scales)``."""
+    return cast.cast_per_group(hp, groups, num_groups, config.round_scales_to_power_of_2)
 
 
 # ---------------------------------------------------------------------------- the gemms
@@ -436,7 +419,7 @@ class Float8ExpertWeight(HpIdentity, torch.Tensor):
         config = first._config
         inner_args, inner_kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs))
         out = func(*inner_args, **inner_kwargs)
-        mutated = next(_mutated_weights(func, args, kwargs, cls), None)
+        mutated = next(mutated_weights(func, args, kwargs, cls), None)
         if mutated is not None and isinstance(out, torch.Tensor):
             return mutated
         if func in _KEEP_EXPERT:
@@ -452,7 +435,7 @@ class Float8ExpertWeight(HpIdentity, torch.Tensor):
         cannot gather float8 dtypes)."""
         if not self._config.enable_fsdp_float8_all_gather:
             data = self._tensor.to(mp_policy.param_dtype or self.dtype)
-            padded_size = _padded_shard_size(self.shape, outer_size, mesh.size())
+            padded_size = padded_shard_size(self.shape, outer_size, mesh.size())
             if data.shape != padded_size:
                 padded = data.new_zeros(padded_size)
                 padded[: data.size(0)].copy_(data)

@@ -20,12 +20,13 @@ dim, the fp32 sum of the fp8 products, times both operands' block scales, summed
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from float8kit import versions
+from float8kit.config import GEMMS
 from float8kit.tensor import Float8TrainingTensor
 
 # cuBLAS fp8 gemms need these dims to be multiples of 16; the CPU kernel takes any size.
@@ -83,11 +84,7 @@ class KernelPlan:
 
 
 # The dims of each of a linear layer's gemms, for error messages: (inner dim, output dim N).
-_GEMM_DIMS = {
-    "output": ("in_features", "out_features"),
-    "grad_input": ("out_features", "in_features"),
-    "grad_weight": ("the token count (the input's leading dims flattened)", "in_features"),
-}
+_GEMM_DIMS = {g.name: (g.inner_dim, g.out_dim) for g in GEMMS}
 
 
 def kernel_plan(
@@ -267,7 +264,7 @@ def block_scaled_mm(
 def _kernel_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b, gemm) -> torch.Tensor:
     """The CUDA kernel call (bf16 out); on the meta device it checks the layouts without a
     GPU (torch's meta function mirrors the kernel's checks)."""
-    if not hasattr(F, "scaled_mm"):
+    if not versions.HAS_BLOCK_SCALED_MM:
         raise RuntimeError(
             f"blockwise float8 gemms on CUDA need torch.nn.functional.scaled_mm (torch "
             f">= 2.10; this is {torch.__version__}): upgrade torch, or set "
@@ -423,7 +420,7 @@ def _cpu_kernel(
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        if (inv_a.numel() > 1 or inv_b.numel() > 1) and not _cpu_rowwise_supported():
+        if (inv_a.numel() > 1 or inv_b.numel() > 1) and not versions.cpu_rowwise_scaled_mm():
             # the per-tensor kernel with scales of one (exact fp32 sums of float8 products),
             # then the row / column scales in fp32: rowwise's math on a torch whose CPU
             # kernel takes per-tensor scales only
@@ -432,26 +429,6 @@ def _cpu_kernel(
             out = _kernel(a, b, one, one, torch.float32, use_fast_accum)
             return (out * inv_a * inv_b).to(out_dtype)
         return _kernel(a, b, inv_a, inv_b, out_dtype, use_fast_accum)
-    finally:
-        torch._C._set_mkldnn_enabled(enabled)
-
-
-@functools.cache
-def _cpu_rowwise_supported() -> bool:
-    """Whether this torch's CPU ``_scaled_mm`` takes rowwise scales (torch 2.11's takes
-    per-tensor scales only: "Now _scaled_mm only supports per-tensor scaling for CPU
-    backend"). Probed once, with a 16x16 gemm."""
-    a = torch.ones((16, 16)).to(torch.float8_e4m3fn)
-    enabled = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(False)
-    try:
-        torch._scaled_mm(
-            a, a.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
-            out_dtype=torch.bfloat16,
-        )  # fmt: skip
-        return True
-    except RuntimeError:
-        return False
     finally:
         torch._C._set_mkldnn_enabled(enabled)
 

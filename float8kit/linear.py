@@ -1,27 +1,27 @@
 """``Float8Linear``: an ``nn.Linear`` whose three gemms run in float8.
 
-Gemms and the inner (reduced) dim of each operand, which is the dim axiswise scales span:
+The three gemms and the dim of each operand they reduce (where axiswise and block scales
+run) are ``config.GEMMS``.
 
-    output      = input (M,K)        @ weight.T (K,N)    reduce K: input dim -1, weight dim -1
-    grad_input  = grad_output (M,N)  @ weight (N,K)      reduce N: grad_output dim -1, weight dim 0
-    grad_weight = grad_output.T (N,M) @ input (M,K)      reduce M: grad_output dim 0, input dim 0
-
-Where each operand's scale comes from is decided in one place, ``operand_scale``, for the
-gemms' casts and for the FSDP2 float8 all-gather (float8kit/fsdp.py) alike; the layer's
-DELAYED/STATIC state (see ``scale_state``) reaches it through ``Float8Linear._operand_state``
-(inside the autograd Function, as explicit arguments).
+Where each operand's scale comes from is decided in one place, ``cast.operand_scale``, for
+the gemms' casts and for the FSDP2 float8 all-gather alike; the layer's DELAYED/STATIC state
+(see ``float8kit.state``) reaches it through ``Float8Linear._operand_state`` (inside the
+autograd Function, as explicit arguments). Nothing here is distributed: tensor-parallel
+DTensors go through ``cast.cast_to_float8`` like plain tensors, and the FSDP2 float8
+all-gather weight wrapper is registered from ``float8kit.distributed.fsdp``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from float8kit import dtensor, scale_state, scaling, shared_cast
-from float8kit.checkpointing import is_recomputing, kept_cast
+from float8kit import shared_cast, state
+from float8kit.cast import cast_to_float8, is_recomputing, kept_cast, recast_with_scale
 from float8kit.config import (
     GEMM_ROLES,
     CastConfig,
@@ -30,126 +30,8 @@ from float8kit.config import (
     ScalingGranularity,
     ScalingType,
 )
-from float8kit.fsdp import store_plain_weight, wrap_weight
-from float8kit.tensor import Float8TrainingTensor, hp_to_float8
-
-
-def operand_scale(
-    cast: CastConfig,
-    role: GemmRole,
-    config: Float8LinearConfig,
-    amax: torch.Tensor | None,
-    state_scale: torch.Tensor | None = None,
-    amax_record: torch.Tensor | None = None,
-    scale_set: bool = False,
-) -> torch.Tensor:
-    """The scale an operand is cast with: the one per-operand scale decision, for the casts in
-    ``Float8Linear``'s gemms, the FSDP2 float8 all-gather and ``precompute_scales``.
-
-    Args:
-        cast: the operand's cast for this gemm.
-        role: which operand (picks the float8 dtype).
-        config: the layer's config (power-of-2 rounding).
-        amax: the operand's current amax (shape () or per slice; a batch of amaxes gives a
-            batch of DYNAMIC scales). Needed by DYNAMIC, and by DELAYED when it records or
-            while its scale is not set (``needs_amax``); None otherwise.
-        state_scale: DELAYED/STATIC: the layer's ``fp8_scale_<op>`` buffer.
-        amax_record: DELAYED, train mode: the layer's ``fp8_amax_<op>`` buffer; ``amax`` is
-            folded into it in place (running max until ``precompute_scales``).
-        scale_set: DELAYED: the host knows ``state_scale`` is set (``precompute_scales``
-            flips this once per layer and operand; see ``scale_state.DELAYED_SCALES_SET``).
-
-    Returns:
-        DYNAMIC: ``fp8_max / amax``. STATIC: ``state_scale``. DELAYED: ``state_scale``. Until
-        the host knows it is set (the first step), ``where(state_scale < 0, dynamic,
-        state_scale)``: a tensor op that still scales right if the buffer is unset, at the
-        cost of an amax pass; the flag takes that pass off the steady state.
-    """
-    kind = cast.scaling_type
-    if kind is ScalingType.STATIC:
-        if state_scale is None:
-            raise ValueError(f"STATIC {role.value} scaling needs the layer's fp8_scale buffer")
-        return state_scale
-    if kind is ScalingType.DYNAMIC:
-        return scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
-    if state_scale is None:
-        raise ValueError(f"DELAYED {role.value} scaling needs the layer's fp8_scale buffer")
-    if amax_record is not None:
-        # In place on a buffer that was passed in: under torch.compile AOTAutograd turns this
-        # into a graph-input mutation, in the forward and in the backward graph alike. One op
-        # (clamp_ keeps NaN, like maximum): the recording costs no more than a DYNAMIC scale.
-        amax_record.clamp_(min=amax)
-    if scale_set:
-        return state_scale
-    dynamic = scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
-    return torch.where(state_scale < 0, dynamic, state_scale)
-
-
-def needs_amax(cast: CastConfig, recording: bool, scale_set: bool) -> bool:
-    """Whether ``operand_scale`` needs the operand's current amax (an extra read pass)."""
-    kind = cast.scaling_type
-    if kind is ScalingType.DELAYED:
-        return recording or not scale_set
-    return kind is ScalingType.DYNAMIC
-
-
-def cast_to_float8(
-    hp: torch.Tensor,
-    cast: CastConfig,
-    role: GemmRole,
-    reduce_dim: int,
-    config: Float8LinearConfig,
-    state_scale: torch.Tensor | None = None,
-    amax_record: torch.Tensor | None = None,
-    scale_set: bool = False,
-) -> Float8TrainingTensor:
-    """Cast ``hp`` to float8 with the scale ``operand_scale`` picks: dynamic from its own
-    amax (one scale, or one per slice along ``reduce_dim`` when axiswise), delayed or static
-    from the layer's state (``state_scale``, ``amax_record``, ``scale_set``: see
-    ``operand_scale``). The amax is computed only when that scale needs it: STATIC never,
-    DELAYED in train mode (to record it) or before its scale is set."""
-    if isinstance(hp, dtensor.DTensor):  # tensor parallel: float8kit/dtensor.py
-        return dtensor.cast_to_float8(
-            hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
-        )
-    fp8_dtype = cast.dtype_for(role)
-    axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
-    block = operand_block(cast, role, reduce_dim)
-    amax = None
-    if block is not None:
-        amax = scaling.block_amax(hp, block)  # blockwise is DYNAMIC only (CastConfig)
-    elif needs_amax(cast, amax_record is not None, scale_set):
-        if scale_set and hp.numel() > 0:
-            # Only recorded (DELAYED, scale set): one reduction op, in hp. max(|hp|) is exact
-            # in any float dtype, and the fp32 record's clamp_ promotes it: the same value
-            # as scaling.amax, two ops fewer per cast.
-            amax = torch.linalg.vector_norm(hp, ord=math.inf)
-        else:
-            amax = scaling.amax(hp, reduce_dim if axiswise else None)
-    scale = operand_scale(cast, role, config, amax, state_scale, amax_record, scale_set)
-    # A dynamic scale already turns inf/NaN into NaN (scale 0 or NaN): no guard pass needed.
-    return hp_to_float8(
-        hp,
-        scale,
-        fp8_dtype,
-        role,
-        reduce_dim if axiswise else None,
-        config,
-        guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
-        block=block,
-    )
-
-
-def operand_block(cast: CastConfig, role: GemmRole, reduce_dim: int) -> tuple[int, int] | None:
-    """The (rows, cols) scale block of a 2-D operand cast blockwise (None otherwise): a
-    weight in square blocks, which serve both of its gemms; an activation in 1 x block_size
-    tiles along the gemm's inner dim ``reduce_dim`` (128 x 1 when that is dim 0)."""
-    if cast.scaling_granularity is not ScalingGranularity.BLOCKWISE:
-        return None
-    b = cast.block_size
-    if role is GemmRole.WEIGHT:
-        return (b, b)
-    return (1, b) if reduce_dim in (1, -1) else (b, 1)
+from float8kit.hp_weight import store_plain_weight
+from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8
 
 
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
@@ -194,22 +76,12 @@ def _weight_for_grad_input(
     float8 tensor lives from forward to backward."""
     cast = config.cast_config_weight_for_grad_input
     if recast is not None:
-        scale, fp8_dtype, block = recast
-        return hp_to_float8(
-            w_saved,
-            scale,
-            fp8_dtype,
-            GemmRole.WEIGHT,
-            None,
-            config,
-            guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
-            block=block,
-        )
-    if dtensor.is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
+        return recast_with_scale(w_saved, cast, GemmRole.WEIGHT, config, *recast)
+    if is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
         if _reusable(config.cast_config_weight, cast, weight=True):
             return w_saved
         # exact in any hp dtype: float8 values over a power-of-2 scale
-        w_saved = dtensor.dequantize(w_saved)
+        w_saved = dequantize(w_saved)
     return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
 
 
@@ -244,7 +116,7 @@ def input_for_backward(
     """
     first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
     if _reusable(first, second):
-        if dtensor.is_float8(x):
+        if is_float8(x):
             shared_cast.store(share, first, -1, config, input_hp.dtype, x, x_state[0])
         return x
     # An input that came in float8 (cast before a tensor-parallel all-gather) goes on
@@ -261,7 +133,7 @@ def input_for_backward(
 
 
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
-    return dtensor.dequantize(t)
+    return dequantize(t)
 
 
 # Re-cast the float8 weight in backward rather than keep it (see _Float8Matmul.forward);
@@ -323,10 +195,10 @@ class _Float8Matmul(torch.autograd.Function):
         if ctx.empty:
             ctx.shapes = (input_hp.shape, weight.shape, weight.device)
             return input_hp.new_zeros((0, weight.shape[0]))
-        weight_is_fp8 = dtensor.is_float8(weight)
+        weight_is_fp8 = is_float8(weight)
         # The input arrives float8 when it was cast before a tensor-parallel all-gather
         # (float8kit/tp.py, which checks that its cast is cast_config_input).
-        input_is_fp8 = dtensor.is_float8(input_hp)
+        input_is_fp8 = is_float8(input_hp)
         if input_is_fp8 and not c.cast_config_input.enabled:
             input_hp, input_is_fp8 = _as_hp(input_hp), False
         if c.cast_config_input.enabled:
@@ -378,7 +250,7 @@ class _Float8Matmul(torch.autograd.Function):
             and keep_w
             and not torch.compiler.is_compiling()
             and not weight_is_fp8
-            and not isinstance(weight, dtensor.DTensor)
+            and not isinstance(weight, DTensor)
         ):
             ctx.w_recast, w_scale_kept = (w._data.dtype, w._block), w._scale
             keep_w = False
@@ -444,6 +316,19 @@ class _Float8Matmul(torch.autograd.Function):
         return grad_input, grad_weight, None, *(None,) * 10
 
 
+# How a layer's weight becomes the FSDP2 float8 all-gather weight when its config enables it:
+# float8kit.distributed.fsdp (a layer above this module) registers it when float8kit is
+# imported, so that this module imports nothing distributed.
+_FSDP_WEIGHT_WRAPPER: list[Callable[[nn.Parameter, Float8LinearConfig], nn.Parameter]] = []
+
+
+def register_fsdp_weight_wrapper(
+    wrap: Callable[[nn.Parameter, Float8LinearConfig], nn.Parameter],
+) -> None:
+    """Set the function that wraps a layer's weight for the FSDP2 float8 all-gather."""
+    _FSDP_WEIGHT_WRAPPER[:] = [wrap]
+
+
 class Float8Linear(nn.Linear):
     """``nn.Linear`` with float8 gemms; same parameters, state_dict keys and init.
 
@@ -478,36 +363,37 @@ class Float8Linear(nn.Linear):
         of a root ``nn.Linear`` in ``convert_to_float8_training``)."""
         self.config = config
         if config.enable_fsdp_float8_all_gather:
-            # FSDP2 all-gathers this subclass in float8 (float8kit/fsdp.py); idempotent
-            self.weight = wrap_weight(self.weight, config)
-        scale_state.init_state(self, config)
+            # FSDP2 all-gathers this subclass in float8 (float8kit/distributed/fsdp.py, which
+            # registers the wrapper at import); idempotent
+            self.weight = _FSDP_WEIGHT_WRAPPER[0](self.weight, config)
+        state.init_state(self, config)
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         # nn.Linear.__init__ calls this before _init_float8; later calls (e.g. after
         # to_empty() in a meta-device init) also reset the float8 state.
         if "config" in self.__dict__:
-            scale_state.reset_state(self, self.config, scale_state.buffer_names(self.config))
+            state.reset_state(self, self.config, state.buffer_names(self.config))
 
     def _apply(self, fn, recurse=True):
         if "config" not in self.__dict__:  # during nn.Linear.__init__
             return super()._apply(fn, recurse)
-        before = {n: self._buffers[n] for n in scale_state.buffer_names(self.config)}
+        before = {n: self._buffers[n] for n in state.buffer_names(self.config)}
         super()._apply(fn, recurse)
-        scale_state.after_apply(self, self.config, before)
+        state.after_apply(self, self.config, before)
         return self
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
-        # a tied input state (scale_state.tie_input) takes this layer's values, not the
+        # a tied input state (state.tie_input) takes this layer's values, not the
         # last-loaded layer's of the tie
-        scale_state.untie_input(self)
+        state.untie_input(self)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
         )
-        scale_state.after_load(self, self.config, state_dict, prefix, missing_keys)
-        hint = scale_state.foreign_state_hint(self.config, state_dict, prefix) if strict else None
+        state.after_load(self, self.config, state_dict, prefix, missing_keys)
+        hint = state.foreign_state_hint(self.config, state_dict, prefix) if strict else None
         if hint:
             errors.append(hint)
 
@@ -520,13 +406,11 @@ class Float8Linear(nn.Linear):
         cast = self.config.stateful_cast(role)
         if cast is None:
             return None, None, False
-        scale = self._buffers[scale_state.scale_name(role)]
+        scale = self._buffers[state.scale_name(role)]
         if cast.scaling_type is not ScalingType.DELAYED:
             return scale, None, False
-        scale_set = scale_state.OPERAND_NAMES[role] in getattr(
-            self, scale_state.DELAYED_SCALES_SET, ()
-        )
-        amax_record = self._buffers[scale_state.amax_name(role)] if record else None
+        scale_set = state.OPERAND_NAMES[role] in getattr(self, state.DELAYED_SCALES_SET, ())
+        amax_record = self._buffers[state.amax_name(role)] if record else None
         return scale, amax_record, scale_set
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -554,13 +438,8 @@ class Float8Linear(nn.Linear):
             )
         record = self.training
         # A forward that activation checkpointing recomputes in backward is not a new one.
-        if (
-            record
-            and c.stale_delayed_warn_after
-            and scale_state.has_delayed(c)
-            and not is_recomputing()
-        ):
-            scale_state.count_delayed_forward(self._fp8_forward_count, c.stale_delayed_warn_after)
+        if record and c.stale_delayed_warn_after and state.has_delayed(c) and not is_recomputing():
+            state.count_delayed_forward(self._fp8_forward_count, c.stale_delayed_warn_after)
         weight = self.weight
         device_type = input.device.type
         # keyed on the input as passed (before autocast): linears that read one tensor share
@@ -582,13 +461,13 @@ class Float8Linear(nn.Linear):
             # state to it where they are equal, so that it reuses that cast (shared_cast)
             owner = shared_cast.delayed_owner(share, c.cast_config_input, c, input.dtype, self)
             if owner is not None:
-                scale_state.tie_input(self, owner, input, record)
-            tie = self.__dict__.get(scale_state.TIED)
+                state.tie_input(self, owner, input, record)
+            tie = self.__dict__.get(state.TIED)
             if tie is not None:  # check that the tied layers still read one tensor
-                state = shared_cast.region_state(share)
-                if owner is not None and owner.__dict__.get(scale_state.TIED) is tie:
-                    tie.read(owner, share, state)  # the first reader of this tensor
-                tie.read(self, share, state)
+                region = shared_cast.region_state(share)
+                if owner is not None and owner.__dict__.get(state.TIED) is tie:
+                    tie.read(owner, share, region)  # the first reader of this tensor
+                tie.read(self, share, region)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
         states = [t for role in GEMM_ROLES for t in self._operand_state(role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states, share)
@@ -601,15 +480,10 @@ class Float8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         c = self.config
+        short = {GemmRole.INPUT: "i", GemmRole.WEIGHT: "w", GemmRole.GRAD_OUTPUT: "go"}
         casts = [
-            ("i", c.cast_config_input, c.cast_config_input_for_grad_weight, GemmRole.INPUT),
-            ("w", c.cast_config_weight, c.cast_config_weight_for_grad_input, GemmRole.WEIGHT),
-            (
-                "go",
-                c.cast_config_grad_output,
-                c.cast_config_grad_output_for_grad_weight,
-                GemmRole.GRAD_OUTPUT,
-            ),
+            (short[role], getattr(c, first), getattr(c, second), role)
+            for role, (first, second) in c.operand_uses().items()
         ]
         parts = []
         for name, first, second, role in casts:

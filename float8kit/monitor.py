@@ -38,27 +38,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.eval_frame import DynamoStance, _set_stance
 
-from float8kit.checkpointing import is_recomputing
+from float8kit import config
+from float8kit.cast import cast_to_float8, is_recomputing
 from float8kit.config import GemmRole
-from float8kit.linear import Float8Linear, cast_to_float8
+from float8kit.linear import Float8Linear
 from float8kit.scaling import expand_block_scale, fp8_max
 
-GEMMS = ("output", "grad_input", "grad_weight")
+GEMMS = tuple(g.name for g in config.GEMMS)
 
 # gemm -> ((operand name, role, cast field, reduce dim) for its two operands)
 _OPERANDS = {
-    "output": (
-        ("input", GemmRole.INPUT, "cast_config_input", -1),
-        ("weight", GemmRole.WEIGHT, "cast_config_weight", -1),
-    ),
-    "grad_input": (
-        ("grad_output", GemmRole.GRAD_OUTPUT, "cast_config_grad_output", -1),
-        ("weight", GemmRole.WEIGHT, "cast_config_weight_for_grad_input", 0),
-    ),
-    "grad_weight": (
-        ("grad_output", GemmRole.GRAD_OUTPUT, "cast_config_grad_output_for_grad_weight", 0),
-        ("input", GemmRole.INPUT, "cast_config_input_for_grad_weight", 0),
-    ),
+    g.name: tuple(
+        (op.role.value, op.role, op.cast_field, op.reduce_dim) for op in (g.left, g.right)
+    )
+    for g in config.GEMMS
 }
 # per operand: clamped count, element count, underflowed count, non-zero count, scale
 _OPERAND_SUMS = 5

@@ -1,7 +1,8 @@
 """The op table of ``Float8TrainingTensor``: each aten op it supports, and nothing else.
 
-An op is registered with ``@implements([aten.op.overload, ...])``. ``dispatch`` raises
-``NotImplementedError`` naming any other op, so nothing silently falls back to hp math.
+An op is registered with ``@implements([aten.op.overload, ...])`` into ``tensor.OP_TABLE``;
+the tensor's ``__torch_dispatch__`` raises ``NotImplementedError`` naming any other op, so
+nothing silently falls back to hp math.
 
 Metadata ops (view, transpose, slice, ...) act on the fp8 data and keep the scale; with
 axiswise scales they transform the scale tensor the same way, and raise where the result
@@ -16,13 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from float8kit.config import FP8_DTYPES, Float8LinearConfig, GemmConfig, GemmRole
+from float8kit.cast import cast_like
+from float8kit.config import FP8_DTYPES, GEMMS, Float8LinearConfig, GemmConfig
 from float8kit.gemm import scaled_mm
-from float8kit.scaling import to_fp8_blocks, to_fp8_saturated
-from float8kit.tensor import Float8TrainingTensor
+from float8kit.tensor import OP_TABLE, Float8TrainingTensor
 
 aten = torch.ops.aten
-_TABLE: dict[torch._ops.OpOverload, Callable] = {}
 
 
 def implements(ops: list):
@@ -30,25 +30,15 @@ def implements(ops: list):
 
     def decorator(fn):
         for op in ops:
-            _TABLE[op] = fn
+            OP_TABLE[op] = fn
         return fn
 
     return decorator
 
 
-def dispatch(func, args, kwargs):
-    fn = _TABLE.get(func)
-    if fn is None:
-        raise NotImplementedError(
-            f"float8kit: {func} is not implemented for Float8TrainingTensor; call "
-            ".dequantize() first if hp math is really meant, or register it in float8kit/ops.py"
-        )
-    return fn(func, args, kwargs)
-
-
 def supported_ops() -> list:
     """The aten op overloads the table covers (for docs and tests)."""
-    return sorted(_TABLE, key=str)
+    return sorted(OP_TABLE, key=str)
 
 
 # ---------------------------------------------------------------------------- metadata ops
@@ -255,10 +245,8 @@ def _copy_(func, args, kwargs):
             raise ValueError("float8kit: copy_ between float8 tensors of different formats")
         dst._data.copy_(src._data)
         dst._scale.copy_(src._scale)
-    elif isinstance(dst, Float8TrainingTensor) and dst._block is not None:
-        dst._data.copy_(to_fp8_blocks(src, dst._scale, dst._block, dst._data.dtype))
     elif isinstance(dst, Float8TrainingTensor):
-        dst._data.copy_(to_fp8_saturated(src, dst._scale, dst._data.dtype))
+        dst._data.copy_(cast_like(dst, src))
     else:
         dst.copy_(src.dequantize(dst.dtype))
     return dst
@@ -267,11 +255,7 @@ def _copy_(func, args, kwargs):
 # ---------------------------------------------------------------------------- gemms
 
 # Which of a linear layer's three gemms a pair of operand roles is.
-_GEMM_BY_ROLES = {
-    (GemmRole.INPUT, GemmRole.WEIGHT): "gemm_config_output",
-    (GemmRole.GRAD_OUTPUT, GemmRole.WEIGHT): "gemm_config_grad_input",
-    (GemmRole.GRAD_OUTPUT, GemmRole.INPUT): "gemm_config_grad_weight",
-}
+_GEMM_BY_ROLES = {(g.left.role, g.right.role): g.config_field for g in GEMMS}
 
 
 def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:

@@ -10,20 +10,20 @@ ranks and writes the scales from them. ``precompute_scales`` asks every provider
 
 from __future__ import annotations
 
-import collections
-import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from float8kit import dtensor, scale_state, scaling
+from float8kit import scaling, state
 from float8kit.config import GEMM_ROLES, ScalingType
-from float8kit.fsdp import fsdp_weight_contributions
+from float8kit.distributed.fsdp import fsdp_weight_contributions, mesh_group
 from float8kit.linear import Float8Linear
+from float8kit.reports import REPORT_CALLS, SCALES_SET, report_flags
+from float8kit.tensor import local as local_tensor
 
-Contribution = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
+Contribution = state.Contribution
 
 
 def _delayed_contributions(module: nn.Module) -> list[Contribution]:
@@ -35,12 +35,12 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     records and the layers' stale-forward counts. Non-finite records are not folded in
     (see ``scaling.update_amax_history``) and make it warn, naming the layers.
 
-    Scales not yet marked set on the host (``scale_state.DELAYED_SCALES_SET``) are checked
+    Scales not yet marked set on the host (``state.DELAYED_SCALES_SET``) are checked
     (``>= 0``) and marked by ``_SCALES_SET``; once every scale is marked, nothing is read back
     to the host at all.
     """
     records, counts = [], []
-    # A tied input state (scale_state.tie_input) is one set of buffers for several layers:
+    # A tied input state (state.tie_input) is one set of buffers for several layers:
     # one record, updated once, whose scale-set flag marks every layer of the tie.
     seen: dict[int, list] = {}
     for fqn, mod in module.named_modules():
@@ -60,10 +60,10 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
             )
             # Under tensor parallelism the buffers are replicated DTensors: update their
             # local tensors (same storage).
-            buffers = {n: dtensor.local(b) for n, b in mod._buffers.items()}
-            operand = scale_state.OPERAND_NAMES[role]
-            scale = buffers[scale_state.scale_name(role)]
-            marked = operand in getattr(mod, scale_state.DELAYED_SCALES_SET, ())
+            buffers = {n: local_tensor(b) for n, b in mod._buffers.items()}
+            operand = state.OPERAND_NAMES[role]
+            scale = buffers[state.scale_name(role)]
+            marked = operand in getattr(mod, state.DELAYED_SCALES_SET, ())
             targets = [] if marked else [(mod, operand)]
             if id(scale) in seen:
                 seen[id(scale)] += targets
@@ -73,8 +73,8 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
                 (
                     key,
                     f"{fqn or '<root>'}.{operand}",
-                    buffers[scale_state.amax_name(role)],
-                    buffers[scale_state.history_name(role)],
+                    buffers[state.amax_name(role)],
+                    buffers[state.history_name(role)],
                     scale,
                     targets,
                 )
@@ -112,113 +112,18 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         unset = torch.full((), scaling.UNSET, device=reduced.device)
         torch._foreach_copy_(pending, [unset] * len(pending))
         torch._foreach_zero_(counts)
-        report_flags(_REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", names)
+        report_flags(REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", names)
         if unmarked:
             is_set = torch.stack([new_scales[i] for i, _ in unmarked]) >= 0
-            _SCALES_SET.submit(is_set, [target for _, target in unmarked])
+            SCALES_SET.submit(is_set, [target for _, target in unmarked])
 
     return [(local, apply)]
-
-
-class _HostReport:
-    """Brings small device flags to the host without stalling it.
-
-    On CPU the flags are handled at once (no device to wait for). On CUDA they are copied to
-    pinned host memory asynchronously and handled later: by ``poll`` once the copy has
-    completed (``wait=False``: usually the next ``precompute_scales`` call), or by ``drain``
-    at the next call at the latest (``wait=True``: waits for a copy issued a whole step
-    earlier, which has long completed, so every rank handles it at the same call).
-    """
-
-    def __init__(self, handle: Callable[[list[bool], list], None], wait: bool):
-        self._handle, self._wait = handle, wait
-        self._pending: collections.deque = collections.deque()
-
-    def submit(self, flags: torch.Tensor, targets: list) -> None:
-        self.poll()
-        if flags.device.type != "cuda":
-            self._handle(flags.tolist(), targets)
-            return
-        host = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
-        host.copy_(flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((host, event, targets))
-
-    def poll(self) -> None:
-        while self._pending and (self._wait or self._pending[0][1].query()):
-            host, event, targets = self._pending.popleft()
-            event.synchronize()
-            self._handle(host.tolist(), targets)
-
-
-def _warning(message: str) -> Callable[[list[bool], list[str]], None]:
-    """A ``_HostReport`` handler: warns ``message`` (``{layers}``: the flagged names)."""
-
-    def handle(flags: list[bool], names: list[str]) -> None:
-        layers = [name for name, flagged in zip(names, flags, strict=True) if flagged]
-        if layers:
-            warnings.warn(message.format(layers=", ".join(layers)), UserWarning, stacklevel=2)
-
-    return handle
-
-
-_NON_FINITE_MESSAGE = (
-    "float8kit: non-finite amax recorded for {layers}: not folded into the amax history, the "
-    "scale keeps its previous value (that step's float8 outputs were already non-finite)"
-)
-_STALE_WEIGHT_MESSAGE = (
-    "float8kit: the weight of {layers} changed after precompute_scales() without a version "
-    "bump (an update through param.data, e.g. an EMA or a custom optimizer): its last float8 "
-    "all-gather used a stale scale. Call precompute_scales(model) after every such update."
-)
-
-
-def _mark_scales_set(is_set: list[bool], targets: list[list[tuple[nn.Module, str]]]) -> None:
-    # one flag per scale buffer; a tied one marks every layer that shares it
-    for ok, mods in zip(is_set, targets, strict=True):
-        for mod, operand in mods:
-            marked = getattr(mod, scale_state.DELAYED_SCALES_SET, ())
-            if ok and operand not in marked:
-                setattr(mod, scale_state.DELAYED_SCALES_SET, (*marked, operand))
-
-
-_SCALES_SET = _HostReport(_mark_scales_set, wait=True)
-# Warnings raised from device flags, by kind (the ``kind`` argument of report_flags).
-_REPORTS = {
-    "non_finite": _HostReport(_warning(_NON_FINITE_MESSAGE), wait=False),  # inf/NaN records
-    "stale_weight": _HostReport(_warning(_STALE_WEIGHT_MESSAGE), wait=False),  # see fsdp.py
-}
-# Counts report_flags calls: a mutated input keeps the op in compiled graphs (an op with no
-# output and no mutated input would be dead code to inductor).
-_REPORT_CALLS = torch.zeros((), dtype=torch.int64)
-
-
-# A custom op so that a compiled precompute_scales stays one graph: dynamo does not trace
-# into it, and it runs (on the host) at every call.
-@torch.library.custom_op("float8kit::report_flags", mutates_args=("calls",))
-def report_flags(calls: torch.Tensor, flags: torch.Tensor, kind: str, names: str) -> None:
-    """Warn (without a host sync on CUDA) about the items whose flag is set.
-
-    Args:
-        calls: a CPU counter, incremented.
-        flags: (R,) bool, one flag per item.
-        kind: which warning (a key of ``_REPORTS``).
-        names: the R items' names, newline-separated.
-    """
-    calls += 1
-    _REPORTS[kind].submit(flags, names.split("\n"))
-
-
-@report_flags.register_fake
-def _(calls: torch.Tensor, flags: torch.Tensor, kind: str, names: str) -> None:
-    return None
 
 
 # Every kind of scale state that precompute_scales updates: fn(module) -> contributions.
 _PROVIDERS: list[Callable[[nn.Module], list[Contribution]]] = [
     _delayed_contributions,  # DELAYED amax records (input, weight, grad_output)
-    fsdp_weight_contributions,  # FSDP2 float8 all-gather weight shards (float8kit/fsdp.py)
+    fsdp_weight_contributions,  # FSDP2 float8 all-gather weight shards (distributed/fsdp.py)
 ]
 
 
@@ -228,8 +133,6 @@ def _default_group(module: nn.Module) -> dist.ProcessGroup | None:
     tensorwise weight sharded over dp and tp needs the max over both, even where norms or the
     embedding are dp-only). None (the default group) when nothing is a DTensor."""
     from torch.distributed.tensor import DTensor
-
-    from float8kit.fsdp import mesh_group
 
     widest = None
     for p in module.parameters():
@@ -256,7 +159,7 @@ def precompute_scales(module: nn.Module, *, group: dist.ProcessGroup | None = No
             ranks), else the default group.
     """
     # Scale-set flags from an earlier call, before the providers read them.
-    _SCALES_SET.poll()
+    SCALES_SET.poll()
     contributions = [c for provider in _PROVIDERS for c in provider(module)]
     if not contributions:
         return

@@ -1,14 +1,15 @@
-"""Scaling math: amax, amax -> scale, power-of-2 rounding, the saturated cast, and the
-batched amax-history update of DELAYED scaling.
+"""Scaling math: every form of amax (whole tensor, per slice, per block, per token group, of
+a DTensor, of a shard's scaling groups), amax -> scale, power-of-2 rounding, and the batched
+amax-history update of DELAYED scaling. The cast that applies a scale is ``float8kit.cast``.
 
 Convention (everywhere in float8kit): ``fp8 = saturate(hp * scale)`` and ``hp ~ fp8 / scale``
 with ``scale = fp8_max / max(amax, amax_floor(fp8_dtype))`` correctly rounded to fp32. Every
 function here is plain tensor math with no host sync, so eager and ``torch.compile`` produce
 bitwise-equal scales.
 
-Non-finite values stay visible: torch's own ``inf.to(float8_e4m3fn)`` saturates to 448, which
-would hide an overflow from a loss scaler. ``to_fp8_saturated`` clamps only finite values and
-turns inf/NaN into NaN (e4m3fn has no inf) or keeps them (e5m2 has inf).
+Non-finite values stay visible: a NaN amax gives a NaN scale, an inf amax scale 0, so the
+cast yields NaN; amaxes that cross ranks turn NaN into inf first (``nan_to_inf``), since an
+all-reduce(MAX) may drop a NaN but keeps inf.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 from float8kit.config import E4M3, E5M2
 
@@ -104,31 +106,7 @@ def amax_to_scale(
     return scale
 
 
-def to_fp8_saturated(
-    hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, guard_non_finite: bool = True
-) -> torch.Tensor:
-    """``saturate(hp * scale)`` as ``fp8_dtype``: finite values clamp to +-fp8_max, inf/NaN stay
-    non-finite (NaN in e4m3fn, which has no inf; inf/NaN kept in e5m2).
-
-    ``guard_non_finite=False`` skips the elementwise pass that restores non-finite values
-    after the clamp. That is safe exactly when ``scale`` came from this tensor's own amax
-    (DYNAMIC): an inf makes the amax inf and the scale 0 (``inf * 0 = NaN``), a NaN makes the
-    scale NaN, and the clamp keeps NaN. A scale from elsewhere (delayed, static, precomputed)
-    needs the guard, or an inf would saturate to +-fp8_max.
-    """
-    scaled = hp.to(torch.float32) * scale
-    limit = fp8_max(fp8_dtype)
-    clamped = torch.clamp(scaled, min=-limit, max=limit)
-    if not guard_non_finite:
-        return clamped.to(fp8_dtype)
-    # Adding (scaled - scaled) is 0 for finite values and NaN for inf/NaN: one fused
-    # elementwise op that puts non-finite values back after the clamp.
-    if fp8_dtype == E4M3:
-        return (clamped + (scaled - scaled)).to(fp8_dtype)
-    return torch.where(torch.isfinite(scaled), clamped, scaled).to(fp8_dtype)
-
-
-def _blocked(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def blocked(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """``hp`` (R, C) zero-padded to whole blocks and shaped (R/br, br, C/bc, bc): a partial
     block at the end (e.g. a token count that is not a multiple of 128) is padded with
     zeros, which change neither its amax nor the sums of a gemm."""
@@ -145,28 +123,7 @@ def block_amax(hp: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     (r, c), (br, bc) = hp.shape, block
     if hp.numel() == 0:
         return torch.zeros((-(-r // br), -(-c // bc)), dtype=torch.float32, device=hp.device)
-    return torch.amax(torch.abs(_blocked(hp, block)), dim=(1, 3)).to(torch.float32)
-
-
-def to_fp8_blocks(
-    hp: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int],
-    fp8_dtype: torch.dtype,
-    *,
-    guard_non_finite: bool = True,
-) -> torch.Tensor:
-    """``to_fp8_saturated`` of a 2-D ``hp`` with one scale per ``block`` (``scale`` has
-    ``block_amax``'s shape). Same shape as ``hp``, contiguous."""
-    r, c = hp.shape
-    blocked = _blocked(hp, block)
-    data = to_fp8_saturated(
-        blocked, scale[:, None, :, None], fp8_dtype, guard_non_finite=guard_non_finite
-    )
-    data = data.reshape(blocked.shape[0] * blocked.shape[1], -1)
-    if data.shape != (r, c):
-        data = data[:r, :c].contiguous()
-    return data
+    return torch.amax(torch.abs(blocked(hp, block)), dim=(1, 3)).to(torch.float32)
 
 
 def expand_block_scale(scale: torch.Tensor, block: tuple[int, int], shape) -> torch.Tensor:
@@ -202,3 +159,78 @@ def history_to_scale(
     amax = history.amax(dim=1) if from_max else history[:, 0]
     scale = amax_to_scale(amax, fp8_dtype, round_to_pow2)
     return torch.where(amax >= 0, scale, torch.full_like(scale, UNSET))
+
+
+def nan_to_inf(amax: torch.Tensor) -> torch.Tensor:
+    """NaN amaxes as +inf: an all-reduce(MAX) may drop a NaN (it compares) but keeps inf, and
+    an inf amax gives scale 0, which turns the cast into NaN: a bad shard stays visible on
+    every rank instead of saturating."""
+    return torch.where(torch.isnan(amax), math.inf, amax)
+
+
+def recorded_amax(hp: torch.Tensor) -> torch.Tensor:
+    """max(|hp|) in ``hp``'s dtype, one reduction op: what a DELAYED cast records when its
+    scale is set. max(|x|) is exact in any float dtype, and the fp32 record's ``clamp_``
+    promotes it: the same value as ``amax``, two ops fewer per cast."""
+    return torch.linalg.vector_norm(hp, ord=math.inf)
+
+
+def local_amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
+    """max(|t|) of each tensor in one batched pass: 1-D fp32, one entry per tensor. An empty
+    tensor (an empty shard) has amax 0; NaN becomes inf (``nan_to_inf``)."""
+    nonempty = [t for t in hps if t.numel() > 0]
+    norms = iter(
+        torch._foreach_norm(nonempty, ord=math.inf, dtype=torch.float32) if nonempty else ()
+    )
+    amaxes = torch.stack(
+        [next(norms) if t.numel() > 0 else t.new_zeros((), dtype=torch.float32) for t in hps]
+    )
+    return nan_to_inf(amaxes)
+
+
+def dtensor_amax(hp: DTensor, reduce_dim: int | None) -> torch.Tensor:
+    """max(|hp|) of a DTensor as a plain local tensor: the whole tensor's (shape ()) when
+    ``reduce_dim`` is None, else one per slice along ``reduce_dim`` for this rank's rows
+    (reduced over the ranks that hold parts of the same slice)."""
+    if hp.numel() == 0:
+        shape = [] if reduce_dim is None else [*hp.to_local().shape]
+        if reduce_dim is not None:
+            shape[reduce_dim] = 1
+        return torch.zeros(shape, dtype=torch.float32, device=hp.device)
+    result = amax(hp, reduce_dim)
+    # A reduction over a sharded dim is Partial(max): all-reduce it; Shard of other dims
+    # stays (the scale of this rank's rows only).
+    placements = [Replicate() if p.is_partial() else p for p in result.placements]
+    return result.redistribute(placements=placements).to_local()
+
+
+def group_amax(hp: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """max(|hp|) over each token group, per column: (num_groups, D) fp32 for ``hp`` (T, D),
+    ``groups`` the group of each row (``num_groups`` for rows past the last group). An empty
+    group has amax 0 (scale: the largest finite one; its gemm sums nothing). NaN propagates."""
+    index = groups.unsqueeze(1).expand(hp.shape)
+    out = hp.new_zeros((num_groups + 1, hp.size(1)), dtype=torch.float32)
+    out = out.scatter_reduce(0, index, hp.abs().to(torch.float32), "amax", include_self=True)
+    return out[:num_groups]
+
+
+def last_dim_amax(hp: torch.Tensor) -> torch.Tensor:
+    """max(|hp|) along the last dim, not kept, in ``hp``'s dtype; NaN propagates (the blocks
+    of a flattened gradient, float8kit.distributed.reduce_scatter)."""
+    return torch.amax(torch.abs(hp), dim=-1)
+
+
+def row_block_amax(shard: torch.Tensor, block_size: int, start: int) -> torch.Tensor:
+    """Partial amaxes of the ``block_size`` x ``block_size`` blocks that the rows of ``shard``
+    (rows ``start:start + len(shard)`` of a weight) touch: (block rows touched, column blocks)
+    fp32, NaN as inf. One pass over the shard: per row and column block, then the max over
+    the rows of each block row (no padding of a few-row shard to whole blocks)."""
+    b = block_size
+    first = start // b
+    n, c = shard.shape
+    cols = F.pad(shard, (0, -c % b)) if c % b else shard
+    rows = torch.abs(cols).reshape(n, -1, b).amax(-1).to(torch.float32)
+    block = torch.arange(start, start + n, device=shard.device) // b - first
+    out = rows.new_zeros(((start + n - 1) // b - first + 1, rows.shape[1]))
+    out.scatter_reduce_(0, block[:, None].expand_as(rows), rows, "amax")
+    return nan_to_inf(out)

@@ -26,7 +26,7 @@ A DELAYED cast depends on the tensor and the layer's scale buffer, so it is keye
 buffer too (its identity and version): layers share it only when they share one scale state.
 They come to share one when they are seen reading the same tensor with equal states
 (``delayed_owner`` names the first layer that cast the tensor in this forward,
-``scale_state.tie_input`` compares and ties the next ones to it): from then on their input
+``state.tie_input`` compares and ties the next ones to it): from then on their input
 scale states are one set of buffers, so every later cast, record and scale update is the one
 each layer would have made alone. STATIC casts are never shared. Not used under ``torch.compile``
 (there AOTAutograd's common-subexpression elimination merges the identical cast ops of a
@@ -59,7 +59,7 @@ def source_for(input: torch.Tensor) -> torch.Tensor | None:
 def shareable(cast: CastConfig, scale: torch.Tensor | None = None) -> bool:
     """Whether a cast may be shared between layers: DYNAMIC (its scale depends on the tensor
     alone), or DELAYED with its scale buffer ``scale`` (shared between layers whose input
-    state is tied, see ``scale_state.tie_input``)."""
+    state is tied, see ``state.tie_input``)."""
     if not cast.enabled:
         return False
     if cast.scaling_type is ScalingType.DELAYED:
@@ -140,7 +140,7 @@ def delayed_owner(
 ) -> torch.nn.Module | None:
     """The layer (not ``module``) that first cast ``source`` with this DELAYED input cast in
     this forward (same version, same checkpoint region), or None: then ``module`` is that
-    first layer, and later ones get it here. What ``scale_state.tie_input`` ties to."""
+    first layer, and later ones get it here. What ``state.tie_input`` ties to."""
     entry = _entry(source, create=True)
     key = ("owner", cast, config, dtype)
     ref = entry.get(key)

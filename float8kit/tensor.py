@@ -6,9 +6,15 @@ Internal: users meet it only as the weight FSDP2 all-gathers in float8, or by de
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from float8kit.config import Float8LinearConfig, GemmRole
-from float8kit.scaling import expand_block_scale, to_fp8_blocks, to_fp8_saturated
+from float8kit.scaling import expand_block_scale
+
+# aten op overload -> ``fn(func, args, kwargs)``: filled by float8kit/ops.py's ``@implements``
+# (imported by ``float8kit/__init__``), so that this module imports nothing above it. An op
+# not in it raises: nothing silently falls back to hp math.
+OP_TABLE: dict = {}
 
 
 class Float8TrainingTensor(torch.Tensor):
@@ -97,9 +103,14 @@ class Float8TrainingTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from float8kit.ops import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        fn = OP_TABLE.get(func)
+        if fn is None:
+            raise NotImplementedError(
+                f"float8kit: {func} is not implemented for Float8TrainingTensor; call "
+                ".dequantize() first if hp math is really meant, or register it in "
+                "float8kit/ops.py"
+            )
+        return fn(func, args, kwargs or {})
 
     # No torch_function override: ops reach __torch_dispatch__ after autograd.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -124,24 +135,60 @@ class Float8TrainingTensor(torch.Tensor):
         )
 
 
-def hp_to_float8(
-    hp: torch.Tensor,
-    scale: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    role: GemmRole,
-    axiswise_dim: int | None = None,
-    config: Float8LinearConfig | None = None,
-    *,
-    guard_non_finite: bool = True,
-    block: tuple[int, int] | None = None,
-) -> Float8TrainingTensor:
-    """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)) and wrap it: one
-    scale per ``block`` of a 2-D ``hp`` when given (see ``scaling.block_amax``).
-    ``guard_non_finite``: see ``scaling.to_fp8_saturated``."""
-    if block is not None:
-        data = to_fp8_blocks(hp, scale, block, fp8_dtype, guard_non_finite=guard_non_finite)
-        return Float8TrainingTensor(data, scale, hp.dtype, role, None, config, block)
-    data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard_non_finite)
-    if axiswise_dim is not None and axiswise_dim < 0:
-        axiswise_dim += hp.dim()
-    return Float8TrainingTensor(data, scale, hp.dtype, role, axiswise_dim, config)
+# ---------------------------------------------------------------------------- in DTensors
+#
+# Under tensor parallelism a cast of a DTensor is a DTensor whose local tensor is a
+# Float8TrainingTensor (the layout torchao uses too): the DTensor keeps the sharding, the
+# float8 tensor the bytes and the scale. The scale is a plain local tensor, never a DTensor,
+# so the gemm only ever sees local operands.
+
+
+def is_float8(t: torch.Tensor) -> bool:
+    """Whether ``t`` is float8: a ``Float8TrainingTensor`` or a DTensor around one."""
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    return isinstance(t, Float8TrainingTensor)
+
+
+def dequantize(t: torch.Tensor) -> torch.Tensor:
+    """The hp tensor a float8 ``t`` stands for (a DTensor stays a DTensor); others as is."""
+    if isinstance(t, DTensor) and isinstance(t._local_tensor, Float8TrainingTensor):
+        return wrap_local(t._local_tensor.dequantize(), t)
+    return t.dequantize() if isinstance(t, Float8TrainingTensor) else t
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local tensor (same storage); anything else as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def wrap_local(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as the local tensor of a DTensor with ``like``'s mesh, placements, shape."""
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=_stride(like),
+    )
+
+
+def _stride(t: DTensor) -> tuple[int, ...]:
+    """``t``'s stride; under torch.compile the contiguous stride of its shape.
+
+    Dynamo traces an autograd Function's backward in a strict mode where the strides of
+    gradients are unknown: reading one (``.stride()``) makes it give up that trace and
+    retrace the backward on ``.contiguous()`` gradients, and in torch 2.13 the abandoned
+    trace leaves ``_Float8Matmul.backward``'s ``torch.autocast(enabled=False)`` entered, so
+    the rest of the forward traces as if autocast were off (a compiled block's wk/wv then
+    ran in fp32 under bf16 autocast). The shape is read, never the stride: the tensors
+    wrapped here (casts and dequantizations of row-major activations, gradients and
+    weights) are contiguous, whose stride follows from the shape."""
+    if torch.compiler.is_compiling():
+        stride, n = [], 1
+        for size in reversed(t.shape):
+            stride.append(n)
+            n *= max(size, 1)
+        return tuple(reversed(stride))
+    return t.stride()

@@ -22,8 +22,8 @@ from float8kit import (
     default_module_filter,
 )
 from float8kit import scaling as scaling_mod
+from float8kit.cast import cast_to_float8
 from float8kit.gemm import _kernel_block_mm, block_kernel_plan, scaled_mm
-from float8kit.linear import cast_to_float8
 from tests.helpers import fwd_bwd, sqnr
 
 BW = Float8LinearConfig.from_recipe_name("blockwise")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training
-from float8kit.linear import cast_to_float8
+from float8kit.cast import cast_to_float8
 
 
 def model():

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from float8kit import Float8Linear, checkpoint_policy, convert_to_float8_training, precompute_scales
-from float8kit.checkpointing import kept_cast
+from float8kit.cast import kept_cast
 from float8kit.config import FP8_DTYPES
 from tests.helpers import count_scaled_mm
 from tests.test_memory import RECIPES, config

@@ -9,7 +9,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training
-from float8kit.linear import cast_to_float8
+from float8kit.cast import cast_to_float8
 from tests.helpers import COMPILE_IS_BITWISE
 
 pytestmark = pytest.mark.slow

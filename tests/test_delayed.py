@@ -21,7 +21,7 @@ from float8kit import (
     convert_to_float8_training,
     precompute_scales,
 )
-from float8kit.linear import operand_scale
+from float8kit.cast import operand_scale
 
 DELAYED = CastConfig(scaling_type=ScalingType.DELAYED)
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0

@@ -19,8 +19,9 @@ from float8kit import (
     convert_experts_to_float8_training,
     convert_to_float8_training,
 )
-from float8kit.experts import group_amax, token_groups
+from float8kit.experts import token_groups
 from float8kit.gemm import _cpu_kernel, scaled_grouped_mm, token_group_padding
+from float8kit.scaling import group_amax
 from tests.helpers import assert_compiled_matches_eager, sqnr
 
 # 4 experts; expert 1 gets no tokens; rows past offs[-1] (60..63) belong to no expert.

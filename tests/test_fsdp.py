@@ -34,7 +34,7 @@ from float8kit import (
     convert_to_float8_training,
     precompute_scales,
 )
-from float8kit.fsdp import Float8AllGatherWeight
+from float8kit.distributed.fsdp import Float8AllGatherWeight
 from float8kit.linear import Float8Linear
 from float8kit.scaling import amax_to_scale
 from float8kit.tensor import Float8TrainingTensor
@@ -888,16 +888,16 @@ def test_all_gather_scale_comes_from_operand_scale(monkeypatch, policy):
     module = Float8Linear(16, 6, bias=False, config=config)
     w = module.weight
     state = module._operand_state(float8kit.GemmRole.WEIGHT, False)
-    ref = float8kit.linear.cast_to_float8(
+    ref = float8kit.cast.cast_to_float8(
         w._tensor, config.cast_config_weight, float8kit.GemmRole.WEIGHT, -1, config, *state
     )
-    real, calls = float8kit.linear.operand_scale, []
+    real, calls = float8kit.cast.operand_scale, []
 
     def spy(cast, *args, **kwargs):
         calls.append(cast.scaling_type)
         return real(cast, *args, **kwargs)
 
-    monkeypatch.setattr(float8kit.linear, "operand_scale", spy)
+    monkeypatch.setattr(float8kit.cast, "operand_scale", spy)
     _, (scale,) = w.fsdp_pre_all_gather(_OneRank(), w.shape, (16, 1), module, None)
     assert calls == [config.cast_config_weight.scaling_type]
     assert torch.equal(scale, ref._scale)
@@ -916,7 +916,7 @@ def test_post_all_gather_builds_the_float8_weight():
     weight, (inner,) = w.fsdp_post_all_gather((data,), meta, torch.bfloat16)
     assert isinstance(weight, Float8TrainingTensor) and weight.dtype == torch.bfloat16
     assert inner.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
-    ref = float8kit.linear.cast_to_float8(
+    ref = float8kit.cast.cast_to_float8(
         hp, FP8_AG.cast_config_weight, float8kit.GemmRole.WEIGHT, -1, FP8_AG
     )
     assert torch.equal(weight._data.view(torch.uint8), ref._data.view(torch.uint8))

@@ -162,7 +162,8 @@ def test_hooks_gather_a_partial_last_block_like_one_device_cast():
     # second shard is padded to 128 rows and one block row of scales), then FSDP2's
     # as_strided of the gathered buffer to 255 rows: bitwise the single-device cast.
     from float8kit import GemmRole
-    from float8kit.linear import Float8Linear, cast_to_float8
+    from float8kit.cast import cast_to_float8
+    from float8kit.linear import Float8Linear
 
     hp = torch.randn(255, 256)
     module = Float8Linear(256, 255, bias=False, config=BLOCK_AG)

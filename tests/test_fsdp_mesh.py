@@ -102,8 +102,8 @@ def _dp_slice(kind: str, mesh) -> tuple[int, int]:
 
 def _whole_weight_scales_ok(model) -> bool:
     """Every tensorwise precomputed scale is fp8_max / amax of the *whole* weight."""
-    from float8kit.fsdp import _SCALE_ATTR
-    from float8kit.linear import operand_scale
+    from float8kit.cast import operand_scale
+    from float8kit.distributed.fsdp import _SCALE_ATTR
 
     for m in model.modules():
         if not isinstance(m, Float8Linear):

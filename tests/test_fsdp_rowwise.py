@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training, precompute_scales
-from float8kit.linear import Float8Linear, _weight_for_grad_input, cast_to_float8
+from float8kit.cast import cast_to_float8
+from float8kit.linear import Float8Linear, _weight_for_grad_input
 from float8kit.scaling import amax_to_scale
 from tests.helpers import sqnr
 from tests.test_fsdp import (

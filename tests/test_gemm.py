@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from float8kit import Float8LinearConfig, GemmRole, gemm
+from float8kit.cast import cast_to_float8
 from float8kit.gemm import KernelPlan, kernel_plan, scaled_mm
-from float8kit.linear import cast_to_float8
 from tests.helpers import count_scaled_mm, sqnr
 
 TW = Float8LinearConfig()

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import float8kit
 from float8kit import CastConfig, Float8Linear, Float8LinearConfig, GemmRole, ScalingType
-from float8kit.linear import cast_to_float8
+from float8kit.cast import cast_to_float8
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import train  # noqa: E402

@@ -300,7 +300,7 @@ def test_non_finite_saturation_differs_from_torchao_as_documented():
     # scaler); ours keeps inf/NaN non-finite (e4m3 has no inf: NaN).
     from torchao.float8.float8_utils import to_fp8_saturated as peer_saturated
 
-    from float8kit.scaling import to_fp8_saturated
+    from float8kit.cast import to_fp8_saturated
 
     x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan")])
     theirs = peer_saturated(x, torch.float8_e4m3fn).float()

@@ -25,7 +25,7 @@ from float8kit import (
     Float8ReduceScatterConfig,
     enable_float8_reduce_scatter,
 )
-from float8kit.reduce_scatter import dequantize_sum, payload_bytes, quantize_chunks
+from float8kit.distributed.reduce_scatter import dequantize_sum, payload_bytes, quantize_chunks
 from tests.helpers import sqnr
 from tests.test_fsdp import _data, _shard, _spawn, _uneven_net
 
@@ -144,7 +144,7 @@ def test_config_errors_name_the_field(kwargs, match):
 
 
 def test_reduce_ops_fsdp2_passes():
-    from float8kit.reduce_scatter import _op_factor
+    from float8kit.distributed.reduce_scatter import _op_factor
 
     assert _op_factor(dist.ReduceOp.SUM, 3) == 1.0
     assert _op_factor(dist.ReduceOp.AVG, 4) == 0.25

@@ -4,13 +4,13 @@ import pytest
 import torch
 
 from float8kit import E4M3, E5M2
+from float8kit.cast import to_fp8_saturated
 from float8kit.scaling import (
     amax,
     amax_floor,
     amax_to_scale,
     fp8_max,
     round_to_power_of_2,
-    to_fp8_saturated,
 )
 from tests.helpers import sqnr
 

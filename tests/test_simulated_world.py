@@ -30,10 +30,16 @@ import pytest
 import torch
 
 from float8kit import CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
-from float8kit.fsdp import _SCALE_ATTR, Float8AllGatherWeight, PrecomputedScale, shard_spec
-from float8kit.linear import Float8Linear, cast_to_float8, operand_scale
-from float8kit.scale_state import DELAYED_SCALES_SET
-from float8kit.shard_groups import cuts_blocks, layout
+from float8kit.cast import cast_to_float8, operand_scale
+from float8kit.distributed.fsdp import (
+    _SCALE_ATTR,
+    Float8AllGatherWeight,
+    PrecomputedScale,
+    shard_spec,
+)
+from float8kit.distributed.shard_groups import cuts_blocks, layout
+from float8kit.linear import Float8Linear
+from float8kit.state import DELAYED_SCALES_SET
 
 WORLDS = (1, 2, 3, 8, 64, 128, 1024)
 RECIPES = ("tensorwise", "delayed", "static", "rowwise", "rowwise_with_gw_hp", "blockwise")

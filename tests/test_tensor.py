@@ -6,7 +6,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from float8kit import E4M3, E5M2, Float8LinearConfig, Float8TrainingTensor, GemmRole
-from float8kit.linear import cast_to_float8
+from float8kit.cast import cast_to_float8
 from float8kit.ops import supported_ops
 from tests.helpers import sqnr
 

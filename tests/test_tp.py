@@ -271,7 +271,7 @@ def _worker_2d(rank: int, world: int, tmp: str) -> dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from float8kit.fsdp import Float8AllGatherWeight
+    from float8kit.distributed.fsdp import Float8AllGatherWeight
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"]

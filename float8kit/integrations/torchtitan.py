@@ -38,7 +38,7 @@ from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
-from float8kit import scale_state
+from float8kit import state
 from float8kit.config import Float8LinearConfig
 from float8kit.convert import default_module_filter
 from float8kit.linear import Float8Linear
@@ -83,7 +83,7 @@ class Float8KitLinear(Float8Linear, Module):
         the weight and bias only, and every buffer needs a placement. The scale state is one
         per layer: replicated on every mesh axis the weight's placement names."""
         sc = self._sharding_config
-        names = scale_state.buffer_names(self.config)
+        names = state.buffer_names(self.config)
         if sc is not None and any(n not in sc.state_shardings for n in names):
             from torchtitan.distributed.parallel_dims import SpmdLayout
 
@@ -97,13 +97,13 @@ class Float8KitLinear(Float8Linear, Module):
     def _init_self_buffers(self, *, buffer_device: torch.device | None = None) -> None:
         """The float8 scale state at its initial values, on ``buffer_device`` if given (where
         torchtitan computes: a CPU-offloaded model keeps its buffers there)."""
-        names = scale_state.buffer_names(self.config)
+        names = state.buffer_names(self.config)
         if buffer_device is not None:
             for name in names:
                 buf = self._buffers[name]
                 if buf.device != torch.device(buffer_device):
                     self._buffers[name] = torch.empty_like(buf, device=buffer_device)
-        scale_state.reset_state(self, self.config, names)
+        state.reset_state(self, self.config, names)
 
 
 def _plain(value):

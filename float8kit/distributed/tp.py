@@ -24,7 +24,7 @@ was reduce-scattered to ``Shard(1)``, moves float8 bytes too: cast with the laye
 grad_output cast (which that layer's gemms cast it with anyway), gathered, dequantized.
 
 torch's own ``ColwiseParallel`` / ``RowwiseParallel`` also work on a converted model (every
-recipe; ``float8kit/dtensor.py``): they gather activations in hp.
+recipe; ``float8kit.cast``): they gather activations in hp.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from float8kit import dtensor
+from float8kit import versions
+from float8kit.cast import cast_to_float8
 from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
@@ -48,19 +49,15 @@ from float8kit.config import (
     ScalingType,
 )
 from float8kit.linear import Float8Linear
+from float8kit.tensor import dequantize, is_float8
 
 __all__ = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
-
-
-# torch 2.11's dynamo cannot trace the call of a Placement's method (``Shard(d).
-# _to_replicate_tensor``: "Dynamo does not know how to trace method"); from 2.13 on it can.
-_PLACEMENT_METHODS_TRACE = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 
 
 def _gather_local(local: torch.Tensor, dim: int, mesh, logical_shape) -> torch.Tensor:
     """All-gather a ``Shard(dim)`` local tensor of a 1-D mesh to the whole tensor (uneven
     shards are padded and unpadded as DTensor does)."""
-    if _PLACEMENT_METHODS_TRACE:
+    if versions.PLACEMENT_METHODS_TRACE:
         return Shard(dim)._to_replicate_tensor(local, mesh, 0, logical_shape)
     # the same all-gather by hand: ranks hold chunks of ceil(n / world) rows along ``dim``
     # (the last ones shorter or empty), padded to that size, gathered, cut back to n
@@ -83,7 +80,7 @@ def _cast_and_gather(hp: DTensor, cast: CastConfig, role: GemmRole, config) -> D
     bytes as uint8, and the per-token scales when axiswise."""
     (shard,) = hp.placements
     dim = shard.dim % hp.dim()
-    fp8 = dtensor.cast_to_float8(hp, cast, role, -1, config)
+    fp8 = cast_to_float8(hp, cast, role, -1, config)
     local = fp8._local_tensor
     mesh = hp.device_mesh
     data = _gather_local(local._data.view(torch.uint8), dim, mesh, hp.shape)
@@ -126,7 +123,7 @@ class _ReduceScatterFloat8GradGather(torch.autograd.Function):
             return grad.redistribute(placements=[Replicate()]), None, None
         c = ctx.config
         fp8 = _cast_and_gather(grad, c.cast_config_grad_output, GemmRole.GRAD_OUTPUT, c)
-        return dtensor.dequantize(fp8), None, None
+        return dequantize(fp8), None, None
 
 
 def _float8_redistribute(
@@ -187,7 +184,7 @@ class Float8ColwiseParallel(ColwiseParallel):
     @staticmethod
     def _prepare_input_fn(input_layouts, desired_input_layouts, mod, inputs, device_mesh):
         x = _as_dtensor(inputs[0], device_mesh, input_layouts[0])
-        if dtensor.is_float8(x):  # already cast and gathered (PrepareFloat8ModuleInput)
+        if is_float8(x):  # already cast and gathered (PrepareFloat8ModuleInput)
             return x
         return _float8_redistribute(x, desired_input_layouts, mod.config, type(mod).__name__)
 

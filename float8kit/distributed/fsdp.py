@@ -51,12 +51,9 @@ Internal, except ``fsdp_weight_contributions`` (the provider ``precompute_scales
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -65,37 +62,22 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from float8kit import dtensor, scaling, shard_groups
+from float8kit import cast as casting
+from float8kit import linear, scaling, state
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
-from float8kit.identity import HpIdentity
-from float8kit.shard_groups import ShardSpec
+from float8kit.distributed import shard_groups
+from float8kit.distributed.shard_groups import ShardSpec
+from float8kit.hp_weight import (
+    KEEP_SUBCLASS,
+    HpIdentity,
+    mutated_weights,
+    padded_shard_size,
+)
+from float8kit.reports import REPORT_CALLS, report_flags
 from float8kit.tensor import Float8TrainingTensor
-
-if TYPE_CHECKING:
-    from float8kit.precompute import Contribution
+from float8kit.tensor import local as local_tensor
 
 aten = torch.ops.aten
-
-# Ops whose result is still "the weight" (same values or a view/copy/pad of them), so it
-# stays a Float8AllGatherWeight: what FSDP2 does to a parameter while sharding, padding,
-# offloading and re-padding it (new_zeros + slice + copy_, view, as_strided, split, _to_copy,
-# pin_memory, ...). Every other op returns plain tensors: optimizer states, gradient
-# clipping and any math on the weight see plain hp values.
-_KEEP_SUBCLASS = {
-    aten.alias.default,
-    aten.as_strided.default,
-    aten.clone.default,
-    aten.detach.default,
-    aten.empty_like.default,
-    aten.new_empty.default,
-    aten.new_zeros.default,
-    aten.slice.Tensor,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.view.default,
-    aten._pin_memory.default,
-    aten._to_copy.default,
-}
 
 
 class Float8AllGatherWeight(HpIdentity, torch.Tensor):
@@ -103,7 +85,7 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
 
     Invariants:
         - ``_tensor`` is the plain hp tensor this stands for: same shape, strides, dtype,
-          device. Every aten op runs on ``_tensor``; results of ``_KEEP_SUBCLASS`` ops are
+          device. Every aten op runs on ``_tensor``; results of ``KEEP_SUBCLASS`` ops are
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
         - ``_config`` is the owning layer's config (a tensorwise, rowwise or blockwise float8
           weight, validated by ``Float8LinearConfig``).
@@ -161,10 +143,10 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
         config = next(t._config for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
         inner_args, inner_kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs))
         out = func(*inner_args, **inner_kwargs)
-        mutated = next(_mutated_weights(func, args, kwargs), None)
+        mutated = next(mutated_weights(func, args, kwargs, cls), None)
         if mutated is not None and isinstance(out, torch.Tensor):
             return mutated  # add_, copy_, ... return the tensor they mutated
-        if func in _KEEP_SUBCLASS:
+        if func in KEEP_SUBCLASS:
             return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
         return out
 
@@ -216,11 +198,11 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
         scale = weight_scale_for_all_gather(self, mesh, module, where)
         groups = shard_groups.layout(cast)
         shard_scale = groups.shard_scale(scale, self._tensor, where)
-        data = scaling.to_fp8_saturated(self._tensor, shard_scale, self._fp8_dtype)
+        data = casting.cast_with_scale(self._tensor, shard_scale, self._fp8_dtype)
         # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
         # uint8 input lets FSDP2 gather fp8 weights and hp biases in one uint8 buffer.
         data = data.view(torch.uint8)
-        padded_size = _padded_shard_size(self.shape, outer_size, mesh.size())
+        padded_size = padded_shard_size(self.shape, outer_size, mesh.size())
         if data.shape != padded_size:
             padded = data.new_zeros(padded_size)
             padded[: data.size(0)].copy_(data)
@@ -241,12 +223,12 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
         """The blockwise ``fsdp_pre_all_gather`` for shards of whole blocks:
         ``((data_uint8, scales_uint8), ())``, both padded to FSDP2's padded shard size; every
         scale is local to its shard."""
-        from float8kit.linear import cast_to_float8
-
         b, world = self._block_size, mesh.size()
-        chunk = _padded_shard_size(self.shape, outer_size, world)
+        chunk = padded_shard_size(self.shape, outer_size, world)
         config = self._config
-        fp8 = cast_to_float8(self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
+        fp8 = casting.cast_to_float8(
+            self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config
+        )
         data, scale = fp8._data.view(torch.uint8), fp8._scale
         rows = chunk[0] - data.shape[0]
         if rows:  # uneven: the last ranks' shards are padded (an empty one entirely)
@@ -352,55 +334,12 @@ def _refill_scale(out: torch.Tensor, scale: torch.Tensor) -> None:
         local._scale.copy_(scale)
 
 
-def _mutated_weights(func, args, kwargs, cls: type | None = None) -> Iterator[torch.Tensor]:
-    """The ``cls`` (default Float8AllGatherWeight) arguments ``func`` writes to (per its
-    schema)."""
-    cls = cls or Float8AllGatherWeight
-    for i, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(arg.name)
-        for t in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(t, cls):
-                yield t
-
-
 def _mesh_rank(mesh) -> int:
     """This rank's index in the 1-D shard ``mesh`` (0 on one rank)."""
     return 0 if mesh.size() == 1 else mesh.get_local_rank()
 
 
-def _padded_shard_size(local: torch.Size, outer: torch.Size, world_size: int) -> torch.Size:
-    """FSDP2's padded sharded size: ``torch.chunk`` sizes, where chunk 0 is the largest.
-
-    The sharded dim is the one where the local size differs from the full size (FSDP2
-    shards dim 0 unevenly, other dims only evenly, which need no padding)."""
-    padded = list(local)
-    for dim, (n_local, n_outer) in enumerate(zip(local, outer, strict=True)):
-        if n_local != n_outer:
-            padded[dim] = math.ceil(n_outer / world_size)
-            break
-    return torch.Size(padded)
-
-
 # ---------------------------------------------------------------------------- scales
-
-
-def local_amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
-    """max(|t|) of each tensor in one batched pass: 1-D fp32, one entry per tensor.
-
-    An empty shard (uneven sharding) has amax 0. NaN becomes +inf: an all-reduce(MAX) may
-    drop a NaN (it compares), but keeps inf, and an inf amax gives scale 0, which turns the
-    cast weight into NaN: a bad shard stays visible on every rank instead of saturating.
-    """
-    nonempty = [t for t in hps if t.numel() > 0]
-    norms = iter(
-        torch._foreach_norm(nonempty, ord=math.inf, dtype=torch.float32) if nonempty else ()
-    )
-    amaxes = torch.stack(
-        [next(norms) if t.numel() > 0 else t.new_zeros((), dtype=torch.float32) for t in hps]
-    )
-    return torch.where(torch.isnan(amaxes), math.inf, amaxes)
 
 
 @dataclass
@@ -454,8 +393,6 @@ def weight_scale_for_all_gather(
       un-precomputed DYNAMIC weight. The mark is a host flag that flips alike on every rank,
       so every rank makes the same choice, with no host read of the buffer.
     """
-    from float8kit.linear import needs_amax, operand_scale
-
     config = weight._config
     cast = config.cast_config_weight
     kind = cast.scaling_type
@@ -481,14 +418,16 @@ def weight_scale_for_all_gather(
     state_scale, amax_record, scale_set = module._operand_state(GemmRole.WEIGHT, module.training)
     # Under tensor parallelism the DELAYED/STATIC buffers are replicated DTensors: their
     # local tensors share the storage (a recorded amax lands in the buffer).
-    state_scale, amax_record = dtensor.local(state_scale), dtensor.local(amax_record)
+    state_scale, amax_record = local_tensor(state_scale), local_tensor(amax_record)
     amax = None
-    if needs_amax(cast, amax_record is not None, scale_set):
+    if casting.needs_amax(cast, amax_record is not None, scale_set):
         amax = groups.group_amaxes(weight._tensor, where)
         if kind is ScalingType.DYNAMIC or not scale_set:
             # the scale needs the whole weight's amax: over every mesh dim it is sharded on
             amax = _all_reduce_max(amax, amax_group(module, mesh))
-    return operand_scale(cast, GemmRole.WEIGHT, config, amax, state_scale, amax_record, scale_set)
+    return casting.operand_scale(
+        cast, GemmRole.WEIGHT, config, amax, state_scale, amax_record, scale_set
+    )
 
 
 def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
@@ -618,12 +557,10 @@ def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
     float8 all-gather."""
     from torch.distributed.tensor import DTensor
 
-    from float8kit.linear import Float8Linear
-
     return [
         (fqn or "<root>", mod)
         for fqn, mod in module.named_modules()
-        if isinstance(mod, Float8Linear)
+        if isinstance(mod, linear.Float8Linear)
         and isinstance(mod.weight, DTensor)
         and isinstance(mod.weight._local_tensor, Float8AllGatherWeight)
     ]
@@ -639,14 +576,12 @@ def _report_stale_weights(mods: list[tuple[str, nn.Module]]) -> None:
             used.append((p, name))
     if not used:
         return
-    from float8kit.precompute import _REPORT_CALLS, report_flags
-
     changed = torch.stack([(p.gathered_amax != p.local_amax).any() for p, _ in used])
-    report_flags(_REPORT_CALLS, changed, "stale_weight", "\n".join(n for _, n in used))
+    report_flags(REPORT_CALLS, changed, "stale_weight", "\n".join(n for _, n in used))
 
 
 @torch.no_grad()
-def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
+def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
     """``precompute_scales``' provider for FSDP2 float8 all-gather weights.
 
     One contribution for all of them: the local shards' group amaxes (tensorwise weights:
@@ -661,8 +596,6 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     Returns:
         ``[(amaxes, apply)]``, or ``[]`` when nothing is sharded with float8 all-gather.
     """
-    from float8kit.linear import operand_scale
-
     sharded = _sharded_fp8_linears(module)
     if not sharded:
         return []
@@ -694,7 +627,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
     mods = [m for rows in groups.values() for m in rows] + [m for m, _ in others]
     n_tensorwise = len(mods) - len(others)
     tensorwise = [m.weight._local_tensor._tensor for m in mods[:n_tensorwise]]
-    pieces = [local_amaxes(tensorwise)] if tensorwise else []
+    pieces = [scaling.local_amaxes(tensorwise)] if tensorwise else []
     group_amaxes = [_group_amaxes(m, where) for m, where in others]
     amaxes = torch.cat(pieces + [g.reshape(-1) for g in group_amaxes])
     stamps = [(weakref.ref(m.weight), m.weight._version) for m in mods]
@@ -703,14 +636,18 @@ def fsdp_weight_contributions(module: nn.Module) -> list[Contribution]:
         start = 0
         for (cast, _), rows in groups.items():
             stop = start + len(rows)
-            scales = operand_scale(cast, GemmRole.WEIGHT, rows[0].config, reduced[start:stop])
+            scales = casting.operand_scale(
+                cast, GemmRole.WEIGHT, rows[0].config, reduced[start:stop]
+            )
             for i, scale in zip(range(start, stop), scales.unbind(0), strict=True):
                 setattr(mods[i], _SCALE_ATTR, PrecomputedScale(scale, *stamps[i], amaxes[i]))
             start = stop
         for i, local in enumerate(group_amaxes, start=n_tensorwise):
             m, stop = mods[i], start + local.numel()
             full = reduced[start:stop].reshape(local.shape)
-            scale = operand_scale(m.config.cast_config_weight, GemmRole.WEIGHT, m.config, full)
+            scale = casting.operand_scale(
+                m.config.cast_config_weight, GemmRole.WEIGHT, m.config, full
+            )
             setattr(m, _SCALE_ATTR, PrecomputedScale(scale, *stamps[i], local))
             start = stop
 
@@ -753,35 +690,4 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
     return wrapped
 
 
-def store_plain_weight(
-    state_dict: dict, prefix: str, name: str = "weight", cls: type | None = None
-) -> None:
-    """In a Float8Linear's freshly saved ``state_dict``: the weight as plain hp values, not
-    the subclass (``name`` and ``cls``: another parameter and wrapper subclass with an hp
-    ``_tensor``, e.g. float8kit/experts.py's).
-
-    Unsharded: the hp tensor. Under FSDP2: a DTensor of the same mesh, placements and global
-    shape around the hp shard. Both share storage with the parameter, so in-place loads into
-    the state_dict (``torch.distributed.checkpoint.load``) update the weight; follow them with
-    ``model.load_state_dict`` (or ``set_state_dict``), which bumps the parameter's version and
-    so retires a precomputed scale, or with ``precompute_scales``. ``keep_vars=True`` keeps the
-    parameter itself.
-    """
-    from torch.distributed.tensor import DTensor
-
-    cls = cls or Float8AllGatherWeight
-    key = prefix + name
-    value = state_dict.get(key)
-    if value is None or isinstance(value, nn.Parameter):
-        return
-    if isinstance(value, cls):
-        state_dict[key] = value._tensor
-    elif isinstance(value, DTensor) and isinstance(value._local_tensor, cls):
-        state_dict[key] = DTensor.from_local(
-            value._local_tensor._tensor,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+linear.register_fsdp_weight_wrapper(wrap_weight)

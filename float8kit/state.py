@@ -35,10 +35,9 @@ given; the next forward ties it again where the states are still equal.
 from __future__ import annotations
 
 import collections
-import math
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -47,8 +46,14 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from float8kit import scaling
 from float8kit.config import GEMM_ROLES, CastConfig, Float8LinearConfig, GemmRole, ScalingType
 from float8kit.scaling import UNSET
+
+# What precompute_scales gathers from each kind of scale state: a 1-D fp32 tensor of the
+# amaxes this rank saw, and a function that writes the scales from the same amaxes reduced
+# (max) over all ranks (see float8kit.precompute).
+Contribution = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
 
 OPERAND_NAMES = {
     GemmRole.INPUT: "input",
@@ -176,7 +181,7 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
     with _disable_current_modes():
         amax = mine[1]
         if record:
-            amax = amax.clamp(min=torch.linalg.vector_norm(hp, ord=math.inf).float())
+            amax = amax.clamp(min=scaling.recorded_amax(hp).float())
         equal = (
             torch.equal(mine[0], theirs[0])
             and torch.equal(mine[2], theirs[2])

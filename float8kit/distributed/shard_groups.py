@@ -10,7 +10,7 @@ weight's group amaxes are one all-reduce(MAX) of tensors of the same shape on ev
 the hook's fallback, or a slice of ``precompute_scales``' single collective.
 
 This is where a weight granularity whose scales span shards plugs into the float8
-all-gather (float8kit/fsdp.py): a ``Layout`` says how a shard's group amaxes fill the full
+all-gather (distributed/fsdp.py): a ``Layout`` says how a shard's group amaxes fill the full
 weight's scale shape, which part of the full scale casts the shard, and the granularity of
 the gathered ``Float8TrainingTensor``. Blockwise weights need it only where shards cut
 128-row blocks (a block-aligned shard's block scales are its own; fsdp.py gathers them with
@@ -78,12 +78,6 @@ class ShardSpec:
         return start + self.offset if dim == self.dim else start
 
 
-def _nan_to_inf(amax: torch.Tensor) -> torch.Tensor:
-    # An all-reduce(MAX) may drop a NaN (it compares) but keeps inf, and an inf amax gives
-    # scale 0, which turns the cast into NaN: a bad shard stays visible on every rank.
-    return torch.where(torch.isnan(amax), math.inf, amax)
-
-
 class Layout:
     """How one weight granularity's scaling groups map onto a shard (see the module doc)."""
 
@@ -108,7 +102,7 @@ class _Tensorwise(Layout):
     axiswise_dim = None
 
     def group_amaxes(self, shard: torch.Tensor, where: ShardSpec) -> torch.Tensor:
-        return _nan_to_inf(scaling.amax(shard))
+        return scaling.nan_to_inf(scaling.amax(shard))
 
     def shard_scale(self, scale: torch.Tensor, shard: torch.Tensor, where: ShardSpec):
         return scale
@@ -127,7 +121,7 @@ class _Rowwise(Layout):
     axiswise_dim = 1
 
     def group_amaxes(self, shard: torch.Tensor, where: ShardSpec) -> torch.Tensor:
-        rows = _nan_to_inf(scaling.amax(shard, reduce_dim=-1))
+        rows = scaling.nan_to_inf(scaling.amax(shard, reduce_dim=-1))
         _check_dim0(where)
         if where.full_shape[0] == shard.shape[0]:
             return rows
@@ -152,7 +146,7 @@ class _Blockwise(Layout):
     blocks (``cuts_blocks``): a block that straddles two (or more) shards gets the max of
     their partial amaxes, so every shard is cast with the whole block's scale and the
     gathered weight is bitwise the one-device cast. Shards of whole blocks need no amax
-    collective at all (float8kit/fsdp.py casts them alone).
+    collective at all (distributed/fsdp.py casts them alone).
 
     The full scale is (n_slots, ceil(R_max / b), ceil(C_max / b)): one block grid per slot
     (TP shard, HSDP replica), since the blocks are the outer weight's, and the ranks of other
@@ -175,16 +169,9 @@ class _Blockwise(Layout):
         if shard.numel() == 0:
             return full
         start = where.offset if where.dim == 0 else 0
+        amax = scaling.row_block_amax(shard, b, start)
         first = start // b
-        # per row and column block, then the max over the rows of each block row: one pass
-        # over the shard (no padding of a few-row shard to whole blocks)
-        n, c = shard.shape
-        cols = torch.nn.functional.pad(shard, (0, -c % b)) if c % b else shard
-        rows = torch.abs(cols).reshape(n, -1, b).amax(-1).to(torch.float32)
-        block = torch.arange(start, start + n, device=shard.device) // b - first
-        amax = rows.new_zeros(((start + n - 1) // b - first + 1, rows.shape[1]))
-        amax.scatter_reduce_(0, block[:, None].expand_as(rows), rows, "amax")
-        full[where.slot, first : first + amax.shape[0], : amax.shape[1]] = _nan_to_inf(amax)
+        full[where.slot, first : first + amax.shape[0], : amax.shape[1]] = amax
         return full
 
     def shard_scale(self, scale: torch.Tensor, shard: torch.Tensor, where: ShardSpec):

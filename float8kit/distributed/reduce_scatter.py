@@ -29,8 +29,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
+from float8kit import versions
+from float8kit.cast import cast_last_dim_blocks
 from float8kit.config import Float8ReduceScatterConfig
-from float8kit.scaling import amax_to_scale, to_fp8_saturated
 
 _SCALE_BYTES = 4  # fp32
 
@@ -51,11 +52,8 @@ def quantize_chunks(flat: torch.Tensor, world: int, config: Float8ReduceScatterC
     if n_blocks * block != chunk:
         hp = torch.nn.functional.pad(hp, (0, n_blocks * block - chunk))
     hp = hp.view(world, n_blocks, block)
-    # torch.amax propagates NaN, and an inf amax gives scale 0 (inf * 0 = NaN): a block with
-    # a non-finite value arrives all NaN, so no guard pass is needed after the clamp.
-    amax = torch.amax(torch.abs(hp), dim=-1)
-    scale = amax_to_scale(amax, config.dtype, config.round_scales_to_power_of_2)
-    data = to_fp8_saturated(hp, scale[..., None], config.dtype, guard_non_finite=False)
+    # a block with a non-finite value arrives all NaN (see cast_last_dim_blocks)
+    data, scale = cast_last_dim_blocks(hp, config.dtype, config.round_scales_to_power_of_2)
     payload = torch.empty(
         world, payload_bytes(chunk, config), dtype=torch.uint8, device=flat.device
     )
@@ -86,8 +84,9 @@ def _op_factor(op, group_size: int, divide_factor: float | None = None) -> float
     if kind == dist.ReduceOp.AVG:
         return 1.0 / group_size
     if kind == dist.ReduceOp.PREMUL_SUM:
-        if hasattr(op, "factor"):
-            return float(op.factor)
+        factor = versions.premul_sum_factor(op)
+        if factor is not None:
+            return factor
         if divide_factor is None:
             raise ValueError(
                 f"float8 reduce-scatter cannot read a PREMUL_SUM factor in torch "

@@ -1,0 +1,385 @@
+"""The one cast: config + scale state -> scale -> float8 data.
+
+Every hp -> float8 conversion in float8kit happens here, whatever the caller: a linear
+layer's operands (plain tensors and tensor-parallel DTensors), an FSDP2 weight shard cast
+before its all-gather, MoE expert operands (rowwise, per token group), the blocks of a
+gradient sent by the float8 reduce-scatter, and ``copy_`` into a float8 tensor.
+``operand_scale`` is the one per-operand scale decision (DYNAMIC / DELAYED / STATIC) for the
+gemms' casts, the FSDP2 float8 all-gather and ``precompute_scales``. Amaxes come from
+``scaling``; this module applies scales.
+
+Non-finite values stay visible: torch's own ``inf.to(float8_e4m3fn)`` saturates to 448, which
+would hide an overflow from a loss scaler. ``to_fp8_saturated`` clamps only finite values and
+turns inf/NaN into NaN (e4m3fn has no inf) or keeps them (e5m2 has inf).
+
+Internal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from float8kit import scaling
+from float8kit.config import (
+    E4M3,
+    CastConfig,
+    Float8LinearConfig,
+    GemmRole,
+    ScalingGranularity,
+    ScalingType,
+)
+from float8kit.tensor import Float8TrainingTensor, local, wrap_local
+
+# ---------------------------------------------------------------------------- saturation
+
+
+def to_fp8_saturated(
+    hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, guard_non_finite: bool = True
+) -> torch.Tensor:
+    """``saturate(hp * scale)`` as ``fp8_dtype``: finite values clamp to +-fp8_max, inf/NaN stay
+    non-finite (NaN in e4m3fn, which has no inf; inf/NaN kept in e5m2).
+
+    ``guard_non_finite=False`` skips the elementwise pass that restores non-finite values
+    after the clamp. That is safe exactly when ``scale`` came from this tensor's own amax
+    (DYNAMIC): an inf makes the amax inf and the scale 0 (``inf * 0 = NaN``), a NaN makes the
+    scale NaN, and the clamp keeps NaN. A scale from elsewhere (delayed, static, precomputed)
+    needs the guard, or an inf would saturate to +-fp8_max.
+    """
+    scaled = hp.to(torch.float32) * scale
+    limit = scaling.fp8_max(fp8_dtype)
+    clamped = torch.clamp(scaled, min=-limit, max=limit)
+    if not guard_non_finite:
+        return clamped.to(fp8_dtype)
+    # Adding (scaled - scaled) is 0 for finite values and NaN for inf/NaN: one fused
+    # elementwise op that puts non-finite values back after the clamp.
+    if fp8_dtype == E4M3:
+        return (clamped + (scaled - scaled)).to(fp8_dtype)
+    return torch.where(torch.isfinite(scaled), clamped, scaled).to(fp8_dtype)
+
+
+def to_fp8_blocks(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    fp8_dtype: torch.dtype,
+    *,
+    guard_non_finite: bool = True,
+) -> torch.Tensor:
+    """``to_fp8_saturated`` of a 2-D ``hp`` with one scale per ``block`` (``scale`` has
+    ``block_amax``'s shape). Same shape as ``hp``, contiguous."""
+    r, c = hp.shape
+    blocked = scaling.blocked(hp, block)
+    data = to_fp8_saturated(
+        blocked, scale[:, None, :, None], fp8_dtype, guard_non_finite=guard_non_finite
+    )
+    data = data.reshape(blocked.shape[0] * blocked.shape[1], -1)
+    if data.shape != (r, c):
+        data = data[:r, :c].contiguous()
+    return data
+
+
+# ---------------------------------------------------------------------------- operands
+
+
+def hp_to_float8(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    role: GemmRole,
+    axiswise_dim: int | None = None,
+    config: Float8LinearConfig | None = None,
+    *,
+    guard_non_finite: bool = True,
+    block: tuple[int, int] | None = None,
+) -> Float8TrainingTensor:
+    """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)) and wrap it: one
+    scale per ``block`` of a 2-D ``hp`` when given (see ``scaling.block_amax``).
+    ``guard_non_finite``: see ``scaling.to_fp8_saturated``."""
+    if block is not None:
+        data = to_fp8_blocks(hp, scale, block, fp8_dtype, guard_non_finite=guard_non_finite)
+        return Float8TrainingTensor(data, scale, hp.dtype, role, None, config, block)
+    data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard_non_finite)
+    if axiswise_dim is not None and axiswise_dim < 0:
+        axiswise_dim += hp.dim()
+    return Float8TrainingTensor(data, scale, hp.dtype, role, axiswise_dim, config)
+
+
+def operand_scale(
+    cast: CastConfig,
+    role: GemmRole,
+    config: Float8LinearConfig,
+    amax: torch.Tensor | None,
+    state_scale: torch.Tensor | None = None,
+    amax_record: torch.Tensor | None = None,
+    scale_set: bool = False,
+) -> torch.Tensor:
+    """The scale an operand is cast with: the one per-operand scale decision, for the casts in
+    ``Float8Linear``'s gemms, the FSDP2 float8 all-gather and ``precompute_scales``.
+
+    Args:
+        cast: the operand's cast for this gemm.
+        role: which operand (picks the float8 dtype).
+        config: the layer's config (power-of-2 rounding).
+        amax: the operand's current amax (shape () or per slice; a batch of amaxes gives a
+            batch of DYNAMIC scales). Needed by DYNAMIC, and by DELAYED when it records or
+            while its scale is not set (``needs_amax``); None otherwise.
+        state_scale: DELAYED/STATIC: the layer's ``fp8_scale_<op>`` buffer.
+        amax_record: DELAYED, train mode: the layer's ``fp8_amax_<op>`` buffer; ``amax`` is
+            folded into it in place (running max until ``precompute_scales``).
+        scale_set: DELAYED: the host knows ``state_scale`` is set (``precompute_scales``
+            flips this once per layer and operand; see ``scale_state.DELAYED_SCALES_SET``).
+
+    Returns:
+        DYNAMIC: ``fp8_max / amax``. STATIC: ``state_scale``. DELAYED: ``state_scale``. Until
+        the host knows it is set (the first step), ``where(state_scale < 0, dynamic,
+        state_scale)``: a tensor op that still scales right if the buffer is unset, at the
+        cost of an amax pass; the flag takes that pass off the steady state.
+    """
+    kind = cast.scaling_type
+    if kind is ScalingType.STATIC:
+        if state_scale is None:
+            raise ValueError(f"STATIC {role.value} scaling needs the layer's fp8_scale buffer")
+        return state_scale
+    if kind is ScalingType.DYNAMIC:
+        return scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
+    if state_scale is None:
+        raise ValueError(f"DELAYED {role.value} scaling needs the layer's fp8_scale buffer")
+    if amax_record is not None:
+        # In place on a buffer that was passed in: under torch.compile AOTAutograd turns this
+        # into a graph-input mutation, in the forward and in the backward graph alike. One op
+        # (clamp_ keeps NaN, like maximum): the recording costs no more than a DYNAMIC scale.
+        amax_record.clamp_(min=amax)
+    if scale_set:
+        return state_scale
+    dynamic = scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
+    return torch.where(state_scale < 0, dynamic, state_scale)
+
+
+def recast_with_scale(
+    hp: torch.Tensor,
+    cast: CastConfig,
+    role: GemmRole,
+    config: Float8LinearConfig,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    block: tuple[int, int] | None,
+) -> Float8TrainingTensor:
+    """Redo a tensorwise or blockwise cast of ``hp`` with the ``scale`` (and float8 dtype and
+    block) it used before: bitwise the float8 tensor that cast made."""
+    guard = cast.scaling_type is not ScalingType.DYNAMIC
+    return hp_to_float8(
+        hp, scale, fp8_dtype, role, None, config, guard_non_finite=guard, block=block
+    )
+
+
+def needs_amax(cast: CastConfig, recording: bool, scale_set: bool) -> bool:
+    """Whether ``operand_scale`` needs the operand's current amax (an extra read pass)."""
+    kind = cast.scaling_type
+    if kind is ScalingType.DELAYED:
+        return recording or not scale_set
+    return kind is ScalingType.DYNAMIC
+
+
+def cast_to_float8(
+    hp: torch.Tensor,
+    cast: CastConfig,
+    role: GemmRole,
+    reduce_dim: int,
+    config: Float8LinearConfig,
+    state_scale: torch.Tensor | None = None,
+    amax_record: torch.Tensor | None = None,
+    scale_set: bool = False,
+) -> Float8TrainingTensor:
+    """Cast ``hp`` to float8 with the scale ``operand_scale`` picks: dynamic from its own
+    amax (one scale, or one per slice along ``reduce_dim`` when axiswise), delayed or static
+    from the layer's state (``state_scale``, ``amax_record``, ``scale_set``: see
+    ``operand_scale``). The amax is computed only when that scale needs it: STATIC never,
+    DELAYED in train mode (to record it) or before its scale is set."""
+    if isinstance(hp, DTensor):  # tensor parallel
+        return _cast_dtensor(
+            hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
+        )
+    fp8_dtype = cast.dtype_for(role)
+    axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+    block = operand_block(cast, role, reduce_dim)
+    amax = None
+    if block is not None:
+        amax = scaling.block_amax(hp, block)  # blockwise is DYNAMIC only (CastConfig)
+    elif needs_amax(cast, amax_record is not None, scale_set):
+        if scale_set and hp.numel() > 0:
+            # only recorded (DELAYED, scale set): one reduction op, in hp
+            amax = scaling.recorded_amax(hp)
+        else:
+            amax = scaling.amax(hp, reduce_dim if axiswise else None)
+    scale = operand_scale(cast, role, config, amax, state_scale, amax_record, scale_set)
+    # A dynamic scale already turns inf/NaN into NaN (scale 0 or NaN): no guard pass needed.
+    return hp_to_float8(
+        hp,
+        scale,
+        fp8_dtype,
+        role,
+        reduce_dim if axiswise else None,
+        config,
+        guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
+        block=block,
+    )
+
+
+def operand_block(cast: CastConfig, role: GemmRole, reduce_dim: int) -> tuple[int, int] | None:
+    """The (rows, cols) scale block of a 2-D operand cast blockwise (None otherwise): a
+    weight in square blocks, which serve both of its gemms; an activation in 1 x block_size
+    tiles along the gemm's inner dim ``reduce_dim`` (128 x 1 when that is dim 0)."""
+    if cast.scaling_granularity is not ScalingGranularity.BLOCKWISE:
+        return None
+    b = cast.block_size
+    if role is GemmRole.WEIGHT:
+        return (b, b)
+    return (1, b) if reduce_dim in (1, -1) else (b, 1)
+
+
+def _cast_dtensor(
+    hp: DTensor,
+    cast: CastConfig,
+    role: GemmRole,
+    reduce_dim: int,
+    config: Float8LinearConfig,
+    state_scale: torch.Tensor | None = None,
+    amax_record: torch.Tensor | None = None,
+    scale_set: bool = False,
+) -> DTensor:
+    """``cast_to_float8`` for a DTensor (tensor parallel): the same scale decision
+    (``operand_scale``) with the amax of the whole tensor, applied to the local tensor;
+    returns a DTensor of the same layout around the ``Float8TrainingTensor``.
+
+    A tensorwise scale comes from the amax of the *whole* tensor (one small all-reduce over
+    the mesh when the tensor is sharded), so every rank casts with the same scale: the result
+    equals casting the unsharded tensor, and the float8 shards can be all-gathered as bytes
+    (``float8kit.distributed.tp``). An axiswise scale is one per slice along the gemm's inner
+    dim: local where that dim is not sharded (rowwise input scales are per token: no
+    collective), all-reduced across the ranks that share a slice where it is. Blockwise
+    scales are per block: each rank casts its own shard in its own blocks, no collective."""
+    if any(p.is_partial() for p in hp.placements):
+        # Casting is not linear: partial sums must be added up in hp first.
+        hp = hp.redistribute(
+            placements=[Replicate() if p.is_partial() else p for p in hp.placements]
+        )
+    if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+        # Every block's scale is its own: each rank casts its shard in blocks of its own
+        # (a partial block at a shard edge is zero-padded, as at a tensor edge), which is a
+        # blockwise cast of the local operand the local gemm uses. No collective.
+        return wrap_local(cast_to_float8(hp.to_local(), cast, role, reduce_dim, config), hp)
+    # DELAYED/STATIC buffers: parallelize_module replicates them as DTensors; the local
+    # tensor shares their storage, so a recorded amax lands in the buffer.
+    state_scale, amax_record = local(state_scale), local(amax_record)
+    axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
+    dim = (reduce_dim % hp.dim()) if axiswise else None
+    amax_value = None
+    if needs_amax(cast, amax_record is not None, scale_set):
+        amax_value = scaling.dtensor_amax(hp, dim)
+    scale = operand_scale(cast, role, config, amax_value, state_scale, amax_record, scale_set)
+    fp8 = hp_to_float8(
+        hp.to_local(),
+        scale,
+        cast.dtype_for(role),
+        role,
+        dim,
+        config,
+        guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
+    )
+    return wrap_local(fp8, hp)
+
+
+# ---------------------------------------------------------------------------- other callers
+
+
+def cast_with_scale(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Float8 data of ``hp`` with a given (replicated, precomputed) ``scale``, non-finite
+    values guarded: an FSDP2 weight shard before its all-gather."""
+    return to_fp8_saturated(hp, scale, fp8_dtype)
+
+
+def cast_rowwise(
+    hp: torch.Tensor, reduce_dim: int, round_to_pow2: bool, fp8_dtype: torch.dtype = E4M3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic rowwise cast: ``(fp8 data, scale)``, one scale per slice along ``reduce_dim``
+    (kept as a size-1 dim). MoE expert operands and their FSDP2 float8 all-gather."""
+    amax = scaling.amax(hp, reduce_dim)
+    scale = scaling.amax_to_scale(amax, fp8_dtype, round_to_pow2)
+    # A dynamic scale already makes inf/NaN NaN (scale 0 or NaN): no guard pass needed.
+    return to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=False), scale
+
+
+def cast_per_group(
+    hp: torch.Tensor,
+    groups: torch.Tensor,
+    num_groups: int,
+    round_to_pow2: bool,
+    fp8_dtype: torch.dtype = E4M3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cast (T, D) ``hp`` with one scale per token group and column: ``(fp8 data, (G, D)
+    scales)``. Rows past the last group get scale 1 (the grouped gemm ignores them)."""
+    amax = scaling.group_amax(hp, groups, num_groups)
+    scale = scaling.amax_to_scale(amax, fp8_dtype, round_to_pow2)
+    per_row = torch.cat([scale, scale.new_ones((1, scale.size(1)))])[groups]
+    return to_fp8_saturated(hp, per_row, fp8_dtype, guard_non_finite=False), scale
+
+
+def cast_last_dim_blocks(
+    hp: torch.Tensor, fp8_dtype: torch.dtype, round_to_pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic cast with one scale per slice along the last dim of ``hp`` (the blocks of a
+    flattened gradient): ``(fp8 data, scale)`` with the last dim dropped from the scale."""
+    # torch.amax propagates NaN, and an inf amax gives scale 0 (inf * 0 = NaN): a block with
+    # a non-finite value arrives all NaN, so no guard pass is needed after the clamp.
+    amax = scaling.last_dim_amax(hp)
+    scale = scaling.amax_to_scale(amax, fp8_dtype, round_to_pow2)
+    return to_fp8_saturated(hp, scale[..., None], fp8_dtype, guard_non_finite=False), scale
+
+
+def cast_like(dst: Float8TrainingTensor, src: torch.Tensor) -> torch.Tensor:
+    """Float8 data of hp ``src`` in ``dst``'s format, with ``dst``'s scale (``copy_``)."""
+    if dst._block is not None:
+        return to_fp8_blocks(src, dst._scale, dst._block, dst._data.dtype)
+    return to_fp8_saturated(src, dst._scale, dst._data.dtype)
+
+
+# ---------------------------------------------------------------------------- checkpointing
+
+# How many casts whose float8 copy backward reads are running now (``kept_cast``): eager,
+# the policy keeps those casts' data and recomputes the others.
+_KEPT_CASTS = 0
+
+
+@contextlib.contextmanager
+def _marking():
+    global _KEPT_CASTS
+    _KEPT_CASTS += 1
+    try:
+        yield
+    finally:
+        _KEPT_CASTS -= 1
+
+
+def kept_casts_running() -> bool:
+    """Whether a ``kept_cast`` region is running (eager): ``checkpoint_policy`` keeps its casts."""
+    return _KEPT_CASTS > 0
+
+
+def kept_cast():
+    """Marks the casts run inside as ones whose float8 copy backward reads (the input's copy
+    for the grad_weight gemm): ``checkpoint_policy(keep_input_casts=True)`` keeps those and
+    recomputes every other cast. Nothing while compiling (that policy keeps every cast
+    there)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else _marking()
+
+
+def is_recomputing() -> bool:
+    """Whether an eager forward runs as the recomputation of activation checkpointing (inside
+    the backward pass), not as a new forward. Compiled graphs recompute inside the compiled
+    backward, never by running the Python forward again: False while compiling."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1

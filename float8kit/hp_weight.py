@@ -1,0 +1,155 @@
+"""What float8kit's hp weight wrappers share: identity, the ops that keep them, plain
+state_dicts.
+
+float8kit's parameter subclasses (``Float8AllGatherWeight`` of float8kit.distributed.fsdp,
+``Float8ExpertWeight`` of float8kit.experts) wrap an hp tensor in ``_tensor``: every op runs on
+it, the ops that keep "the weight" (``KEEP_SUBCLASS``) re-wrap their result, in-place ops
+return the wrapper they mutated (``mutated_weights``), and a module's ``state_dict`` holds the
+plain hp tensor (``store_plain_weight``). Not distributed by itself (an expert weight needs
+none of FSDP2), so it sits in the core, where linear.py's ``state_dict`` can reach it.
+
+Identity: the wrappers answer identity questions with their hp tensor's answers.
+
+float8kit's parameter subclasses (``Float8AllGatherWeight``, ``Float8ExpertWeight``) are
+wrapper subclasses: they own no storage, so torch's ``data_ptr()`` says 0 for every one of
+them. Trainers identify parameters by pointer: accelerate maps the optimizer's parameters
+to their FSDP2-sharded replacements by ``data_ptr()``, so with several such weights all
+keyed 0 the optimizer ends up holding one weight many times and never updates the others,
+silently. ``HpIdentity`` makes ``data_ptr()`` the wrapped hp tensor's pointer: distinct and
+non-zero per parameter, before and after ``fully_shard`` (whose local shard is the subclass).
+
+torch itself reads ``data_ptr() == 0`` as "a wrapper subclass" when it deep-copies and
+pickles a tensor (``Tensor.__deepcopy__``, ``Tensor._reduce_ex_internal``): those two go
+through torch's own wrapper-subclass route here, as before, with the pointer reported as 0
+only for their duration (on this thread).
+
+Audit of the other identity APIs a trainer may use:
+    - ``id(p)`` and ``p is q``: the parameter object; unaffected.
+    - ``p.data``: a new wrapper around the same hp tensor, so ``p.data.data_ptr()`` equals
+      ``p.data_ptr()``.
+    - ``p.untyped_storage()``: the wrapper's (empty) storage; its ``data_ptr()`` raises in
+      torch ("invalid python storage"): it is not an identity for any wrapper subclass
+      (DTensor included), and is left as torch makes it.
+    - ``p.is_set_to(p)``: True, as for any tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+aten = torch.ops.aten
+
+_storage_less = threading.local()
+
+
+class HpIdentity:
+    """Mixin for a wrapper ``torch.Tensor`` subclass with its hp tensor in ``_tensor``."""
+
+    _tensor: torch.Tensor
+
+    def data_ptr(self) -> int:
+        if getattr(_storage_less, "on", False):
+            return 0
+        return self._tensor.data_ptr()
+
+    def __deepcopy__(self, memo):
+        with _as_torch_sees_it():
+            return super().__deepcopy__(memo)
+
+    def __reduce_ex__(self, proto):
+        with _as_torch_sees_it():
+            return super().__reduce_ex__(proto)
+
+
+class _as_torch_sees_it:
+    """Report 0 from ``data_ptr()`` (torch's test for a storage-less wrapper) meanwhile."""
+
+    def __enter__(self):
+        self.old = getattr(_storage_less, "on", False)
+        _storage_less.on = True
+
+    def __exit__(self, *exc):
+        _storage_less.on = self.old
+
+
+# Ops whose result is still "the weight" (same values or a view/copy/pad of them), so it
+# stays the wrapper: what FSDP2 does to a parameter while sharding, padding,
+# offloading and re-padding it (new_zeros + slice + copy_, view, as_strided, split, _to_copy,
+# pin_memory, ...). Every other op returns plain tensors: optimizer states, gradient
+# clipping and any math on the weight see plain hp values.
+KEEP_SUBCLASS = {
+    aten.alias.default,
+    aten.as_strided.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.empty_like.default,
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.view.default,
+    aten._pin_memory.default,
+    aten._to_copy.default,
+}
+
+
+def mutated_weights(func, args, kwargs, cls: type) -> Iterator[torch.Tensor]:
+    """The ``cls`` arguments ``func`` writes to (per its schema)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(t, cls):
+                yield t
+
+
+def padded_shard_size(local: torch.Size, outer: torch.Size, world_size: int) -> torch.Size:
+    """FSDP2's padded sharded size: ``torch.chunk`` sizes, where chunk 0 is the largest.
+
+    The sharded dim is the one where the local size differs from the full size (FSDP2
+    shards dim 0 unevenly, other dims only evenly, which need no padding)."""
+    padded = list(local)
+    for dim, (n_local, n_outer) in enumerate(zip(local, outer, strict=True)):
+        if n_local != n_outer:
+            padded[dim] = math.ceil(n_outer / world_size)
+            break
+    return torch.Size(padded)
+
+
+def store_plain_weight(
+    state_dict: dict, prefix: str, name: str = "weight", cls: type | None = None
+) -> None:
+    """In a module's freshly saved ``state_dict``: its weight ``name`` as plain hp values, not
+    the wrapper subclass (``HpIdentity`` subclasses, or only ``cls`` when given).
+
+    Unsharded: the hp tensor. Under FSDP2: a DTensor of the same mesh, placements and global
+    shape around the hp shard. Both share storage with the parameter, so in-place loads into
+    the state_dict (``torch.distributed.checkpoint.load``) update the weight; follow them with
+    ``model.load_state_dict`` (or ``set_state_dict``), which bumps the parameter's version and
+    so retires a precomputed scale, or with ``precompute_scales``. ``keep_vars=True`` keeps the
+    parameter itself.
+    """
+    cls = cls or HpIdentity
+    key = prefix + name
+    value = state_dict.get(key)
+    if value is None or isinstance(value, nn.Parameter):
+        return
+    if isinstance(value, cls):
+        state_dict[key] = value._tensor
+    elif isinstance(value, DTensor) and isinstance(value._local_tensor, cls):
+        state_dict[key] = DTensor.from_local(
+            value._local_tensor._tensor,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )

@@ -1,0 +1,48 @@
+"""Every torch-version probe of float8kit, in one place: what the running torch can do.
+
+The library supports torch 2.11 to 2.15. Where releases differ, the code asks one of these
+(by capability where torch offers a probe, by version where only the version tells), never
+``torch.__version__`` inline.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+TORCH_VERSION: tuple[int, int] = tuple(int(v) for v in torch.__version__.split(".")[:2])
+
+# the block-scaled gemm (blockwise recipe on CUDA): torch.nn.functional.scaled_mm (torch >= 2.10)
+HAS_BLOCK_SCALED_MM: bool = hasattr(F, "scaled_mm")
+
+# torch 2.11's dynamo cannot trace the call of a Placement's method (``Shard(d).
+# _to_replicate_tensor``: "Dynamo does not know how to trace method"); from 2.13 on it can.
+PLACEMENT_METHODS_TRACE: bool = TORCH_VERSION >= (2, 13)
+
+
+@functools.cache
+def cpu_rowwise_scaled_mm() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes rowwise scales (torch 2.11's takes
+    per-tensor scales only: "Now _scaled_mm only supports per-tensor scaling for CPU
+    backend"). Probed once, with a 16x16 gemm."""
+    a = torch.ones((16, 16)).to(torch.float8_e4m3fn)
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        torch._scaled_mm(
+            a, a.t(), scale_a=torch.ones((16, 1)), scale_b=torch.ones((1, 16)),
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def premul_sum_factor(op) -> float | None:
+    """A PREMUL_SUM reduce op's factor where torch shows it (``op.factor``); None on torch
+    2.11, whose ``ReduceOp`` keeps that factor in C++."""
+    return float(op.factor) if hasattr(op, "factor") else None

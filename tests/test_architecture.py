@@ -1,0 +1,193 @@
+"""The package's shape, read from its source: the import graph (module- and function-level
+imports, from the AST), which modules convert to float8 and take amaxes, where torch-version
+probes live, and that tests and the measuring code stay apart. Each rule is one the 0.4
+layout promises (docs/api.md, "Layout")."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import float8kit
+
+REPO = Path(__file__).resolve().parents[1]
+PKG = REPO / "float8kit"
+
+
+def _modules() -> dict[str, ast.Module]:
+    out = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        name = ".".join(parts).removesuffix(".__init__")
+        out[name] = ast.parse(path.read_text(), filename=str(path))
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(tree: ast.Module, known) -> set[str]:
+    """Every float8kit module ``tree`` imports, at any depth (functions included)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("float8kit"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("float8kit"))
+    return {m for m in found if m in known and m != "float8kit"}
+
+
+GRAPH = {name: _imports(tree, MODULES) - {name} for name, tree in MODULES.items()}
+CORE = ["config", "versions", "scaling", "tensor", "ops", "gemm", "cast", "hp_weight", "linear"]
+ABOVE_CORE = ["distributed", "precompute", "experts", "monitor", "convert", "calibrate"]
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in GRAPH:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_graph_has_no_cycle():
+    assert _cycles() == []
+
+
+@pytest.mark.parametrize("core", CORE)
+def test_core_imports_nothing_above_it(core):
+    bad = sorted(
+        m
+        for m in GRAPH[f"float8kit.{core}"]
+        for above in ABOVE_CORE
+        if m == f"float8kit.{above}" or m.startswith(f"float8kit.{above}.")
+    )
+    assert bad == [], f"float8kit.{core} imports {bad}"
+
+
+def _calls(tree: ast.Module, names: set[str]) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in names:
+                found.add(name)
+    return found
+
+
+def test_float8_conversion_only_in_cast():
+    """The hp -> float8 conversion functions are called from cast.py only."""
+    conversions = {"to_fp8_saturated", "to_fp8_blocks", "hp_to_float8"}
+    callers = {name for name, tree in MODULES.items() if _calls(tree, conversions)}
+    assert callers == {"float8kit.cast"}
+
+
+def test_amax_only_in_scaling():
+    """Every reduction that takes an amax (torch.amax, an inf-norm, a scatter amax) is in
+    scaling.py."""
+    amax_ops = {"amax", "vector_norm", "_foreach_norm", "scatter_reduce", "scatter_reduce_"}
+    takers = set()
+    for name, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in amax_ops
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "scaling")
+            ):
+                takers.add(name)
+    assert takers == {"float8kit.scaling"}
+
+
+def test_torch_version_probes_in_one_module():
+    probes = set()
+    for name, tree in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "__version__":
+                if isinstance(node.value, ast.Name) and node.value.id == "torch":
+                    probes.add(name)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "hasattr":
+                first = node.args[0]
+                while isinstance(first, ast.Attribute):
+                    first = first.value
+                if getattr(first, "id", None) in ("torch", "F", "dist", "funcol", "op"):
+                    probes.add(name)
+    # versions.py probes; gemm.py and reduce_scatter.py name the version in error messages
+    assert probes - {"float8kit.gemm", "float8kit.distributed.reduce_scatter"} == {
+        "float8kit.versions"
+    }
+
+
+def _test_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.split(".")[-1].startswith("test_")}
+
+
+def test_no_test_module_imports_another():
+    imports = {p.name: _test_imports(p) for p in sorted((REPO / "tests").glob("*.py"))}
+    assert {k: v for k, v in imports.items() if v} == {}
+
+
+def test_measuring_code_imports_no_test_module():
+    paths = [REPO / "tools" / "measure.py", *sorted((REPO / "benchmarks").rglob("*.py"))]
+    imports = {p.name: _test_imports(p) for p in paths}
+    imports.update(
+        {
+            p.name: {"tests"}
+            for p in paths
+            if "from tests" in p.read_text() or "import tests" in p.read_text()
+        }
+    )
+    assert {k: v for k, v in imports.items() if v} == {}
+
+
+def test_public_names_unchanged():
+    # the 0.3 public API (float8kit.__all__), which the refactor must keep
+    assert sorted(float8kit.__all__) == sorted(
+        [
+            "convert_to_float8_training", "default_module_filter", "auto_module_filter",
+            "Float8Linear", "convert_experts_to_float8_training", "default_expert_filter",
+            "Float8ExpertsConfig", "Float8LinearConfig", "Float8Recipe", "CastConfig",
+            "GemmConfig", "ScalingType", "ScalingGranularity", "GemmRole", "E4M3", "E5M2",
+            "precompute_scales", "precompute_float8_dynamic_scale_for_fsdp", "calibrate",
+            "enable_float8_reduce_scatter", "Float8ReduceScatterConfig",
+            "Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput",
+            "strip_float8_state", "Float8LoadPlanner", "Float8Monitor", "checkpoint_policy",
+            "recompute_norms", "default_norm_filter", "Float8TrainingTensor",
+            "Float8ExpertWeight",
+        ]
+    )  # fmt: skip
