@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import importlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from float8kit import (
     CastConfig,
@@ -24,6 +26,8 @@ from float8kit import (
     convert_to_float8_training,
     precompute_scales,
 )
+from float8kit.distributed.fsdp import Float8AllGatherWeight
+from float8kit.linear import Float8Linear
 
 DELAYED = Float8LinearConfig.from_recipe_name("delayed")
 DELAYED_AG = dataclasses.replace(DELAYED, enable_fsdp_float8_all_gather=True)
@@ -152,6 +156,117 @@ class _Count:
 
     def __exit__(self, *exc):
         setattr(dist, self.name, self.orig)
+
+
+FP8_AG = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records ops that read a value back to the host (a device sync on CUDA) or copy a
+    host value to the device."""
+
+    READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default)
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _types(tensors) -> list[str]:
+    """``DTensor(Tensor)`` for a DTensor of plain local tensors, ``Tensor`` for a plain one."""
+    return sorted(
+        {
+            f"{type(t).__name__}({type(t._local_tensor).__name__})"
+            if hasattr(t, "_local_tensor")
+            else type(t).__name__
+            for t in tensors
+            if t.dim() > 0  # AdamW's step counters are 0-d
+        }
+    )
+
+
+def _fp8_weights(model):
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+def _nonfinite_shard(fsdp_net, x: torch.Tensor, bad_rank: bool, prefix: str = "") -> dict:
+    """inf / NaN in one rank's shard (``bad_rank``) of ``layers[0].fc1``: whether each rank's
+    output is finite, with the hook's scale and with a precomputed one
+    (``{prefix}finite_{bad}_{path}``); it must be non-finite everywhere."""
+    res = {}
+    for bad in (math.inf, math.nan):
+        for path in ("hook", "precompute"):
+            model = fsdp_net(reshard_after_forward=True)
+            if bad_rank:
+                with torch.no_grad():
+                    model.layers[0].fc1.weight._local_tensor._tensor[0, 0] = bad
+            if path == "precompute":
+                precompute_scales(model)
+            res[f"{prefix}finite_{bad}_{path}"] = bool(torch.isfinite(model(x)).all())
+    return res
+
+
+def _checkpoint_resume(fsdp_net, xs, ys, local: slice, tmp: str) -> dict:
+    """DCP round trip: checkpoint ``fsdp_net()`` after STEPS steps and train STEPS more
+    (``after``); a fresh model (``fsdp_net(seed=1)``, another init) loads the checkpoint and
+    trains the same STEPS (``resumed``: must match bitwise). Also the state_dict's types, how
+    far the fresh model started from the checkpoint and how far it is after the load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    res: dict = {}
+    model = fsdp_net()
+    _, opt = _train(model, xs[:STEPS, local], ys[:STEPS, local], STEPS)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    res["state_dict_types"] = _types(model_sd.values())
+    saved_full = {k: v.full_tensor() for k, v in model_sd.items()}
+    ckpt = os.path.join(tmp, "ckpt")
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    res["after"], _ = _train_continue(model, opt, xs[STEPS:, local], ys[STEPS:, local])
+
+    resumed = fsdp_net(seed=1)
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    model_sd2, optim_sd2 = get_state_dict(resumed, opt2)
+    res["before_load_max_diff"] = max(
+        (v.full_tensor() - saved_full[k]).abs().max().item() for k, v in model_sd2.items()
+    )
+    state = {"model": model_sd2, "optim": optim_sd2}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_state_dict(resumed, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    res["loaded_max_diff"] = max(
+        (v.full_tensor() - saved_full[k]).abs().max().item()
+        for k, v in resumed.state_dict().items()
+    )
+    res["weights_still_subclass"] = all(
+        isinstance(m.weight._local_tensor, Float8AllGatherWeight) for m in _fp8_weights(resumed)
+    )
+    precompute_scales(resumed)
+    res["resumed"], _ = _train_continue(resumed, opt2, xs[STEPS:, local], ys[STEPS:, local])
+    return res
+
+
+def _train_continue(model, opt, xs, ys):
+    losses = []
+    for x, y in zip(xs, ys, strict=True):
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        precompute_scales(model)
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        losses.append((loss / dist.get_world_size()).item())
+    return losses, opt
+
+
+class _OneRank:
+    def size(self):
+        return 1
 
 
 # ---------------------------------------------------------------------------- launcher
