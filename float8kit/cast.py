@@ -22,7 +22,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from float8kit import scaling
+from float8kit import granularity, scaling
 from float8kit.config import (
     E4M3,
     CastConfig,
@@ -31,6 +31,7 @@ from float8kit.config import (
     ScalingGranularity,
     ScalingType,
 )
+from float8kit.granularity import TENSORWISE, Granularity
 from float8kit.tensor import Float8TrainingTensor, local, wrap_local
 
 # ---------------------------------------------------------------------------- saturation
@@ -89,22 +90,18 @@ def hp_to_float8(
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
     role: GemmRole,
-    axiswise_dim: int | None = None,
+    gran: Granularity = TENSORWISE,
     config: Float8LinearConfig | None = None,
     *,
     guard_non_finite: bool = True,
-    block: tuple[int, int] | None = None,
 ) -> Float8TrainingTensor:
-    """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)) and wrap it: one
-    scale per ``block`` of a 2-D ``hp`` when given (see ``scaling.block_amax``).
-    ``guard_non_finite``: see ``scaling.to_fp8_saturated``."""
-    if block is not None:
-        data = to_fp8_blocks(hp, scale, block, fp8_dtype, guard_non_finite=guard_non_finite)
-        return Float8TrainingTensor(data, scale, hp.dtype, role, None, config, block)
-    data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard_non_finite)
-    if axiswise_dim is not None and axiswise_dim < 0:
-        axiswise_dim += hp.dim()
-    return Float8TrainingTensor(data, scale, hp.dtype, role, axiswise_dim, config)
+    """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)), laid out as ``gran``
+    says, and wrap it. ``guard_non_finite``: see ``to_fp8_saturated``."""
+    if gran.block is not None:
+        data = to_fp8_blocks(hp, scale, gran.block, fp8_dtype, guard_non_finite=guard_non_finite)
+    else:
+        data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard_non_finite)
+    return Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
 
 
 def operand_scale(
@@ -165,14 +162,12 @@ def recast_with_scale(
     config: Float8LinearConfig,
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
-    block: tuple[int, int] | None,
+    gran: Granularity,
 ) -> Float8TrainingTensor:
     """Redo a tensorwise or blockwise cast of ``hp`` with the ``scale`` (and float8 dtype and
-    block) it used before: bitwise the float8 tensor that cast made."""
+    granularity) it used before: bitwise the float8 tensor that cast made."""
     guard = cast.scaling_type is not ScalingType.DYNAMIC
-    return hp_to_float8(
-        hp, scale, fp8_dtype, role, None, config, guard_non_finite=guard, block=block
-    )
+    return hp_to_float8(hp, scale, fp8_dtype, role, gran, config, guard_non_finite=guard)
 
 
 def needs_amax(cast: CastConfig, recording: bool, scale_set: bool) -> bool:
@@ -202,42 +197,20 @@ def cast_to_float8(
         return _cast_dtensor(
             hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
         )
-    fp8_dtype = cast.dtype_for(role)
-    axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
-    block = operand_block(cast, role, reduce_dim)
+    gran = granularity.of(cast, role, reduce_dim, hp.dim())
     amax = None
-    if block is not None:
-        amax = scaling.block_amax(hp, block)  # blockwise is DYNAMIC only (CastConfig)
+    if gran.block is not None:
+        amax = gran.amax(hp)  # blockwise is DYNAMIC only (CastConfig)
     elif needs_amax(cast, amax_record is not None, scale_set):
         if scale_set and hp.numel() > 0:
             # only recorded (DELAYED, scale set): one reduction op, in hp
             amax = scaling.recorded_amax(hp)
         else:
-            amax = scaling.amax(hp, reduce_dim if axiswise else None)
+            amax = gran.amax(hp)
     scale = operand_scale(cast, role, config, amax, state_scale, amax_record, scale_set)
     # A dynamic scale already turns inf/NaN into NaN (scale 0 or NaN): no guard pass needed.
-    return hp_to_float8(
-        hp,
-        scale,
-        fp8_dtype,
-        role,
-        reduce_dim if axiswise else None,
-        config,
-        guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
-        block=block,
-    )
-
-
-def operand_block(cast: CastConfig, role: GemmRole, reduce_dim: int) -> tuple[int, int] | None:
-    """The (rows, cols) scale block of a 2-D operand cast blockwise (None otherwise): a
-    weight in square blocks, which serve both of its gemms; an activation in 1 x block_size
-    tiles along the gemm's inner dim ``reduce_dim`` (128 x 1 when that is dim 0)."""
-    if cast.scaling_granularity is not ScalingGranularity.BLOCKWISE:
-        return None
-    b = cast.block_size
-    if role is GemmRole.WEIGHT:
-        return (b, b)
-    return (1, b) if reduce_dim in (1, -1) else (b, 1)
+    guard = cast.scaling_type is not ScalingType.DYNAMIC
+    return hp_to_float8(hp, scale, cast.dtype_for(role), role, gran, config, guard_non_finite=guard)
 
 
 def _cast_dtensor(
@@ -274,20 +247,14 @@ def _cast_dtensor(
     # DELAYED/STATIC buffers: parallelize_module replicates them as DTensors; the local
     # tensor shares their storage, so a recorded amax lands in the buffer.
     state_scale, amax_record = local(state_scale), local(amax_record)
-    axiswise = cast.scaling_granularity is ScalingGranularity.AXISWISE
-    dim = (reduce_dim % hp.dim()) if axiswise else None
+    gran = granularity.of(cast, role, reduce_dim, hp.dim())
     amax_value = None
     if needs_amax(cast, amax_record is not None, scale_set):
-        amax_value = scaling.dtensor_amax(hp, dim)
+        amax_value = scaling.dtensor_amax(hp, gran.axiswise_dim)
     scale = operand_scale(cast, role, config, amax_value, state_scale, amax_record, scale_set)
+    guard = cast.scaling_type is not ScalingType.DYNAMIC
     fp8 = hp_to_float8(
-        hp.to_local(),
-        scale,
-        cast.dtype_for(role),
-        role,
-        dim,
-        config,
-        guard_non_finite=cast.scaling_type is not ScalingType.DYNAMIC,
+        hp.to_local(), scale, cast.dtype_for(role), role, gran, config, guard_non_finite=guard
     )
     return wrap_local(fp8, hp)
 
@@ -341,9 +308,7 @@ def cast_last_dim_blocks(
 
 def cast_like(dst: Float8TrainingTensor, src: torch.Tensor) -> torch.Tensor:
     """Float8 data of hp ``src`` in ``dst``'s format, with ``dst``'s scale (``copy_``)."""
-    if dst._block is not None:
-        return to_fp8_blocks(src, dst._scale, dst._block, dst._data.dtype)
-    return to_fp8_saturated(src, dst._scale, dst._data.dtype)
+    return hp_to_float8(src, dst._scale, dst._data.dtype, dst._role, dst._gran)._data
 
 
 # ---------------------------------------------------------------------------- checkpointing

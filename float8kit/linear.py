@@ -70,7 +70,7 @@ def _weight_for_grad_input(
     exponents: it equals casting the hp weight, except for values in float8's subnormal
     range. Never used with the wrong axis: ``scaled_mm`` checks the scales' dim.
 
-    ``recast``: (scale, float8 dtype, block) of the output gemm's weight cast, when forward
+    ``recast``: (scale, float8 dtype, granularity) of the output gemm's weight cast, when forward
     kept the hp weight (a parameter, kept anyway) instead of that float8 copy: the same cast
     is redone here with the stored scale, bitwise the copy forward made, and no weight-sized
     float8 tensor lives from forward to backward."""
@@ -252,7 +252,7 @@ class _Float8Matmul(torch.autograd.Function):
             and not weight_is_fp8
             and not isinstance(weight, DTensor)
         ):
-            ctx.w_recast, w_scale_kept = (w._data.dtype, w._block), w._scale
+            ctx.w_recast, w_scale_kept = (w._data.dtype, w._gran), w._scale
             keep_w = False
         ctx.save_for_backward(x_saved, w if keep_w else weight, w_scale_kept)
         ctx.config = c

@@ -42,7 +42,7 @@ from float8kit import config
 from float8kit.cast import cast_to_float8, is_recomputing
 from float8kit.config import GemmRole
 from float8kit.linear import Float8Linear
-from float8kit.scaling import expand_block_scale, fp8_max
+from float8kit.scaling import fp8_max
 
 GEMMS = tuple(g.name for g in config.GEMMS)
 
@@ -87,9 +87,7 @@ def _operand_sums(
         return hp.new_zeros(_OPERAND_SUMS, dtype=torch.float64)
     state_scale, _, scale_set = mod.fp8_state.operand(mod, role, record=False)
     fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
-    scale = fp8._scale
-    if fp8._block is not None:
-        scale = expand_block_scale(scale, fp8._block, fp8._data.shape)
+    scale = fp8._gran.expand(fp8._scale, fp8._data.shape)
     scaled = hp.to(torch.float32) * scale
     data = fp8._data
     # above the max by more than fp32 rounding: a DYNAMIC scale maps the amax element to

@@ -13,8 +13,6 @@ views; ops that would cut through a block (slice, split, cat, other views) raise
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from float8kit.cast import cast_like
@@ -44,19 +42,6 @@ def supported_ops() -> list:
 # ---------------------------------------------------------------------------- metadata ops
 
 
-def _refuse_blockwise(t: Float8TrainingTensor, func) -> None:
-    if t._block is not None:
-        raise NotImplementedError(
-            f"float8kit: {func} on a blockwise Float8TrainingTensor {tuple(t.shape)} (blocks "
-            f"{t._block[0]}x{t._block[1]}) would cut through its scale blocks; call "
-            ".dequantize() first if hp math is really meant"
-        )
-
-
-def _transposed_block(t: Float8TrainingTensor, data: torch.Tensor) -> Float8TrainingTensor:
-    return t.with_data(data, t._scale.t(), block=t._block[::-1])
-
-
 @implements([aten.detach.default, aten.alias.default, aten.clone.default])
 def _same_scale(func, args, kwargs):
     t = args[0]
@@ -64,69 +49,46 @@ def _same_scale(func, args, kwargs):
     return t.with_data(func(t._data, *args[1:], **kwargs), scale)
 
 
+def _transposed(t: Float8TrainingTensor, data: torch.Tensor, d0: int, d1: int):
+    gran, scale = t._gran.transpose(t._scale, d0, d1)
+    return t.with_data(data, scale, gran)
+
+
 @implements([aten.t.default])
 def _t(func, args, kwargs):
     t = args[0]
-    if t._block is not None:
-        return _transposed_block(t, t._data.t())
-    if t._axiswise_dim is None:
-        return t.with_data(t._data.t())
-    return t.with_data(t._data.t(), t._scale.t(), axiswise_dim=t.dim() - 1 - t._axiswise_dim)
+    return _transposed(t, t._data.t(), 0, max(t.dim() - 1, 0))
 
 
 @implements([aten.transpose.int])
 def _transpose(func, args, kwargs):
     t, d0, d1 = args[0], args[1] % args[0].dim(), args[2] % args[0].dim()
-    data = t._data.transpose(d0, d1)
-    if t._block is not None:
-        return t.with_data(data) if d0 == d1 else _transposed_block(t, data)
-    if t._axiswise_dim is None:
-        return t.with_data(data)
-    dim = {d0: d1, d1: d0}.get(t._axiswise_dim, t._axiswise_dim)
-    return t.with_data(data, t._scale.transpose(d0, d1), axiswise_dim=dim)
+    return _transposed(t, t._data.transpose(d0, d1), d0, d1)
 
 
 @implements([aten.view.default, aten._unsafe_view.default, aten.reshape.default])
 def _view(func, args, kwargs):
     t, shape = args[0], list(args[1])
     data = func(t._data, shape)
-    if t._block is not None and data.shape != t.shape:
-        _refuse_blockwise(t, func)
-    if t._axiswise_dim is None:
-        return t.with_data(data)
-    # Axiswise: only views that keep the scaled-along dim at the same end with the same size
-    # (flattening or unflattening the other dims) keep one scale per slice.
-    new_shape = data.shape
-    if t._axiswise_dim == t.dim() - 1 and new_shape[-1] == t.shape[-1]:
-        scale = t._scale.reshape(*new_shape[:-1], 1)
-        return t.with_data(data, scale, axiswise_dim=len(new_shape) - 1)
-    if t._axiswise_dim == 0 and new_shape[0] == t.shape[0]:
-        return t.with_data(data, t._scale.reshape(1, *new_shape[1:]), axiswise_dim=0)
-    raise NotImplementedError(
-        f"float8kit: {func} from {tuple(t.shape)} to {tuple(new_shape)} would mix the scales of "
-        f"an axiswise tensor (scaled along dim {t._axiswise_dim})"
-    )
+    gran, scale = t._gran.view(t._scale, t.shape, data.shape, func)
+    return t.with_data(data, scale, gran)
 
 
 @implements([aten.as_strided.default])
 def _as_strided(func, args, kwargs):
     t = args[0]
     offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
-    if t._block is not None and _leading_rows(t, args[1], args[2], offset):
-        # FSDP2's view of the unsharded weight inside its padded all-gather buffer: the
-        # first rows, which keep their blocks (and the first rows of the scale grid).
-        rows = -(-args[1][0] // t._block[0])
-        return t.with_data(func(t._data, *args[1:], **kwargs), t._scale[:rows])
-    if t._axiswise_dim == t.dim() - 1 and _leading_rows(t, args[1], args[2], offset):
-        # The same for a gathered row-scaled weight: its first rows keep their row scales.
-        rows = args[1][0]
-        return t.with_data(func(t._data, *args[1:], **kwargs), t._scale[:rows])
-    if t._axiswise_dim is not None or t._block is not None:
+    data = func(t._data, *args[1:], **kwargs)
+    # FSDP2's view of the unsharded weight inside its padded all-gather buffer: the first
+    # rows, which keep their scales (row scales, or the first rows of the block grid)
+    rows = args[1][0] if _leading_rows(t, args[1], args[2], offset) else None
+    scale = t._gran.strided(t._scale, rows, t.dim())
+    if scale is None:
         raise NotImplementedError(
             "float8kit: as_strided is tensorwise-only (blockwise and row-scaled: only a 2-D "
             "tensor's leading rows)"
         )
-    return t.with_data(func(t._data, *args[1:], **kwargs))
+    return t.with_data(data, scale)
 
 
 def _leading_rows(t: Float8TrainingTensor, size, stride, storage_offset=None) -> bool:
@@ -144,33 +106,20 @@ def _leading_rows(t: Float8TrainingTensor, size, stride, storage_offset=None) ->
     )
 
 
-def _scale_slice(t: Float8TrainingTensor, dim: int, fn: Callable):
-    """Apply a slicing ``fn(tensor)`` to the scale where it varies along ``dim``."""
-    if t._axiswise_dim is None or t._axiswise_dim == dim:
-        return t._scale
-    return fn(t._scale)
-
-
 @implements([aten.slice.Tensor])
 def _slice(func, args, kwargs):
     t = args[0]
-    _refuse_blockwise(t, func)
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % t.dim()
-    scale = _scale_slice(t, dim, lambda s: func(s, *args[1:], **kwargs))
+    scale = t._gran.sliced(t._scale, dim, lambda s: func(s, *args[1:], **kwargs), func)
     return t.with_data(func(t._data, *args[1:], **kwargs), scale)
 
 
 @implements([aten.split.Tensor])
 def _split(func, args, kwargs):
     t, size = args[0], args[1]
-    _refuse_blockwise(t, func)
     dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % t.dim()
     datas = func(t._data, size, dim)
-    scales = (
-        [t._scale] * len(datas)
-        if t._axiswise_dim is None or t._axiswise_dim == dim
-        else func(t._scale, size, dim)
-    )
+    scales = t._gran.split(t._scale, dim, len(datas), lambda s: func(s, size, dim), func)
     return [t.with_data(d, s) for d, s in zip(datas, scales, strict=True)]
 
 
@@ -181,16 +130,12 @@ def _cat(func, args, kwargs):
     first = tensors[0]
     if not all(isinstance(t, Float8TrainingTensor) for t in tensors):
         raise NotImplementedError("float8kit: cat of float8 and hp tensors; dequantize first")
-    _refuse_blockwise(first, func)
-    same = first._axiswise_dim is None or first._axiswise_dim == dim
     for t in tensors[1:]:
-        if t._data.dtype != first._data.dtype or t._axiswise_dim != first._axiswise_dim:
+        if t._data.dtype != first._data.dtype or t._gran != first._gran:
             raise ValueError("float8kit: cat needs the same float8 dtype and granularity")
-        if same and not torch.equal(t._scale, first._scale):
-            raise ValueError("float8kit: cat of float8 tensors with different scales")
-    data = func([t._data for t in tensors], dim)
-    scale = first._scale if same else func([t._scale for t in tensors], dim)
-    return first.with_data(data, scale)
+    scales = [t._scale for t in tensors]
+    scale = first._gran.cat(scales, dim, lambda ss: func(ss, dim), func)
+    return first.with_data(func([t._data for t in tensors], dim), scale)
 
 
 @implements([aten.is_same_size.default])
@@ -237,11 +182,7 @@ def _copy_(func, args, kwargs):
     scale; hp <- Float8 dequantizes."""
     dst, src = args[0], args[1]
     if isinstance(dst, Float8TrainingTensor) and isinstance(src, Float8TrainingTensor):
-        if (
-            dst._data.dtype != src._data.dtype
-            or dst._axiswise_dim != src._axiswise_dim
-            or dst._block != src._block
-        ):
+        if dst._data.dtype != src._data.dtype or dst._gran != src._gran:
             raise ValueError("float8kit: copy_ between float8 tensors of different formats")
         dst._data.copy_(src._data)
         dst._scale.copy_(src._scale)

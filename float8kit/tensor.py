@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from float8kit.config import Float8LinearConfig, GemmRole
-from float8kit.scaling import expand_block_scale
+from float8kit.granularity import TENSORWISE, Granularity
 
 # aten op overload -> ``fn(func, args, kwargs)``: filled by float8kit/ops.py's ``@implements``
 # (imported by ``float8kit/__init__``), so that this module imports nothing above it. An op
@@ -23,27 +23,23 @@ class Float8TrainingTensor(torch.Tensor):
     Invariants:
         - ``_data`` is a float8 tensor of ``self.shape``; ``self.dtype`` is ``_orig_dtype``
           (the hp dtype it stands for), so autograd and FSDP2 see an hp tensor.
-        - ``_scale`` is fp32 and multiplies: ``_data ~ saturate(hp * _scale)``. Tensorwise:
-          shape ``()``. Axiswise: ``_data``'s shape with ``_axiswise_dim`` reduced to 1 (one
-          scale per slice along the gemm's inner dim). Blockwise: 2-D ``_data`` and one scale
-          per ``_block`` = (rows, cols) block, shape (ceil(R / rows), ceil(C / cols)).
-        - ``_axiswise_dim`` is None (tensorwise, blockwise) or a non-negative dim index.
-        - ``_block`` is None (tensorwise, axiswise) or the (rows, cols) of a scale block:
-          (1, 128) / (128, 1) tiles of an activation, (128, 128) blocks of a weight.
+        - ``_scale`` is fp32 and multiplies: ``_data ~ saturate(hp * _scale)``, laid out as
+          ``_gran`` says (float8kit.granularity: tensorwise shape ``()``, axiswise the data's
+          shape with the scaled-along dim reduced to 1, blockwise one scale per block).
         - ``_role`` says which linear operand it is; ``_config`` carries the gemm settings
           (fast accumulation, emulate, padding) that ``mm`` on it uses (None = defaults).
-        - Every aten op on it goes through ``ops.py``'s table; an op not in it raises.
+        - Every aten op on it goes through ``OP_TABLE`` (float8kit/ops.py); an op not in it
+          raises.
     """
 
     _data: torch.Tensor
     _scale: torch.Tensor
     _orig_dtype: torch.dtype
     _role: GemmRole
-    _axiswise_dim: int | None
+    _gran: Granularity
     _config: Float8LinearConfig | None
-    _block: tuple[int, int] | None
 
-    __slots__ = ["_data", "_scale", "_orig_dtype", "_role", "_axiswise_dim", "_config", "_block"]
+    __slots__ = ["_data", "_scale", "_orig_dtype", "_role", "_gran", "_config"]
 
     @staticmethod
     def __new__(
@@ -52,9 +48,8 @@ class Float8TrainingTensor(torch.Tensor):
         scale: torch.Tensor,
         orig_dtype: torch.dtype,
         role: GemmRole,
-        axiswise_dim: int | None = None,
+        gran: Granularity = TENSORWISE,
         config: Float8LinearConfig | None = None,
-        block: tuple[int, int] | None = None,
     ):
         self = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -70,36 +65,31 @@ class Float8TrainingTensor(torch.Tensor):
         self._scale = scale
         self._orig_dtype = orig_dtype
         self._role = role
-        self._axiswise_dim = axiswise_dim
+        self._gran = gran
         self._config = config
-        self._block = None if block is None else tuple(block)
         return self
 
+    # what the gemm routes on (float8kit/gemm.py): derived from the granularity
+    @property
+    def _axiswise_dim(self) -> int | None:
+        return self._gran.axiswise_dim
+
+    @property
+    def _block(self) -> tuple[int, int] | None:
+        return self._gran.block
+
     def __repr__(self):
-        gran = "tensorwise" if self._axiswise_dim is None else f"axiswise(dim={self._axiswise_dim})"
-        if self._block is not None:
-            gran = f"blockwise({self._block[0]}x{self._block[1]})"
         return (
             f"Float8TrainingTensor(role={self._role.value}, fp8={self._data.dtype}, "
-            f"hp={self._orig_dtype}, {gran}, shape={tuple(self.shape)})"
+            f"hp={self._orig_dtype}, {self._gran.short()}, shape={tuple(self.shape)})"
         )
 
     def __tensor_flatten__(self):
-        ctx = (self._orig_dtype, self._role, self._axiswise_dim, self._config, self._block)
-        return ["_data", "_scale"], ctx
+        return ["_data", "_scale"], (self._orig_dtype, self._role, self._gran, self._config)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        orig_dtype, role, axiswise_dim, config, block = ctx
-        return Float8TrainingTensor(
-            inner_tensors["_data"],
-            inner_tensors["_scale"],
-            orig_dtype,
-            role,
-            axiswise_dim,
-            config,
-            block,
-        )
+        return Float8TrainingTensor(inner_tensors["_data"], inner_tensors["_scale"], *ctx)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -117,21 +107,24 @@ class Float8TrainingTensor(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The hp tensor this stands for: ``_data / _scale`` in ``dtype`` (default: hp)."""
-        scale = self._scale
-        if self._block is not None:
-            scale = expand_block_scale(scale, self._block, self._data.shape)
+        scale = self._gran.expand(self._scale, self._data.shape)
         return (self._data.to(torch.float32) / scale).to(dtype or self._orig_dtype)
 
-    def with_data(self, data: torch.Tensor, scale: torch.Tensor | None = None, **changes):
-        """A copy of this tensor's metadata around new ``data`` (and ``scale``)."""
+    def with_data(
+        self,
+        data: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        gran: Granularity | None = None,
+        orig_dtype: torch.dtype | None = None,
+    ):
+        """A copy of this tensor's metadata around new ``data`` (and ``scale``, ``gran``)."""
         return Float8TrainingTensor(
             data,
             self._scale if scale is None else scale,
-            changes.get("orig_dtype", self._orig_dtype),
+            orig_dtype or self._orig_dtype,
             self._role,
-            changes.get("axiswise_dim", self._axiswise_dim),
+            gran or self._gran,
             self._config,
-            changes.get("block", self._block),
         )
 
 

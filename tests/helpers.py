@@ -66,3 +66,17 @@ def assert_compiled_matches_eager(eager: torch.Tensor, compiled: torch.Tensor, w
         assert torch.equal(eager, compiled), what
     else:
         assert sqnr(eager, compiled) >= OLD_TORCH_COMPILE_SQNR_DB, what
+
+
+def run_train(tmp: Path, *flags: str) -> list[dict]:
+    """recipes/train.py's main in this process (tiny preset); returns the records it wrote to
+    metrics.jsonl."""
+    import json
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
+    import train
+
+    records = train.main(["--preset", "tiny", "--quiet", "--out", str(tmp), *flags])
+    on_disk = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
+    assert on_disk == records
+    return records

@@ -20,7 +20,7 @@ from float8kit import Float8Linear, checkpoint_policy, convert_to_float8_trainin
 from float8kit.cast import kept_cast
 from float8kit.config import FP8_DTYPES
 from tests.helpers import count_scaled_mm
-from tests.test_memory import RECIPES, config
+from tests.memory_harness import RECIPES, config
 
 STEPS = 3  # the first step scales DELAYED casts from their own amax, the later from history
 

@@ -366,9 +366,9 @@ def _worker_experts(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def experts2(tmp_path_factory):
-    from tests.test_fsdp import _spawn  # the FSDP tests' launcher (real gloo processes)
+    from tests.fsdp_harness import spawn
 
-    return _spawn("tests.test_experts:_worker_experts", 2, tmp_path_factory.mktemp("experts2"))
+    return spawn("tests.test_experts:_worker_experts", 2, tmp_path_factory.mktemp("experts2"))
 
 
 @pytest.mark.slow

@@ -359,9 +359,9 @@ def _worker_hf(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def hf2(tmp_path_factory):
-    from tests.test_fsdp import _spawn  # the FSDP tests' launcher (real gloo processes)
+    from tests.fsdp_harness import spawn
 
-    return _spawn("tests.test_experts_hf:_worker_hf", 2, tmp_path_factory.mktemp("hf2"))
+    return spawn("tests.test_experts_hf:_worker_hf", 2, tmp_path_factory.mktemp("hf2"))
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])

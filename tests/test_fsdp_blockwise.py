@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from float8kit import Float8LinearConfig, precompute_scales
-from tests.test_fsdp import _bitwise, _Count, _data, _net, _rel_diff, _shard, _spawn, _train
+from tests.fsdp_harness import (
+    _bitwise,
+    _Count,
+    _data,
+    _net,
+    _rel_diff,
+    _shard,
+    _train,
+    spawn,
+)
 
 BLOCK = Float8LinearConfig.from_recipe_name("blockwise")
 BLOCK_AG = dataclasses.replace(BLOCK, enable_fsdp_float8_all_gather=True)
@@ -100,7 +109,7 @@ def _worker_blockwise(rank: int, world: int, tmp: str) -> dict:
 def blockwise_ranks(request, tmp_path_factory):
     world = request.param  # indirect: the tests name their rank counts
     name = "tests.test_fsdp_blockwise:_worker_blockwise"
-    return world, _spawn(name, world, tmp_path_factory.mktemp(f"blockwise{world}"))
+    return world, spawn(name, world, tmp_path_factory.mktemp(f"blockwise{world}"))
 
 
 @pytest.mark.slow

@@ -30,7 +30,12 @@ from float8kit import (
     convert_to_float8_training,
     precompute_scales,
 )
-from tests.test_fsdp import _Count, _rel_diff, _spawn, _train
+from tests.fsdp_harness import (
+    _Count,
+    _rel_diff,
+    _train,
+    spawn,
+)
 
 RECIPES = ("tensorwise", "delayed", "static", "rowwise", "rowwise_with_gw_hp", "blockwise")
 STEPS = 3
@@ -157,7 +162,7 @@ def _worker_mesh(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def mesh4(tmp_path_factory):
-    return _spawn("tests.test_fsdp_mesh:_worker_mesh", 4, tmp_path_factory.mktemp("mesh4"))
+    return spawn("tests.test_fsdp_mesh:_worker_mesh", 4, tmp_path_factory.mktemp("mesh4"))
 
 
 def _check_mesh(results: list[dict], name: str) -> None:

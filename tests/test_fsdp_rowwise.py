@@ -26,8 +26,7 @@ from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training, 
 from float8kit.cast import cast_to_float8
 from float8kit.linear import Float8Linear, _weight_for_grad_input
 from float8kit.scaling import amax_to_scale
-from tests.helpers import sqnr
-from tests.test_fsdp import (
+from tests.fsdp_harness import (
     DELAYED_AG,
     FP8_AG,
     STEPS,
@@ -42,11 +41,12 @@ from tests.test_fsdp import (
     _OneRank,
     _rel_diff,
     _shard,
-    _spawn,
     _train,
     _types,
     _uneven_net,
+    spawn,
 )
+from tests.helpers import sqnr
 
 RECIPES = ("rowwise", "rowwise_with_gw_hp")
 
@@ -246,12 +246,12 @@ def _worker_compile_rowwise(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def rowwise2(tmp_path_factory):
-    return _spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp_path_factory.mktemp("rowwise2"))
+    return spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp_path_factory.mktemp("rowwise2"))
 
 
 @pytest.fixture(scope="module")
 def uneven_rowwise3(tmp_path_factory):
-    return _spawn(
+    return spawn(
         "tests.test_fsdp_rowwise:_worker_uneven_rowwise",
         3,
         tmp_path_factory.mktemp("uneven_rowwise3"),
@@ -260,7 +260,7 @@ def uneven_rowwise3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compile_rowwise2(tmp_path_factory):
-    return _spawn(
+    return spawn(
         "tests.test_fsdp_rowwise:_worker_compile_rowwise",
         2,
         tmp_path_factory.mktemp("compile_rowwise2"),

@@ -3,37 +3,24 @@ nn.Linear, and the rowwise float8 save against 0.1.0's hp save (bitwise-equal gr
 
 import contextlib
 import functools
-import gc
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import float8kit
-from float8kit import CastConfig, Float8Linear, Float8LinearConfig, GemmRole, ScalingType
+from float8kit import Float8Linear, GemmRole
 from float8kit.cast import cast_to_float8
+from tests.memory_harness import RECIPES, LiveTensors, _storages, config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import train  # noqa: E402
 
 # ---------------------------------------------------------------------------- the counter
-
-
-def _storages(t: torch.Tensor):
-    """The plain tensors holding ``t``'s memory (a subclass's inner tensors, recursively)."""
-    if hasattr(t, "__tensor_flatten__") and type(t) is not nn.Parameter:
-        names, _ = t.__tensor_flatten__()
-        for name in names:
-            yield from _storages(getattr(t, name))
-    else:
-        yield t
 
 
 @contextlib.contextmanager
@@ -69,54 +56,6 @@ HP_GRAD_WEIGHT = {"rowwise_with_gw_hp"}
 # blockwise input's fp32 scales (one per 128 tokens and column) count in it.
 TOKENS = (128, 256)
 K, N = 256, 128
-
-
-class LiveTensors(TorchDispatchMode):
-    """Remembers (weakly) every tensor the ops run under it return; ``live_bytes()`` is then
-    the memory of those still alive: what a forward leaves for backward, including what no
-    saved-tensor hook sees (a selective-checkpointing policy's cache)."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.refs += [weakref.ref(t) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return out
-
-    def live_bytes(self, exclude: nn.Module) -> int:
-        """Bytes of the storages still alive, each once, less ``exclude``'s parameters and
-        buffers."""
-        gc.collect()
-        skip = {t.untyped_storage().data_ptr() for t in (*exclude.parameters(), *exclude.buffers())}
-        seen = {}
-        for ref in self.refs:
-            if (t := ref()) is not None:
-                for inner in _storages(t):
-                    storage = inner.untyped_storage()
-                    if storage.data_ptr() not in skip:
-                        seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-
-def config(recipe: str) -> Float8LinearConfig:
-    """A named recipe, or ``static``: STATIC input and weight (fixed scales), STATIC
-    grad_output."""
-    if recipe != "static":
-        return Float8LinearConfig.from_recipe_name(recipe)
-
-    def static(scale):
-        return CastConfig(scaling_type=ScalingType.STATIC, static_scale=scale)
-
-    return Float8LinearConfig(
-        cast_config_input=static(448 / 4),
-        cast_config_weight=static(448 / 0.1),
-        cast_config_grad_output=static(2.0**12),
-    )
-
-
-RECIPES = ["tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "static", "blockwise"]
 
 
 def saved_bytes_per_token(make_layer, k: int = K, dtype=torch.bfloat16) -> float:

@@ -24,7 +24,7 @@ from float8kit import Float8LinearConfig, GemmRole, linear, shared_cast
 from float8kit.cast import cast_to_float8
 from float8kit.config import FP8_DTYPES
 from tests.helpers import COMPILE_IS_BITWISE, sqnr
-from tests.test_memory import LiveTensors, _storages
+from tests.memory_harness import LiveTensors, _storages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
 import model as recipes_model  # noqa: E402

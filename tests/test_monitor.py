@@ -323,9 +323,9 @@ def _worker_fsdp(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
-    from tests.test_fsdp import _spawn
+    from tests.fsdp_harness import spawn
 
-    return _spawn("tests.test_monitor:_worker_fsdp", 2, tmp_path_factory.mktemp("monitor_fsdp2"))
+    return spawn("tests.test_monitor:_worker_fsdp", 2, tmp_path_factory.mktemp("monitor_fsdp2"))
 
 
 def test_fsdp2_ranks_agree_and_fall_back_together(fsdp2):
@@ -399,7 +399,7 @@ def test_attach_before_compile_raises_naming_the_fix():
 
 
 def test_train_monitor_flag_writes_the_table_and_changes_no_loss(tmp_path):
-    from tests.test_recipes import run_train
+    from tests.helpers import run_train
 
     torch.set_num_threads(1)
     flags = ["--float8", "tensorwise", "--steps", "4", "--eval-every", "0"]

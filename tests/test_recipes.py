@@ -23,6 +23,8 @@ RECIPES = ROOT / "recipes"
 sys.path.insert(0, str(RECIPES))
 import train  # noqa: E402
 
+from tests.helpers import run_train  # noqa: E402
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
@@ -32,14 +34,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def run_train(tmp: Path, *flags: str) -> list[dict]:
-    """train.main in this process; returns the records it wrote to metrics.jsonl."""
-    records = train.main(["--preset", "tiny", "--quiet", "--out", str(tmp), *flags])
-    on_disk = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
-    assert on_disk == records
-    return records
 
 
 def run_script(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -26,8 +26,13 @@ from float8kit import (
     enable_float8_reduce_scatter,
 )
 from float8kit.distributed.reduce_scatter import dequantize_sum, payload_bytes, quantize_chunks
+from tests.fsdp_harness import (
+    _data,
+    _shard,
+    _uneven_net,
+    spawn,
+)
 from tests.helpers import sqnr
-from tests.test_fsdp import _data, _shard, _spawn, _uneven_net
 
 # ---------------------------------------------------------------------------- in-process
 
@@ -306,7 +311,7 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
 def qgz_ranks(request, tmp_path_factory):
     world = request.param
     tmp = tmp_path_factory.mktemp(f"qgz{world}")
-    return world, _spawn("tests.test_reduce_scatter:_worker_qgz", world, tmp)[0]
+    return world, spawn("tests.test_reduce_scatter:_worker_qgz", world, tmp)[0]
 
 
 def _grad_sqnr(run: dict) -> float:

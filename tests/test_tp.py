@@ -22,7 +22,7 @@ from torch import nn
 
 import float8kit
 from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
-from tests.test_fsdp import _spawn  # the gloo launcher: one process group per fixture
+from tests.fsdp_harness import spawn
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise")
 STEPS = 4
@@ -327,12 +327,12 @@ def _worker_2d(rank: int, world: int, tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
-    return _spawn("tests.test_tp:_worker_tp2", 2, tmp_path_factory.mktemp("tp2"))
+    return spawn("tests.test_tp:_worker_tp2", 2, tmp_path_factory.mktemp("tp2"))
 
 
 @pytest.fixture(scope="module")
 def mesh2d(tmp_path_factory):
-    return _spawn("tests.test_tp:_worker_2d", 4, tmp_path_factory.mktemp("mesh2d"))
+    return spawn("tests.test_tp:_worker_2d", 4, tmp_path_factory.mktemp("mesh2d"))
 
 
 # ---------------------------------------------------------------------------- 2 ranks

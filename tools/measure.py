@@ -66,7 +66,8 @@ def write(name: str, sources: list[str], data: dict, wall_s: float, threads: int
     info.update(
         command=f"python tools/measure.py {name}",
         script="tools/measure.py",
-        sources=sources,
+        # a number is stale when the library or its measuring code changed
+        sources=[*sources, "float8kit"],
         threads=threads,
         wall_s=round(wall_s, 1),
     )
@@ -209,7 +210,7 @@ def memory() -> None:
     t0 = time.perf_counter()
     write(
         "memory",
-        ["tests/test_memory.py", "recipes/train.py", "recipes/model.py"],
+        ["tests/test_memory.py", "tests/memory_harness.py", "recipes/train.py", "recipes/model.py"],
         {
             "per_layer": test_memory.saved_bytes_table(),
             "train_step": test_memory.train_step_saved_bytes("small"),
@@ -252,7 +253,7 @@ def memory_blocks() -> None:
     t0 = time.perf_counter()
     write(
         "memory_blocks",
-        ["tests/test_memory_blocks.py", "tests/test_memory.py", "recipes/model.py"],
+        ["tests/test_memory_blocks.py", "tests/memory_harness.py", "recipes/model.py"],
         test_memory_blocks.memory_table(),
         time.perf_counter() - t0,
     )
@@ -267,7 +268,7 @@ def memory_compiled() -> None:
     t0 = time.perf_counter()
     write(
         "memory_compiled",
-        ["tests/test_memory_blocks.py", "tests/test_memory.py"],
+        ["tests/test_memory_blocks.py", "tests/memory_harness.py"],
         test_memory_blocks.compiled_table(),
         time.perf_counter() - t0,
     )
@@ -320,18 +321,19 @@ def fsdp() -> None:
     ranks); rank 0's numbers."""
     from tests import test_fsdp as t
     from tests import test_fsdp_rowwise as tr
+    from tests.fsdp_harness import spawn
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for sub in ("train2", "uneven3", "compile2", "row2", "row3", "rowc2"):
             (tmp / sub).mkdir()
-        train2 = t._spawn("_worker_train", 2, tmp / "train2")
-        uneven3 = t._spawn("_worker_uneven", 3, tmp / "uneven3")
-        compile2 = t._spawn("_worker_compile", 2, tmp / "compile2")
-        row2 = t._spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp / "row2")
-        row3 = t._spawn("tests.test_fsdp_rowwise:_worker_uneven_rowwise", 3, tmp / "row3")
-        rowc2 = t._spawn("tests.test_fsdp_rowwise:_worker_compile_rowwise", 2, tmp / "rowc2")
+        train2 = spawn("tests.test_fsdp:_worker_train", 2, tmp / "train2")
+        uneven3 = spawn("tests.test_fsdp:_worker_uneven", 3, tmp / "uneven3")
+        compile2 = spawn("tests.test_fsdp:_worker_compile", 2, tmp / "compile2")
+        row2 = spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp / "row2")
+        row3 = spawn("tests.test_fsdp_rowwise:_worker_uneven_rowwise", 3, tmp / "row3")
+        rowc2 = spawn("tests.test_fsdp_rowwise:_worker_compile_rowwise", 2, tmp / "rowc2")
     r, u, c = train2[0], uneven3[0], compile2[0]
     data = {
         "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
@@ -381,7 +383,7 @@ def fsdp() -> None:
     )
     write(
         "fsdp",
-        ["tests/test_fsdp.py", "tests/test_fsdp_rowwise.py"],
+        ["tests/test_fsdp.py", "tests/test_fsdp_rowwise.py", "tests/fsdp_harness.py"],
         data,
         time.perf_counter() - t0,
     )
@@ -424,13 +426,14 @@ def _fsdp_rowwise(tr, row2: list[dict], row3: list[dict], rowc2: list[dict]) -> 
 def fsdp_blockwise() -> None:
     """tests/test_fsdp_blockwise.py's runs (2 and 3 gloo ranks); rank 0's numbers."""
     from tests import test_fsdp as t
+    from tests.fsdp_harness import spawn
 
     t0 = time.perf_counter()
     data = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in (2, 3):
             (Path(tmp) / str(world)).mkdir()
-            ranks = t._spawn(
+            ranks = spawn(
                 "tests.test_fsdp_blockwise:_worker_blockwise", world, Path(tmp) / str(world)
             )
             r = ranks[0]
@@ -454,7 +457,7 @@ def fsdp_blockwise() -> None:
         }
     write(
         "fsdp_blockwise",
-        ["tests/test_fsdp_blockwise.py", "tests/test_fsdp.py"],
+        ["tests/test_fsdp_blockwise.py", "tests/test_fsdp.py", "tests/fsdp_harness.py"],
         data,
         time.perf_counter() - t0,
     )
@@ -465,10 +468,11 @@ def fsdp_mesh() -> None:
     recipe with and without float8 all-gather; losses of all ranks, bytes of rank 0."""
     from tests import test_fsdp as t
     from tests import test_fsdp_mesh as m
+    from tests.fsdp_harness import spawn
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = t._spawn("tests.test_fsdp_mesh:_worker_mesh", 4, Path(tmp))
+        ranks = spawn("tests.test_fsdp_mesh:_worker_mesh", 4, Path(tmp))
     r0 = ranks[0]
     data: dict = {"steps": m.STEPS, "dim": m.DIM, "hidden": m.HIDDEN, "batch": m.BATCH}
     for mesh in ("2x2", "hsdp", "1x2"):
@@ -489,7 +493,7 @@ def fsdp_mesh() -> None:
         data[mesh]["whole_weight_scales"] = all(r[mesh, "whole_weight_scales"] for r in ranks)
     write(
         "fsdp_mesh",
-        ["tests/test_fsdp_mesh.py", "tests/test_fsdp.py"],
+        ["tests/test_fsdp_mesh.py", "tests/test_fsdp.py", "tests/fsdp_harness.py"],
         data,
         time.perf_counter() - t0,
     )
@@ -500,15 +504,15 @@ def qgz() -> None:
     reduce-scatter against the float8 one (qgZ); rank 0's numbers."""
     import statistics
 
-    from tests import test_fsdp as t
     from tests import test_reduce_scatter as q
+    from tests.fsdp_harness import spawn
 
     t0 = time.perf_counter()
     data = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in (2, 3):
             (Path(tmp) / str(world)).mkdir()
-            r = t._spawn("tests.test_reduce_scatter:_worker_qgz", world, Path(tmp) / str(world))[0]
+            r = spawn("tests.test_reduce_scatter:_worker_qgz", world, Path(tmp) / str(world))[0]
             fp32 = r["fp32"]
             late = {k: statistics.fmean(fp32[k]["losses"][15:20]) for k in ("default", "float8")}
             data[f"ranks{world}"] = {
@@ -530,7 +534,11 @@ def qgz() -> None:
             }
     write(
         "qgz",
-        ["tests/test_reduce_scatter.py", "tests/test_fsdp.py", "float8kit/reduce_scatter.py"],
+        [
+            "tests/test_reduce_scatter.py",
+            "tests/fsdp_harness.py",
+            "float8kit/distributed/reduce_scatter.py",
+        ],
         data,
         time.perf_counter() - t0,
     )
@@ -583,7 +591,7 @@ def qgz_train() -> None:
     write(
         "qgz_train",
         ["recipes/train.py", "recipes/compare.py", "recipes/model.py", "recipes/data.py"]
-        + ["float8kit/reduce_scatter.py"],
+        + ["float8kit/distributed/reduce_scatter.py"],
         data,
         time.perf_counter() - t0,
     )
@@ -592,14 +600,15 @@ def qgz_train() -> None:
 def tp() -> None:
     """tests/test_tp.py's multi-process runs (2 and 4 gloo ranks); rank 0's numbers."""
     from tests import test_tp as t
+    from tests.fsdp_harness import spawn
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for sub in ("tp2", "mesh2d"):
             (tmp / sub).mkdir()
-        r = t._spawn("tests.test_tp:_worker_tp2", 2, tmp / "tp2")[0]
-        m = t._spawn("tests.test_tp:_worker_2d", 4, tmp / "mesh2d")
+        r = spawn("tests.test_tp:_worker_tp2", 2, tmp / "tp2")[0]
+        m = spawn("tests.test_tp:_worker_2d", 4, tmp / "mesh2d")
     sp = ("tensorwise", "rowwise")
     data = {
         "torch_styles_rel_diff": {
@@ -630,7 +639,12 @@ def tp() -> None:
         "mlp": {"dim": t.DIM, "hidden": t.HIDDEN, "batch": t.BATCH, "seq": t.SEQ, "steps": t.STEPS},
         "llama": {"preset": "tiny", "seq": t.LLAMA_SEQ, "steps": t.LLAMA_STEPS},
     }
-    write("tp", ["tests/test_tp.py", "recipes/model.py"], data, time.perf_counter() - t0)
+    write(
+        "tp",
+        ["tests/test_tp.py", "tests/fsdp_harness.py", "recipes/model.py"],
+        data,
+        time.perf_counter() - t0,
+    )
 
 
 # ---------------------------------------------------------------------------- benchmarks

@@ -244,7 +244,8 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
         return (data, scale.contiguous().view(torch.uint8)), ()
 
     def _post_all_gather_blocks(self, all_gather_outputs, metadata, param_dtype, out):
-        b = self._block_size
+        c = self._config
+        gran = shard_groups.layout(c.cast_config_weight).gran
         if len(all_gather_outputs) == 1:  # the scales came as metadata (replicated)
             (data,), (scale, *rows) = all_gather_outputs, metadata
             if out is not None:
@@ -253,13 +254,7 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
             # shards that cut blocks: drop the padding rows (a view, as rowwise below)
             fp8 = data[: rows[0]] if rows else data
             weight = Float8TrainingTensor(
-                fp8.view(self._fp8_dtype),
-                scale.clone(),
-                param_dtype,
-                GemmRole.WEIGHT,
-                None,
-                self._config,
-                (b, b),
+                fp8.view(self._fp8_dtype), scale.clone(), param_dtype, GemmRole.WEIGHT, gran, c
             )
             return weight, (data,)
         if out is not None:
@@ -267,9 +262,7 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
             return None
         data, scale_bytes = all_gather_outputs
         data, scale = data.view(self._fp8_dtype), scale_bytes.view(torch.float32)
-        weight = Float8TrainingTensor(
-            data, scale, param_dtype, GemmRole.WEIGHT, None, self._config, (b, b)
-        )
+        weight = Float8TrainingTensor(data, scale, param_dtype, GemmRole.WEIGHT, gran, c)
         return weight, (data, scale)
 
     def fsdp_post_all_gather(
@@ -303,14 +296,14 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
             _refill_scale(out, scale)
             return None
         data = data.view(self._fp8_dtype)
-        axiswise_dim = shard_groups.layout(self._config.cast_config_weight).axiswise_dim
+        gran = shard_groups.layout(self._config.cast_config_weight).gran
         # Rowwise: drop the padding rows here (a view: FSDP2 frees and refills ``data``'s
         # storage), so the weight has one scale per row; FSDP2's as_strided to the full size
         # is then the identity.
-        fp8 = data if axiswise_dim is None else data[: scale.shape[0]]
+        fp8 = data if gran.axiswise_dim is None else data[: scale.shape[0]]
         # clone: the scale may be the precomputed one, which must not alias the weight's.
         weight = Float8TrainingTensor(
-            fp8, scale.clone(), param_dtype, GemmRole.WEIGHT, axiswise_dim, self._config
+            fp8, scale.clone(), param_dtype, GemmRole.WEIGHT, gran, self._config
         )
         return weight, (data,)
 

@@ -28,6 +28,7 @@ import torch
 
 from float8kit import scaling
 from float8kit.config import CastConfig, ScalingGranularity
+from float8kit.granularity import TENSORWISE, Axiswise, Blockwise, Granularity
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ class ShardSpec:
 class Layout:
     """How one weight granularity's scaling groups map onto a shard (see the module doc)."""
 
-    # the gathered Float8TrainingTensor's ``_axiswise_dim`` (None: tensorwise)
-    axiswise_dim: int | None = None
+    # the gathered Float8TrainingTensor's granularity
+    gran: Granularity = TENSORWISE
 
     def group_amaxes(self, shard: torch.Tensor, where: ShardSpec) -> torch.Tensor:
         """fp32 amaxes of the full weight's groups over ``shard``'s part of them (0 for the
@@ -99,8 +100,6 @@ class Layout:
 
 
 class _Tensorwise(Layout):
-    axiswise_dim = None
-
     def group_amaxes(self, shard: torch.Tensor, where: ShardSpec) -> torch.Tensor:
         return scaling.nan_to_inf(scaling.amax(shard))
 
@@ -118,7 +117,7 @@ class _Rowwise(Layout):
     parallel splits the columns (``RowwiseParallel``), takes each row's max over the TP
     ranks. Other FSDP2 shard dims are refused (the gathered weight would not be whole rows)."""
 
-    axiswise_dim = 1
+    gran = Axiswise(1)
 
     def group_amaxes(self, shard: torch.Tensor, where: ShardSpec) -> torch.Tensor:
         rows = scaling.nan_to_inf(scaling.amax(shard, reduce_dim=-1))
@@ -153,10 +152,9 @@ class _Blockwise(Layout):
     slots contribute 0 to it (the grid is sized from the global shape, so it is the same on
     every rank)."""
 
-    axiswise_dim = None
-
     def __init__(self, block_size: int):
         self.b = block_size
+        self.gran = Blockwise(block_size, block_size)
 
     def grid(self, where: ShardSpec) -> tuple[int, int, int]:
         b = self.b
