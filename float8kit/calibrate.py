@@ -27,7 +27,7 @@ def _static_roles(mod: Float8Linear) -> list[GemmRole]:
 
 
 def _hp_forward_recording(self: Float8Linear, input: torch.Tensor) -> torch.Tensor:
-    amax = self._fp8_calibration_amax
+    amax = self.fp8_state.calibration_amax
     torch.maximum(amax, scaling.amax(input).to(amax.device), out=amax)
     return F.linear(input, self.weight, self.bias)
 
@@ -67,7 +67,7 @@ def calibrate(
             "convert it with CastConfig(scaling_type=ScalingType.STATIC) first"
         )
     for _, mod, _ in layers:
-        mod._fp8_calibration_amax = torch.full((), scaling.UNSET, device=mod.weight.device)
+        mod.fp8_state.calibration_amax = torch.full((), scaling.UNSET, device=mod.weight.device)
         mod.forward = types.MethodType(_hp_forward_recording, mod)
     try:
         for batch in batches:
@@ -81,7 +81,8 @@ def calibrate(
         input_amaxes = []
         for _, mod, _ in layers:
             del mod.forward
-            input_amaxes.append(mod.__dict__.pop("_fp8_calibration_amax"))
+            input_amaxes.append(mod.fp8_state.calibration_amax)
+            mod.fp8_state.calibration_amax = None
 
     amaxes = torch.stack(
         [
@@ -107,7 +108,8 @@ def calibrate(
             )
             mod._buffers[state.scale_name(role)].copy_(scale)
             done[state.OPERAND_NAMES[role]] = float(amax)
-        mod._fp8_uncalibrated = tuple(op for op in mod._fp8_uncalibrated if op not in done)
+        own = mod.fp8_state
+        own.uncalibrated = tuple(op for op in own.uncalibrated if op not in done)
         report[fqn] = done
     if unseen:
         raise RuntimeError(

@@ -127,7 +127,7 @@ def operand_scale(
         amax_record: DELAYED, train mode: the layer's ``fp8_amax_<op>`` buffer; ``amax`` is
             folded into it in place (running max until ``precompute_scales``).
         scale_set: DELAYED: the host knows ``state_scale`` is set (``precompute_scales``
-            flips this once per layer and operand; see ``scale_state.DELAYED_SCALES_SET``).
+            flips this once per layer and operand; see ``state.LayerState.scales_set``).
 
     Returns:
         DYNAMIC: ``fp8_max / amax``. STATIC: ``state_scale``. DELAYED: ``state_scale``. Until

@@ -5,7 +5,7 @@ run) are ``config.GEMMS``.
 
 Where each operand's scale comes from is decided in one place, ``cast.operand_scale``, for
 the gemms' casts and for the FSDP2 float8 all-gather alike; the layer's DELAYED/STATIC state
-(see ``float8kit.state``) reaches it through ``Float8Linear._operand_state`` (inside the
+(see ``float8kit.state``) reaches it through ``layer.fp8_state.operand`` (inside the
 autograd Function, as explicit arguments). Nothing here is distributed: tensor-parallel
 DTensors go through ``cast.cast_to_float8`` like plain tensors, and the FSDP2 float8
 all-gather weight wrapper is registered from ``float8kit.distributed.fsdp``.
@@ -397,22 +397,6 @@ class Float8Linear(nn.Linear):
         if hint:
             errors.append(hint)
 
-    def _operand_state(
-        self, role: GemmRole, record: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
-        """(``fp8_scale_<op>``, ``fp8_amax_<op>`` if DELAYED and ``record``, whether the host
-        knows that DELAYED scale is set): ``operand_scale``'s state arguments. (None, None,
-        False) if the operand keeps no state."""
-        cast = self.config.stateful_cast(role)
-        if cast is None:
-            return None, None, False
-        scale = self._buffers[state.scale_name(role)]
-        if cast.scaling_type is not ScalingType.DELAYED:
-            return scale, None, False
-        scale_set = state.OPERAND_NAMES[role] in getattr(self, state.DELAYED_SCALES_SET, ())
-        amax_record = self._buffers[state.amax_name(role)] if record else None
-        return scale, amax_record, scale_set
-
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         store_plain_weight(destination, prefix)
@@ -429,17 +413,17 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        c = self.config
-        if self._fp8_uncalibrated:
+        c, own = self.config, self.fp8_state
+        if own.uncalibrated:
             raise RuntimeError(
                 f"Float8Linear({self.in_features}, {self.out_features}): the STATIC scale of "
-                f"{' and '.join(self._fp8_uncalibrated)} is not set: run "
+                f"{' and '.join(own.uncalibrated)} is not set: run "
                 "float8kit.calibrate(model, batches) first, or set CastConfig.static_scale"
             )
         record = self.training
         # A forward that activation checkpointing recomputes in backward is not a new one.
         if record and c.stale_delayed_warn_after and state.has_delayed(c) and not is_recomputing():
-            state.count_delayed_forward(self._fp8_forward_count, c.stale_delayed_warn_after)
+            state.count_delayed_forward(own.forward_count, c.stale_delayed_warn_after)
         weight = self.weight
         device_type = input.device.type
         # keyed on the input as passed (before autocast): linears that read one tensor share
@@ -462,14 +446,14 @@ class Float8Linear(nn.Linear):
             owner = shared_cast.delayed_owner(share, c.cast_config_input, c, input.dtype, self)
             if owner is not None:
                 state.tie_input(self, owner, input, record)
-            tie = self.__dict__.get(state.TIED)
+            tie = own.tie
             if tie is not None:  # check that the tied layers still read one tensor
                 region = shared_cast.region_state(share)
-                if owner is not None and owner.__dict__.get(state.TIED) is tie:
+                if owner is not None and owner.fp8_state.tie is tie:
                     tie.read(owner, share, region)  # the first reader of this tensor
                 tie.read(self, share, region)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
-        states = [t for role in GEMM_ROLES for t in self._operand_state(role, record)]
+        states = [t for role in GEMM_ROLES for t in own.operand(self, role, record)]
         out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states, share)
         # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
         # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).

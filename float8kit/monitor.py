@@ -85,7 +85,7 @@ def _operand_sums(
     cast = getattr(c, field)
     if not cast.enabled or isinstance(mod, _HpFallback):
         return hp.new_zeros(_OPERAND_SUMS, dtype=torch.float64)
-    state_scale, _, scale_set = mod._operand_state(role, record=False)
+    state_scale, _, scale_set = mod.fp8_state.operand(mod, role, record=False)
     fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
     scale = fp8._gran.expand(fp8._scale, fp8._data.shape)
     scaled = hp.to(torch.float32) * scale

@@ -35,7 +35,7 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     records and the layers' stale-forward counts. Non-finite records are not folded in
     (see ``scaling.update_amax_history``) and make it warn, naming the layers.
 
-    Scales not yet marked set on the host (``state.DELAYED_SCALES_SET``) are checked
+    Scales not yet marked set on the host (``LayerState.scales_set``) are checked
     (``>= 0``) and marked by ``_SCALES_SET``; once every scale is marked, nothing is read back
     to the host at all.
     """
@@ -63,8 +63,7 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
             buffers = {n: local_tensor(b) for n, b in mod._buffers.items()}
             operand = state.OPERAND_NAMES[role]
             scale = buffers[state.scale_name(role)]
-            marked = operand in getattr(mod, state.DELAYED_SCALES_SET, ())
-            targets = [] if marked else [(mod, operand)]
+            targets = [] if operand in mod.fp8_state.scales_set else [(mod, operand)]
             if id(scale) in seen:
                 seen[id(scale)] += targets
                 continue
@@ -80,7 +79,7 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
                 )
             )
         if has_delayed:
-            counts.append(mod._fp8_forward_count)
+            counts.append(mod.fp8_state.forward_count)
     if not records:
         return []
     # Order the records group by group, so each group is one slice of the stacked amaxes.

@@ -15,8 +15,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from float8kit import state
-
 
 class _HostReport:
     """Brings small device flags to the host without stalling it.
@@ -76,9 +74,8 @@ def _mark_scales_set(is_set: list[bool], targets: list[list[tuple[nn.Module, str
     # one flag per scale buffer; a tied one marks every layer that shares it
     for ok, mods in zip(is_set, targets, strict=True):
         for mod, operand in mods:
-            marked = getattr(mod, state.DELAYED_SCALES_SET, ())
-            if ok and operand not in marked:
-                setattr(mod, state.DELAYED_SCALES_SET, (*marked, operand))
+            if ok:
+                mod.fp8_state.mark_scales_set(operand)
 
 
 SCALES_SET = _HostReport(_mark_scales_set, wait=True)

@@ -104,12 +104,47 @@ def _initial_scale(cast: CastConfig) -> float:
     return UNSET
 
 
-# Host-side attributes of a Float8Linear for tied input state: TIED, the ``Tie`` of every
-# layer of a tie; TIE_REFUSED, the last comparison that found the states unequal (the owner's
-# scale buffer, its version, this layer's scale version), so that a pair that differs is
-# compared again only after a scale update or a load.
-TIED = "_fp8_input_tied"
-TIE_REFUSED = "_fp8_input_tie_refused"
+class LayerState:
+    """The host-side float8 state of one Float8Linear (``layer.fp8_state``, made by
+    ``init_state``; not in the state_dict, copied with the layer), beside its buffers:
+
+    - ``scales_set``: operands whose DELAYED scale the host knows is set, marked by
+      ``precompute_scales`` without a host sync; casts then use the scale buffer as is (no
+      first-step amax pass; the FSDP2 all-gather needs no all-reduce). A tuple read in
+      forward, so compiled graphs specialize on it. Cleared by init, reset and load.
+    - ``tie`` (``Tie``) and ``tie_refused`` (the last comparison that found the states
+      unequal: the owner's scale buffer, its version, this scale's version): ``tie_input``.
+    - ``forward_count``: a CPU int64 tensor, never moved (``count_delayed_forward``).
+    - ``uncalibrated``: operands whose STATIC scale is not set; ``calibration_amax``: the
+      input amax ``calibrate`` records meanwhile.
+    - ``all_gather_scale`` (a ``fsdp.PrecomputedScale``) and ``shard_mesh`` (FSDP2's).
+    """
+
+    def __init__(self, config: Float8LinearConfig):
+        self.scales_set: tuple[str, ...] = ()
+        self.tie: Tie | None = None
+        self.tie_refused = self.calibration_amax = self.all_gather_scale = self.shard_mesh = None
+        self.forward_count = torch.zeros((), dtype=torch.int64, device="cpu")
+        self.uncalibrated = needs_calibration(config)
+
+    def mark_scales_set(self, operand: str) -> None:
+        if operand not in self.scales_set:
+            self.scales_set = (*self.scales_set, operand)
+
+    def operand(
+        self, module: nn.Module, role: GemmRole, record: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+        """(``fp8_scale_<op>``, ``fp8_amax_<op>`` if DELAYED and ``record``, whether it is in
+        ``scales_set``) of this state's ``module``: ``operand_scale``'s state arguments.
+        (None, None, False) if the operand keeps no state."""
+        cast = module.config.stateful_cast(role)
+        if cast is None:
+            return None, None, False
+        scale = module._buffers[scale_name(role)]
+        if cast.scaling_type is not ScalingType.DELAYED:
+            return scale, None, False
+        amax_record = module._buffers[amax_name(role)] if record else None
+        return scale, amax_record, OPERAND_NAMES[role] in self.scales_set
 
 
 class Tie:
@@ -165,15 +200,15 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
     tie is how fan-out layers share one DELAYED cast. One host read per comparison: at the
     first forward of a pair, and again after a scale update or load only while it differs.
     """
-    names = _input_names()
+    names, own = _input_names(), module.fp8_state
     mine = [module._buffers[n] for n in names]
     theirs = [owner._buffers[n] for n in names]
-    if mine[2] is theirs[2] or TIED in module.__dict__:
+    if mine[2] is theirs[2] or own.tie is not None:
         return  # tied to it, or to other layers
     if any(isinstance(t, DTensor) for t in (*mine, *theirs)):
         return  # tensor parallel: replicated state, not tied
     memo = (weakref.ref(theirs[2]), theirs[2]._version, mine[2]._version)
-    refused = module.__dict__.get(TIE_REFUSED)
+    refused = own.tie_refused
     if refused is not None and refused[0]() is theirs[2] and refused[1:] == memo[1:]:
         return
     # Out of sight of dispatch modes: a selective-checkpoint region replays the ops it saw in
@@ -188,28 +223,28 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
             and torch.equal(amax, theirs[1])
         )
     if not equal:
-        module.__dict__[TIE_REFUSED] = memo
+        own.tie_refused = memo
         return
     for name, buf in zip(names, theirs, strict=True):
         module._buffers[name] = buf
-    module.__dict__.pop(TIE_REFUSED, None)
-    tie = owner.__dict__.get(TIED)
-    if tie is None:
-        tie = owner.__dict__[TIED] = Tie(owner)
-    tie.layers.append(weakref.ref(module))
-    module.__dict__[TIED] = tie
+    theirs = owner.fp8_state
+    if theirs.tie is None:
+        theirs.tie = Tie(owner)
+    theirs.tie.layers.append(weakref.ref(module))
+    own.tie, own.tie_refused = theirs.tie, None
     # one scale buffer: set for both where the host knew it set for either
     op = OPERAND_NAMES[GemmRole.INPUT]
-    for a, b in ((module, owner), (owner, module)):
-        marked = getattr(a, DELAYED_SCALES_SET, ())
-        if op in getattr(b, DELAYED_SCALES_SET, ()) and op not in marked:
-            setattr(a, DELAYED_SCALES_SET, (*marked, op))
+    for a, b in ((own, theirs), (theirs, own)):
+        if op in b.scales_set:
+            a.mark_scales_set(op)
 
 
 def untie_input(module: nn.Module) -> None:
     """Give a tied layer its own copies of its input state buffers (same values)."""
-    tie = module.__dict__.pop(TIED, None)
+    own = module.__dict__.get("fp8_state")
+    tie = None if own is None else own.tie
     if tie is not None:
+        own.tie = None
         tie.layers = [ref for ref in tie.layers if ref() not in (None, module)]
         for name in _input_names():
             module._buffers[name] = module._buffers[name].clone()
@@ -219,11 +254,8 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     """(Re)create ``module``'s float8 state buffers for ``config`` on its weight's device,
     with their initial values. Buffers of a previous config that ``config`` lacks go away.
 
-    Also sets the host-side bookkeeping: ``_fp8_forward_count`` (a CPU int64 tensor attribute,
-    not a buffer: it never moves to an accelerator nor enters the state_dict) and
-    ``_fp8_uncalibrated`` (operands whose STATIC scale is not set yet).
+    Also gives it a new host-side ``LayerState`` (``module.fp8_state``).
     """
-    module.__dict__.pop(DELAYED_SCALES_SET, None)
     untie_input(module)
     keep = set(buffer_names(config))
     for name in [n for n in module._buffers if n.startswith("fp8_") and n not in keep]:
@@ -244,8 +276,7 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
             )
         scale = torch.full((), _initial_scale(cast), dtype=fp32, device=device)
         module.register_buffer(scale_name(role), scale)
-    module._fp8_forward_count = torch.zeros((), dtype=torch.int64, device="cpu")
-    module._fp8_uncalibrated = needs_calibration(config)
+    module.fp8_state = LayerState(config)
 
 
 def needs_calibration(config: Float8LinearConfig) -> tuple[str, ...]:
@@ -262,22 +293,13 @@ def needs_calibration(config: Float8LinearConfig) -> tuple[str, ...]:
     return tuple(names)
 
 
-# Host-side flag of a Float8Linear: the operands (names) whose DELAYED scale is known to be
-# set. ``precompute_scales`` adds them once, without a host sync (see precompute.py); casts
-# then use the scale buffer as is, with no amax pass for a first-step fallback, and the FSDP2
-# float8 all-gather needs no all-reduce. A Python tuple, so compiled graphs specialize on it
-# (one recompile when it changes). Cleared wherever the buffers may go back to UNSET (init,
-# reset, load): the first-step fallback then guards the cast again until the next
-# precompute_scales.
-DELAYED_SCALES_SET = "_fp8_delayed_scales_set"
-
-
 @torch.no_grad()
 def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str]) -> None:
     """Fill the float8 buffers ``names`` of ``module`` with their initial values (a tied
     layer is untied first: the layers it shares state with keep theirs)."""
     untie_input(module)
-    module.__dict__.pop(DELAYED_SCALES_SET, None)
+    own = module.fp8_state
+    own.scales_set = ()
     for role in GEMM_ROLES:
         cast = config.stateful_cast(role)
         if cast is None:
@@ -288,8 +310,8 @@ def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str])
         if scale_name(role) in names:
             module._buffers[scale_name(role)].fill_(_initial_scale(cast))
     reset = {n.removeprefix("fp8_scale_") for n in names}
-    module._fp8_uncalibrated = tuple(
-        op for op in needs_calibration(config) if op in module._fp8_uncalibrated or op in reset
+    own.uncalibrated = tuple(
+        op for op in needs_calibration(config) if op in own.uncalibrated or op in reset
     )
 
 
@@ -337,14 +359,15 @@ def after_load(
     when it is set; a loaded ``UNSET`` one (a checkpoint saved before ``calibrate``) leaves
     the operand uncalibrated, so the forward raises instead of casting with scale -1.
     """
-    module.__dict__.pop(DELAYED_SCALES_SET, None)
+    own = module.fp8_state
+    own.scales_set = ()
     names = buffer_names(config)
     absent = [n for n in names if prefix + n not in state_dict]
     if absent and len(absent) == len(names):
         reset_state(module, config, names)
         gone = {prefix + n for n in names}
         missing_keys[:] = [k for k in missing_keys if k not in gone]
-    uncalibrated = set(module._fp8_uncalibrated)
+    uncalibrated = set(own.uncalibrated)
     for role in GEMM_ROLES:
         cast = config.stateful_cast(role)
         name = scale_name(role)
@@ -357,7 +380,7 @@ def after_load(
             uncalibrated.discard(OPERAND_NAMES[role])
         else:
             uncalibrated.add(OPERAND_NAMES[role])
-    module._fp8_uncalibrated = tuple(op for op in OPERAND_NAMES.values() if op in uncalibrated)
+    own.uncalibrated = tuple(op for op in OPERAND_NAMES.values() if op in uncalibrated)
 
 
 def strip_float8_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:

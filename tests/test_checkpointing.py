@@ -53,7 +53,7 @@ def float8_state(model: nn.Module) -> dict:
             name = ".".join(part for part in name.split(".") if part not in wrappers)
             for key, buf in mod.named_buffers():
                 state[f"{name}.{key}"] = buf.clone()
-            state[f"{name}.forward_count"] = mod._fp8_forward_count.clone()
+            state[f"{name}.forward_count"] = mod.fp8_state.forward_count.clone()
     return state
 
 

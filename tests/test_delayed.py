@@ -188,13 +188,13 @@ def test_operand_scale_is_the_one_scale_decision():
     c = layer.config
     cast = c.cast_config_weight
     amax = layer.weight.detach().abs().max()
-    scale, record, scale_set = layer._operand_state(GemmRole.WEIGHT, True)
+    scale, record, scale_set = layer.fp8_state.operand(layer, GemmRole.WEIGHT, True)
     assert not scale_set
     got = operand_scale(cast, GemmRole.WEIGHT, c, amax, scale, record, scale_set)
     assert torch.equal(got, E4M3_MAX / amax)  # unset: the dynamic scale
     assert float(layer.fp8_amax_weight) == float(amax)  # recorded (train mode)
     precompute_scales(layer)
-    scale, record, scale_set = layer._operand_state(GemmRole.WEIGHT, True)
+    scale, record, scale_set = layer.fp8_state.operand(layer, GemmRole.WEIGHT, True)
     assert scale_set  # marked by precompute_scales (CPU: at once)
     got = operand_scale(cast, GemmRole.WEIGHT, c, amax * 10, scale, record, scale_set)
     assert torch.equal(got, layer.fp8_scale_weight)
@@ -203,7 +203,7 @@ def test_operand_scale_is_the_one_scale_decision():
         cast_config_input=CastConfig(scaling_type="static", static_scale=2.0),
     )
     s_layer = Float8Linear(32, 16, config=static)
-    s_scale, _, _ = s_layer._operand_state(GemmRole.WEIGHT, True)
+    s_scale, _, _ = s_layer.fp8_state.operand(s_layer, GemmRole.WEIGHT, True)
     got = operand_scale(static.cast_config_weight, GemmRole.WEIGHT, static, None, s_scale)
     assert float(got) == 3.0
 

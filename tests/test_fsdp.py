@@ -87,7 +87,7 @@ def _worker_train(rank: int, world: int, tmp: str) -> dict:
         if isinstance(mod, Float8Linear):
             full = sd[f"{name}.weight"].full_tensor()
             refs.append(amax_to_scale(full.abs().max(), torch.float8_e4m3fn).item())
-            scales.append(mod._float8_all_gather_scale.scale.item())
+            scales.append(mod.fp8_state.all_gather_scale.scale.item())
     res["precomputed_scales"], res["full_weight_scales"] = scales, refs
     with _Count("all_reduce") as ar:
         model(xs[0, local]).sum().backward()
@@ -620,7 +620,7 @@ def test_all_gather_scale_comes_from_operand_scale(monkeypatch, policy):
     config = {"dynamic": FP8_AG, "delayed": DELAYED_AG, "static": STATIC_AG}[policy]
     module = Float8Linear(16, 6, bias=False, config=config)
     w = module.weight
-    state = module._operand_state(float8kit.GemmRole.WEIGHT, False)
+    state = module.fp8_state.operand(module, float8kit.GemmRole.WEIGHT, False)
     ref = float8kit.cast.cast_to_float8(
         w._tensor, config.cast_config_weight, float8kit.GemmRole.WEIGHT, -1, config, *state
     )

@@ -108,7 +108,6 @@ def _dp_slice(kind: str, mesh) -> tuple[int, int]:
 def _whole_weight_scales_ok(model) -> bool:
     """Every tensorwise precomputed scale is fp8_max / amax of the *whole* weight."""
     from float8kit.cast import operand_scale
-    from float8kit.distributed.fsdp import _SCALE_ATTR
 
     for m in model.modules():
         if not isinstance(m, Float8Linear):
@@ -116,7 +115,7 @@ def _whole_weight_scales_ok(model) -> bool:
         full = m.weight.full_tensor()  # the global weight, all dp and tp shards
         amax = full.abs().max().to(torch.float32)
         ref = operand_scale(m.config.cast_config_weight, GemmRole.WEIGHT, m.config, amax)
-        if not torch.equal(getattr(m, _SCALE_ATTR).scale, ref):
+        if not torch.equal(m.fp8_state.all_gather_scale.scale, ref):
             return False
     return True
 

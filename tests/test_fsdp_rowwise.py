@@ -102,7 +102,7 @@ def _worker_rowwise(rank: int, world: int, tmp: str) -> dict:
                 full = sd[f"{name}.weight"].full_tensor()
                 amax = full.abs().amax(dim=-1, keepdim=True)
                 refs.append(amax_to_scale(amax, torch.float8_e4m3fn, True))
-                scales.append(mod._float8_all_gather_scale.scale)
+                scales.append(mod.fp8_state.all_gather_scale.scale)
         res[f"{recipe}_scales_bitwise"] = all(
             torch.equal(a, b) for a, b in zip(scales, refs, strict=True)
         )

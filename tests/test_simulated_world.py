@@ -32,14 +32,12 @@ import torch
 from float8kit import CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
 from float8kit.cast import cast_to_float8, operand_scale
 from float8kit.distributed.fsdp import (
-    _SCALE_ATTR,
     Float8AllGatherWeight,
     PrecomputedScale,
     shard_spec,
 )
 from float8kit.distributed.shard_groups import cuts_blocks, layout
 from float8kit.linear import Float8Linear
-from float8kit.state import DELAYED_SCALES_SET
 
 WORLDS = (1, 2, 3, 8, 64, 128, 1024)
 RECIPES = ("tensorwise", "delayed", "static", "rowwise", "rowwise_with_gw_hp", "blockwise")
@@ -81,7 +79,7 @@ def _module(config: Float8LinearConfig) -> Float8Linear:
     module = Float8Linear(16, 16, bias=False, config=config).eval()
     if config.cast_config_weight.scaling_type.value == "delayed":
         module.fp8_scale_weight.fill_(WEIGHT_SCALE)
-        setattr(module, DELAYED_SCALES_SET, ("weight",))
+        module.fp8_state.mark_scales_set("weight")
     return module
 
 
@@ -109,7 +107,7 @@ def simulate_all_gather(full: torch.Tensor, config: Float8LinearConfig, world: i
         amax = torch.stack(local).amax(0)
         scale = operand_scale(cast, GemmRole.WEIGHT, config, amax)
         stamp = (weakref.ref(module.weight), module.weight._version)
-        setattr(module, _SCALE_ATTR, PrecomputedScale(scale, *stamp, amax))
+        module.fp8_state.all_gather_scale = PrecomputedScale(scale, *stamp, amax)
     sent = [
         w.fsdp_pre_all_gather(FakeMesh(r, world), outer, (outer[1], 1), module, None)
         for r, w in enumerate(weights)
@@ -130,7 +128,7 @@ def simulate_all_gather(full: torch.Tensor, config: Float8LinearConfig, world: i
 def _assert_single_device_cast(weight, full: torch.Tensor, config: Float8LinearConfig):
     cast = config.cast_config_weight
     module = _module(config)
-    state_scale, _, scale_set = module._operand_state(GemmRole.WEIGHT, False)
+    state_scale, _, scale_set = module.fp8_state.operand(module, GemmRole.WEIGHT, False)
     ref = cast_to_float8(full, cast, GemmRole.WEIGHT, -1, config, state_scale, None, scale_set)
     assert weight.shape == full.shape and weight.dtype == full.dtype
     assert weight._axiswise_dim == ref._axiswise_dim and weight._block == ref._block

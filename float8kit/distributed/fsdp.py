@@ -361,9 +361,6 @@ class PrecomputedScale:
         return self.param() is param and param._version == self.version
 
 
-_SCALE_ATTR = "_float8_all_gather_scale"
-
-
 def weight_scale_for_all_gather(
     weight: Float8AllGatherWeight, mesh, module: nn.Module, where: ShardSpec
 ) -> torch.Tensor:
@@ -389,14 +386,14 @@ def weight_scale_for_all_gather(
     config = weight._config
     cast = config.cast_config_weight
     kind = cast.scaling_type
-    groups = shard_groups.layout(cast)
-    if kind is ScalingType.STATIC and "weight" in module._fp8_uncalibrated:
+    groups, own = shard_groups.layout(cast), module.fp8_state
+    if kind is ScalingType.STATIC and "weight" in own.uncalibrated:
         raise RuntimeError(
             "float8kit: the STATIC weight scale of a float8 all-gather weight is not set: "
             "run float8kit.calibrate(model, batches) first, or set CastConfig.static_scale"
         )
     if kind is ScalingType.DYNAMIC:
-        precomputed: PrecomputedScale | None = getattr(module, _SCALE_ATTR, None)
+        precomputed: PrecomputedScale | None = own.all_gather_scale
         if precomputed is not None:
             if precomputed.fresh(module.weight):
                 precomputed.gathered_amax = groups.group_amaxes(weight._tensor, where)
@@ -407,8 +404,8 @@ def weight_scale_for_all_gather(
                 "every optimizer.step() (and after loading weights).",
                 stacklevel=2,
             )
-            setattr(module, _SCALE_ATTR, None)
-    state_scale, amax_record, scale_set = module._operand_state(GemmRole.WEIGHT, module.training)
+            own.all_gather_scale = None
+    state_scale, amax_record, scale_set = own.operand(module, GemmRole.WEIGHT, module.training)
     # Under tensor parallelism the DELAYED/STATIC buffers are replicated DTensors: their
     # local tensors share the storage (a recorded amax lands in the buffer).
     state_scale, amax_record = local_tensor(state_scale), local_tensor(amax_record)
@@ -459,9 +456,6 @@ def amax_group(module: nn.Module, shard_mesh) -> dist.ProcessGroup:
     return shard_mesh.get_group() if shard_mesh.size() > 1 else None
 
 
-_SHARD_MESH_ATTR = "_float8_shard_mesh"
-
-
 def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) -> ShardSpec:
     """Where this rank's shard of ``module.weight`` sits (``ShardSpec``), from FSDP2's shard
     ``mesh`` and outer size and the weight's DTensor placements (tensor parallel / HSDP
@@ -469,7 +463,7 @@ def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) ->
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    setattr(module, _SHARD_MESH_ATTR, mesh)
+    module.fp8_state.shard_mesh = mesh
     rank, world = _mesh_rank(mesh), mesh.size()
     weight = module.weight
     if not isinstance(weight, DTensor) or weight.device_mesh.ndim == 1:
@@ -520,7 +514,7 @@ def _precompute_spec(m: nn.Module) -> ShardSpec | None:
     hook remembered, or the weight's own mesh when 1-D; None on a multi-dim mesh before the
     first all-gather (alike on every rank: the hook then reduces itself)."""
     weight = m.weight
-    mesh = getattr(m, _SHARD_MESH_ATTR, None)
+    mesh = m.fp8_state.shard_mesh
     if mesh is None:
         if weight.device_mesh.ndim != 1:
             return None
@@ -564,7 +558,7 @@ def _report_stale_weights(mods: list[tuple[str, nn.Module]]) -> None:
     last all-gather used a precomputed scale they had outgrown (see ``PrecomputedScale``)."""
     used = []
     for name, m in mods:
-        p = getattr(m, _SCALE_ATTR, None)
+        p = m.fp8_state.all_gather_scale
         if p is not None and p.gathered_amax is not None:
             used.append((p, name))
     if not used:
@@ -606,7 +600,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
         where = _precompute_spec(m)
         if where is None:
             continue
-        mesh = getattr(m, _SHARD_MESH_ATTR, None) or m.weight.device_mesh
+        mesh = m.fp8_state.shard_mesh or m.weight.device_mesh
         if cast.scaling_granularity is ScalingGranularity.BLOCKWISE and not (
             shard_groups.cuts_blocks(cast, where.outer_shape[0], mesh.size())
         ):
@@ -633,7 +627,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
                 cast, GemmRole.WEIGHT, rows[0].config, reduced[start:stop]
             )
             for i, scale in zip(range(start, stop), scales.unbind(0), strict=True):
-                setattr(mods[i], _SCALE_ATTR, PrecomputedScale(scale, *stamps[i], amaxes[i]))
+                mods[i].fp8_state.all_gather_scale = PrecomputedScale(scale, *stamps[i], amaxes[i])
             start = stop
         for i, local in enumerate(group_amaxes, start=n_tensorwise):
             m, stop = mods[i], start + local.numel()
@@ -641,7 +635,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
             scale = casting.operand_scale(
                 m.config.cast_config_weight, GemmRole.WEIGHT, m.config, full
             )
-            setattr(m, _SCALE_ATTR, PrecomputedScale(scale, *stamps[i], local))
+            m.fp8_state.all_gather_scale = PrecomputedScale(scale, *stamps[i], local)
             start = stop
 
     return [(amaxes, apply)]
