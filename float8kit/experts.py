@@ -119,27 +119,11 @@ _FP8_TRANSPOSE = {aten.transpose.int, aten.permute.default}
 # ---------------------------------------------------------------------------- scaling
 
 
-def _cast(
-    hp: torch.Tensor, reduce_dim: int, config: Float8ExpertsConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic rowwise e4m3 cast: ``(fp8 data, scale)``, one scale per slice along
-    ``reduce_dim`` (kept as a size-1 dim)."""
-    return cast.cast_rowwise(hp, reduce_dim, config.round_scales_to_power_of_2)
-
-
 def token_groups(offs: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The group of each of ``num_tokens`` rows: ``g`` for rows ``offs[g-1]:offs[g]``,
     ``len(offs)`` for rows past ``offs[-1]`` (which grouped gemms ignore)."""
     rows = torch.arange(num_tokens, device=offs.device, dtype=offs.dtype)
     return torch.searchsorted(offs, rows, right=True)
-
-
-def _cast_per_group(
-    hp: torch.Tensor, groups: torch.Tensor, num_groups: int, config: Float8ExpertsConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cast (T, D) ``hp`` with one scale per token group and column: ``(fp8 data, (G, D)
-    scales)``."""
-    return cast.cast_per_group(hp, groups, num_groups, config.round_scales_to_power_of_2)
 
 
 # ---------------------------------------------------------------------------- the gemms
@@ -178,9 +162,9 @@ class _Float8GroupedMM(torch.autograd.Function):
             ctx.save_for_backward(x, offs, w_data, w_scale)
         else:
             w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
-            w_data, w_scale = _cast(w_hp, 1, config)
+            w_data, w_scale = cast.cast_rowwise(w_hp, 1, config.round_scales_to_power_of_2)
             ctx.save_for_backward(x, offs, w_hp)
-        x_data, x_scale = _cast(x, -1, config)
+        x_data, x_scale = cast.cast_rowwise(x, -1, config.round_scales_to_power_of_2)
         ctx.config, ctx.w_dtype = config, weight.dtype
         return scaled_grouped_mm(
             x_data,
@@ -204,13 +188,14 @@ class _Float8GroupedMM(torch.autograd.Function):
             if len(w_saved) == 2:
                 w_data, w_scale = w_saved
             else:  # the forward's cast again (same amax, same scale: bitwise the same)
-                w_data, w_scale = _cast(w_saved[0], 1, c)
+                w_data, w_scale = cast.cast_rowwise(w_saved[0], 1, c.round_scales_to_power_of_2)
             # grad_input uses the forward's float8 weight (exact in fp32), recast along N:
             # the same numbers whether that float8 weight came from this cast or from an
             # FSDP2 float8 all-gather, so sharded and single-device training agree bitwise.
             w_hp = w_data.to(torch.float32) / w_scale
-            go_data, go_scale = _cast(grad_output, -1, c)
-            w_data, w_scale = _cast(w_hp, 2, c)  # one scale per expert and K: reduce N
+            go_data, go_scale = cast.cast_rowwise(grad_output, -1, c.round_scales_to_power_of_2)
+            # one scale per expert and K: reduce N
+            w_data, w_scale = cast.cast_rowwise(w_hp, 2, c.round_scales_to_power_of_2)
             grad_input = scaled_grouped_mm(
                 go_data,
                 go_scale.reshape(-1),
@@ -222,8 +207,12 @@ class _Float8GroupedMM(torch.autograd.Function):
             )
         if ctx.needs_input_grad[1]:
             token_group = token_groups(offs, x.size(0))
-            x_data, x_scale = _cast_per_group(x, token_group, groups, c)
-            go_data, go_scale = _cast_per_group(grad_output, token_group, groups, c)
+            x_data, x_scale = cast.cast_per_group(
+                x, token_group, groups, c.round_scales_to_power_of_2
+            )
+            go_data, go_scale = cast.cast_per_group(
+                grad_output, token_group, groups, c.round_scales_to_power_of_2
+            )
             grad_weight = scaled_grouped_mm(
                 x_data.t(),
                 x_scale.reshape(-1),
@@ -452,7 +441,9 @@ class Float8ExpertWeight(HpIdentity, torch.Tensor):
         # scales along the dim the output gemm reduces: in for (experts, in, out), the
         # stored dim 2 for (experts, out, in), which reaches the gemm transposed
         reduce_dim = 1 if self._config.weight_layout == "in_out" else 2
-        data, scale = _cast(self._tensor, reduce_dim, self._config)
+        data, scale = cast.cast_rowwise(
+            self._tensor, reduce_dim, self._config.round_scales_to_power_of_2
+        )
         return (data.view(torch.uint8), scale.view(torch.uint8)), None
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

@@ -13,12 +13,24 @@ on the scale layout asks it, instead of branching on the kind: the scale's shape
 
 ``of(cast, role, reduce_dim, ndim)`` maps a ``CastConfig`` to its object: where a new
 format's scale layout (MX blocks) plugs in. Objects are frozen and hashable: compiled graphs
-guard on them. Internal.
+guard on them.
+
+Shard layout (the FSDP2 float8 all-gather, float8kit.distributed.fsdp). A weight's *scaling
+groups* are the slices that share one scale. FSDP2 shards the weight along one dim (dim 0 by
+default, unevenly, with empty shards on some ranks); a rank sees only its part of each group.
+Every group's amax over the full weight is the MAX over ranks of the group's amax over each
+rank's part, where a rank that does not touch a group contributes 0 (amaxes are never
+negative): one all-reduce(MAX) of same-shape tensors on every rank (the hook's fallback, or a
+slice of ``precompute_scales``' single collective). ``group_amaxes`` fills the full weight's
+scale shape from a shard, ``shard_scale`` is the part of the full scale that casts the shard,
+``gathered_scale`` the part the gathered weight needs; ``ShardSpec`` says where the shard sits
+(under tensor parallelism the full shape is the global weight's). Internal.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -75,6 +87,25 @@ class Granularity:
                 raise ValueError("float8kit: cat of float8 tensors with different scales")
         return scales[0]
 
+    # shard layout of a weight (see the module docstring)
+    def group_amaxes(self, shard: torch.Tensor, where: ShardSpec) -> torch.Tensor:
+        """fp32 amaxes of the full weight's groups over ``shard``'s part of them (0 for the
+        groups it does not touch), in the full scale's shape; NaN becomes inf."""
+        return scaling.nan_to_inf(scaling.amax(shard))
+
+    def shard_scale(self, scale: torch.Tensor, shard: torch.Tensor, where: ShardSpec):
+        """The part of the full weight's ``scale`` that casts ``shard`` (broadcasts to it)."""
+        return scale
+
+    def gathered_scale(self, scale: torch.Tensor, where: ShardSpec) -> torch.Tensor:
+        """The part of the full weight's ``scale`` that the gathered (outer) weight needs."""
+        return scale
+
+    def cuts(self, outer_rows: int, world: int) -> bool:
+        """Whether FSDP2's dim-0 shards of ``outer_rows`` rows over ``world`` ranks cut a
+        scaling group whose scale is local to the rows (a block)."""
+        return False
+
 
 @dataclasses.dataclass(frozen=True)
 class Tensorwise(Granularity):
@@ -126,6 +157,29 @@ class Axiswise(Granularity):
     def cat(self, scales, dim, fn, func):
         return Granularity.cat(self, scales, dim, fn, func) if self.dim == dim else fn(scales)
 
+    # A weight's rows (scales (N, 1) for the global N): under FSDP2's dim-0 sharding a rank
+    # owns whole rows of the outer weight, so its rows' amaxes are complete over the columns
+    # it holds; the all-reduce assembles the rows and, when tensor parallel splits the
+    # columns, takes each row's max over the TP ranks. Other shard dims are refused.
+    def group_amaxes(self, shard, where):
+        rows = scaling.nan_to_inf(scaling.amax(shard, reduce_dim=-1))
+        _check_dim0(where)
+        if where.full_shape[0] == shard.shape[0]:
+            return rows
+        full = rows.new_zeros((where.full_shape[0], 1))
+        start = where.global_start(0)
+        full[start : start + shard.shape[0]] = rows
+        return full
+
+    def shard_scale(self, scale, shard, where):
+        _check_dim0(where)
+        start = where.global_start(0)
+        return scale[start : start + shard.shape[0]]
+
+    def gathered_scale(self, scale, where):
+        start = where.outer_offset[0]
+        return scale[start : start + where.outer_shape[0]]
+
 
 @dataclasses.dataclass(frozen=True)
 class Blockwise(Granularity):
@@ -167,6 +221,38 @@ class Blockwise(Granularity):
     def cat(self, scales, dim, fn, func):
         self._refuse(func)
 
+    # One scale per block of the outer weight (the blocks a single device casts it in).
+    # Where FSDP2's dim-0 shards cut blocks (``cuts``), a block that straddles shards gets the
+    # max of their partial amaxes, so every shard is cast with the whole block's scale and
+    # the gathered weight is bitwise the one-device cast (shards of whole blocks need no amax
+    # collective: fsdp.py casts them alone). The full scale is (n_slots, ceil(R / b),
+    # ceil(C / b)) for the global shape: one block grid per slot (TP shard, HSDP replica).
+    def group_amaxes(self, shard, where):
+        b = self.rows
+        _check_dim0(where, "blockwise")
+        grid = (where.n_slots, -(-where.full_shape[0] // b), -(-where.full_shape[1] // b))
+        full = torch.zeros(grid, dtype=torch.float32, device=shard.device)
+        if shard.numel() == 0:
+            return full
+        start = where.offset if where.dim == 0 else 0
+        amax = scaling.row_block_amax(shard, b, start)
+        first = start // b
+        full[where.slot, first : first + amax.shape[0], : amax.shape[1]] = amax
+        return full
+
+    def shard_scale(self, scale, shard, where):
+        start = where.offset if where.dim == 0 else 0
+        rows = torch.arange(start, start + shard.shape[0], device=scale.device) // self.rows
+        grid = self.gathered_scale(scale, where)
+        return grid[rows].repeat_interleave(self.cols, dim=1)[:, : shard.shape[1]]
+
+    def gathered_scale(self, scale, where):
+        r, c = where.outer_shape
+        return scale[where.slot, : -(-r // self.rows), : -(-c // self.cols)]
+
+    def cuts(self, outer_rows, world):
+        return world > 1 and math.ceil(outer_rows / world) % self.rows != 0
+
     def _refuse(self, func, shape=None):
         of = f" {tuple(shape)}" if shape is not None else ""
         raise NotImplementedError(
@@ -193,3 +279,65 @@ def of(cast: CastConfig, role: GemmRole, reduce_dim: int, ndim: int) -> Granular
             return Blockwise(b, b)
         return Blockwise(1, b) if reduce_dim in (1, -1) else Blockwise(b, 1)
     return TENSORWISE
+
+
+def weight(cast: CastConfig) -> Granularity:
+    """The granularity of a 2-D (N, K) weight cast per ``cast`` for the output gemm."""
+    return of(cast, GemmRole.WEIGHT, -1, 2)
+
+
+def _check_dim0(where: ShardSpec, what: str = "rowwise") -> None:
+    if where.dim not in (None, 0):
+        raise ValueError(
+            f"float8kit: a {what} float8 all-gather weight must be sharded along dim 0 (FSDP2's "
+            f"default), got a shard along dim {where.dim} of {tuple(where.outer_shape)}: drop "
+            "the shard_placement_fn for it, or set enable_fsdp_float8_all_gather=False"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """Where a rank's shard sits in the FSDP2-unsharded weight and in the global one.
+
+    FSDP2 shards the *outer* weight (``outer_shape``: the weight itself on a 1-D mesh or
+    HSDP, this rank's tensor-parallel shard of it on a 2-D (dp, tp) mesh) along ``dim`` (None
+    when the shard is the whole outer weight: one rank, or a dim FSDP2 did not need to split),
+    from ``offset`` on. FSDP2 shards like ``torch.chunk``: every shard but the last non-empty
+    ones has ``ceil(size / world)`` slices, so rank r starts at ``r * ceil(size / world)``.
+
+    ``outer_offset`` is the outer weight's first index along each dim of the global weight
+    (``full_shape``; all 0 without tensor parallelism). ``slot`` numbers this rank's place
+    on the mesh dims other than FSDP2's shard dim (``n_slots`` of them: the TP shard, the
+    HSDP replica): groups that live in the outer weight's own coordinates (blockwise
+    blocks) reduce over ranks of the same slot only, see ``Blockwise``.
+    """
+
+    dim: int | None
+    offset: int
+    full_shape: torch.Size
+    outer_shape: torch.Size | None = None
+    outer_offset: tuple[int, ...] | None = None
+    slot: int = 0
+    n_slots: int = 1
+
+    def __post_init__(self):
+        if self.outer_shape is None:
+            object.__setattr__(self, "outer_shape", torch.Size(self.full_shape))
+        if self.outer_offset is None:
+            object.__setattr__(self, "outer_offset", (0,) * len(self.full_shape))
+
+    @staticmethod
+    def of(local: torch.Size, full: torch.Size, rank: int, world: int, **outer) -> ShardSpec:
+        """``local``: the shard's shape; ``full``: the outer weight's (FSDP2's
+        ``outer_size``); ``outer``: the global placement (see the class doc), if any."""
+        outer.setdefault("full_shape", torch.Size(full))
+        outer["outer_shape"] = torch.Size(full)
+        for dim, (n_local, n_full) in enumerate(zip(local, full, strict=True)):
+            if n_local != n_full:
+                return ShardSpec(dim, rank * math.ceil(n_full / world), **outer)
+        return ShardSpec(None, 0, **outer)
+
+    def global_start(self, dim: int) -> int:
+        """The global index of the shard's first slice along ``dim``."""
+        start = self.outer_offset[dim]
+        return start + self.offset if dim == self.dim else start

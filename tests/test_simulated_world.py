@@ -9,7 +9,7 @@ weight (data and scales), for every recipe that all-gathers in float8, at N in {
 64, 128, 1024}.
 
 The one collective (the amax all-reduce that ``precompute_scales`` does) is simulated too:
-every rank's ``shard_groups`` group amaxes, max-reduced, turned into the scale that
+every rank's granularity group amaxes, max-reduced, turned into the scale that
 ``precompute_scales`` stores on the module. DELAYED and STATIC weights use the layer's scale
 buffer (set, as after the first step), so no rank needs a collective in the hook.
 
@@ -36,7 +36,7 @@ from float8kit.distributed.fsdp import (
     PrecomputedScale,
     shard_spec,
 )
-from float8kit.distributed.shard_groups import cuts_blocks, layout
+from float8kit.granularity import weight as weight_granularity
 from float8kit.linear import Float8Linear
 
 WORLDS = (1, 2, 3, 8, 64, 128, 1024)
@@ -96,10 +96,10 @@ def simulate_all_gather(full: torch.Tensor, config: Float8LinearConfig, world: i
     cast = config.cast_config_weight
     weights = [Float8AllGatherWeight(s, config) for s in shards]
     blocks = cast.scaling_granularity is ScalingGranularity.BLOCKWISE
-    aligned_blocks = blocks and not cuts_blocks(cast, outer[0], world)
+    aligned_blocks = blocks and not weight_granularity(cast).cuts(outer[0], world)
     if cast.scaling_type.value == "dynamic" and not aligned_blocks:
         # precompute_scales: every rank's group amaxes, one all-reduce(MAX), the scale
-        groups = layout(cast)
+        groups = weight_granularity(cast)
         specs = [
             shard_spec(s.shape, outer, FakeMesh(r, world), module) for r, s in enumerate(shards)
         ]

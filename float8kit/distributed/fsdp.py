@@ -1,50 +1,16 @@
 """FSDP2 float8 all-gather: a weight subclass that FSDP2 shards in hp and gathers in fp8.
 
 With ``Float8LinearConfig.enable_fsdp_float8_all_gather=True`` a ``Float8Linear``'s weight
-parameter holds a ``Float8AllGatherWeight`` around its hp tensor. ``fully_shard`` shards it
-like any weight (the DTensor's local tensor stays this subclass); before each all-gather
-FSDP2 calls ``fsdp_pre_all_gather`` on the local shard, which casts it to fp8 with a scale
-that is the same on every rank, so the all-gather moves 1 byte per element instead of 2
-(bf16) or 4 (fp32). ``fsdp_post_all_gather`` wraps the gathered bytes as the
-``Float8TrainingTensor`` weight the gemms use without casting again.
-
-Scales. Casting shards with one replicated scale equals gathering hp and casting the full
-weight, so the scale must come from the amax of the *full* weight: an all-reduce(MAX) of
-the shards' amaxes. ``precompute_scales`` (after ``optimizer.step()``) does that for every
-float8-all-gather weight with one collective, through ``fsdp_weight_contributions``. Without
-a fresh precomputed scale (first step, ``precompute_scales`` not called, or the weight changed
-since) ``fsdp_pre_all_gather`` still computes the right scale itself, at the cost of one small
-all-reduce per weight per all-gather.
-
-Blockwise weights (``blockwise`` recipe): each 128x128 block's scale is computed from the
-block itself, so when every rank's shard holds whole 128-row blocks (FSDP2 shards dim 0 in
-chunks of ceil(rows / ranks): a multiple of 128 rows), each rank casts its shard alone, with
-no amax collective, and the block scales are all-gathered with the bytes (a second, tiny
-all-gather input). Where shards cut blocks, a straddling block's amax is the max of the
-ranks' partial amaxes, reduced like a tensorwise amax (``shard_groups._Blockwise``).
-
-Meshes. On a 2-D mesh (FSDP2 x tensor parallel, HSDP) FSDP2 shards the *outer* weight (the
-TP shard) over the 1-D shard mesh it passes to the hooks; ``shard_spec`` places the shard in
-the global weight from the weight's DTensor placements, and amaxes are reduced over every
-rank of the weight's mesh (``amax_group``), so a tensorwise scale is the whole weight's.
-
-Every rank must make the same choice between the two (the fallback is a collective: one rank
-taking it alone hangs the job), so freshness is judged only by signals that change alike on
-every rank: the identity and version counter of the sharded weight parameter (bumped by the
-optimizer, ``load_state_dict``, any in-place op on it). Rank-local signals (the local
-shard's object, which FSDP2 re-pads on uneven ranks only) are not used.
-
-Granularity. One cast is gathered: the one the output gemm uses (``cast_config_weight``).
-Tensorwise, it serves the grad_input gemm as is. Rowwise (axiswise, one scale per row of the
-(N, K) weight), a rank owns whole rows, so its shard's row scales are its own rows'; the
-gathered weight needs all N of them on every rank, which ``precompute_scales`` provides (N
-amaxes per weight in its one all-reduce). The grad_input gemm needs the weight scaled per
-column (``rowwise``) or tensorwise (``rowwise_with_gw_hp``): ``_Float8Matmul`` re-casts the
-gathered row-scaled float8 weight locally, which between power-of-2 scales (required by the
-config) only shifts exponents: exact except for values in the subnormal range. The same
-bytes serve forward, the backward re-gather (``reshard_after_forward=True``) and activation
-checkpointing's recomputation; see docs/fsdp.md for why no pass-dependent cast is gathered.
-How each granularity's scales map onto shards is ``float8kit.shard_groups``.
+parameter holds a ``Float8AllGatherWeight`` around its hp tensor. Before each all-gather FSDP2
+calls ``fsdp_pre_all_gather`` on the local shard, which casts it to fp8 with a scale that is
+the same on every rank (the full weight's: ``precompute_scales`` reduces every weight's amaxes
+in one collective through ``fsdp_weight_contributions``; without a fresh one the hook
+all-reduces itself), so the all-gather moves 1 byte per element; ``fsdp_post_all_gather``
+wraps the gathered bytes as the ``Float8TrainingTensor`` the gemms use without casting again.
+Shards of whole blocks (blockwise) cast alone and gather their block scales with the bytes.
+How a granularity's scaling groups map onto shards and meshes is its granularity object's
+(float8kit.granularity); freshness of a precomputed scale is judged by signals alike on every
+rank (the parameter's identity and version). docs/fsdp.md explains each choice.
 
 Internal, except ``fsdp_weight_contributions`` (the provider ``precompute_scales`` uses).
 """
@@ -63,10 +29,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import cast as casting
-from float8kit import linear, scaling, state
+from float8kit import granularity, linear, scaling, state
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
-from float8kit.distributed import shard_groups
-from float8kit.distributed.shard_groups import ShardSpec
+from float8kit.granularity import ShardSpec
 from float8kit.hp_weight import (
     KEEP_SUBCLASS,
     HpIdentity,
@@ -191,12 +156,10 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
                 f"mesh {mesh}: drop the shard_placement_fn for it, or set "
                 "enable_fsdp_float8_all_gather=False"
             )
-        if self._block_size is not None and not shard_groups.cuts_blocks(
-            cast, outer_size[0], mesh.size()
-        ):
+        groups = granularity.weight(cast)
+        if self._block_size is not None and not groups.cuts(outer_size[0], mesh.size()):
             return self._pre_all_gather_blocks(mesh, outer_size)
         scale = weight_scale_for_all_gather(self, mesh, module, where)
-        groups = shard_groups.layout(cast)
         shard_scale = groups.shard_scale(scale, self._tensor, where)
         data = casting.cast_with_scale(self._tensor, shard_scale, self._fp8_dtype)
         # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
@@ -245,7 +208,7 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
 
     def _post_all_gather_blocks(self, all_gather_outputs, metadata, param_dtype, out):
         c = self._config
-        gran = shard_groups.layout(c.cast_config_weight).gran
+        gran = granularity.weight(c.cast_config_weight)
         if len(all_gather_outputs) == 1:  # the scales came as metadata (replicated)
             (data,), (scale, *rows) = all_gather_outputs, metadata
             if out is not None:
@@ -296,7 +259,7 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
             _refill_scale(out, scale)
             return None
         data = data.view(self._fp8_dtype)
-        gran = shard_groups.layout(self._config.cast_config_weight).gran
+        gran = granularity.weight(self._config.cast_config_weight)
         # Rowwise: drop the padding rows here (a view: FSDP2 frees and refills ``data``'s
         # storage), so the weight has one scale per row; FSDP2's as_strided to the full size
         # is then the identity.
@@ -348,7 +311,7 @@ class PrecomputedScale:
     (``gathered_amax``: one read of the local shard, no collective, no host sync), and the
     next ``precompute_scales`` compares them with ``local_amax``, the ones the scale was made
     from, and warns naming the layer (the scale is exactly stale when some group's amax
-    moved on some rank). Tensorwise these are shape (), rowwise (N, 1) (see shard_groups).
+    moved on some rank). Tensorwise these are shape (), rowwise (N, 1) (see float8kit.granularity).
     """
 
     scale: torch.Tensor
@@ -366,7 +329,7 @@ def weight_scale_for_all_gather(
 ) -> torch.Tensor:
     """The full weight's scale for this step's all-gather, identical on every rank of
     ``mesh`` (``where``: the shard's place in the full weight; the shard is cast with its
-    part of it, ``shard_groups.Layout.shard_scale``).
+    part of it, ``Granularity.shard_scale``).
 
     The scale itself comes from ``operand_scale`` (float8kit/linear.py), the decision every
     cast of the layer goes through; this function only supplies its inputs for a shard:
@@ -386,7 +349,7 @@ def weight_scale_for_all_gather(
     config = weight._config
     cast = config.cast_config_weight
     kind = cast.scaling_type
-    groups, own = shard_groups.layout(cast), module.fp8_state
+    groups, own = granularity.weight(cast), module.fp8_state
     if kind is ScalingType.STATIC and "weight" in own.uncalibrated:
         raise RuntimeError(
             "float8kit: the STATIC weight scale of a float8 all-gather weight is not set: "
@@ -536,7 +499,7 @@ def _precompute_spec(m: nn.Module) -> ShardSpec | None:
 def _group_amaxes(m: nn.Module, where: ShardSpec) -> torch.Tensor:
     """The group amaxes of ``m``'s local weight shard in the full weight's scale shape."""
     shard = m.weight._local_tensor._tensor
-    return shard_groups.layout(m.config.cast_config_weight).group_amaxes(shard, where)
+    return granularity.weight(m.config.cast_config_weight).group_amaxes(shard, where)
 
 
 def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -573,7 +536,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
 
     One contribution for all of them: the local shards' group amaxes (tensorwise weights:
     one each, in one batched pass; rowwise: one per row of the full weight, 0 for the rows
-    other ranks own, see ``shard_groups``), and an ``apply`` that turns the all-reduced
+    other ranks own, see ``float8kit.granularity``), and an ``apply`` that turns the all-reduced
     amaxes into next-step scales (tensorwise: batched per cast) and stores each on its
     module, stamped with the weight version it was read at.
 
@@ -602,7 +565,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
             continue
         mesh = m.fp8_state.shard_mesh or m.weight.device_mesh
         if cast.scaling_granularity is ScalingGranularity.BLOCKWISE and not (
-            shard_groups.cuts_blocks(cast, where.outer_shape[0], mesh.size())
+            granularity.weight(cast).cuts(where.outer_shape[0], mesh.size())
         ):
             continue  # whole blocks on every shard: each rank's block scales are its own
         if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
