@@ -344,7 +344,7 @@ class Float8Linear(nn.Linear):
     (``to_empty`` after a meta-device init) is reset to its initial values, since its memory
     was never written.
 
-    DELAYED/STATIC operands add the buffers documented in ``float8kit.scale_state``
+    DELAYED/STATIC operands add the buffers documented in ``float8kit.state``
     (``fp8_amax_history_<op>``, ``fp8_amax_<op>``, ``fp8_scale_<op>``). In train mode a
     DELAYED layer records amaxes while casting; in eval mode it only uses its scales.
 

@@ -36,8 +36,8 @@ from float8kit import (  # noqa: E402
     convert_to_float8_training,
     default_module_filter,
     precompute_scales,
-    scale_state,
 )
+from float8kit import state as float8_state  # noqa: E402
 from float8kit.integrations.torchtitan import (  # noqa: E402
     Float8KitConverter,
     Float8KitLinear,
@@ -264,7 +264,7 @@ def test_parallelize_declares_the_scale_state(one_rank, backend):
     model.parallelize(ParallelDims(**dims, spmd_backend=backend))
     assert set(shared.state_shardings) == {"weight"}  # the shared config is left as it was
     layer = model.layers[0].w1
-    names = scale_state.buffer_names(layer.config)
+    names = float8_state.buffer_names(layer.config)
     assert len(names) == 9 and set(layer._sharding_config.state_shardings) == {"weight", *names}
     x = torch.randn(4, 16, DIM, generator=torch.Generator().manual_seed(3))
     grad = torch.randn(4, 16, OUT, generator=torch.Generator().manual_seed(4))

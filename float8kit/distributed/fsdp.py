@@ -54,7 +54,7 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
         - ``_config`` is the owning layer's config (a tensorwise, rowwise or blockwise float8
           weight, validated by ``Float8LinearConfig``).
-        - ``data_ptr()`` is ``_tensor``'s (``float8kit.identity``): trainers tell parameters
+        - ``data_ptr()`` is ``_tensor``'s (``float8kit.hp_weight``): trainers tell parameters
           apart by it.
         - It holds no scale state: FSDP2 may replace the local shard object (it re-pads
           uneven shards at lazy init and after ``load_state_dict``), so the precomputed scale
