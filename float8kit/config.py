@@ -486,18 +486,23 @@ class Float8LinearConfig:
 class Float8ExpertsConfig:
     """How ``convert_experts_to_float8_training`` runs MoE expert weights' grouped gemms.
 
-    Dynamic rowwise e4m3 scaling only, the one float8 grouped kernel torch has: scales per
-    token and per expert column in the output and grad_input gemms, per expert group in the
-    weight-gradient gemm.
+    Composes the cast and gemm settings of a linear layer: ``cast_config`` casts every operand
+    of the three grouped gemms (DYNAMIC AXISWISE e4m3, the one float8 grouped kernel torch
+    has: scales per token and per expert column in the output and grad_input gemms, per
+    expert group in the weight-gradient gemm), ``gemm_config_output`` sets the output gemm.
     """
 
+    # the cast of every grouped-gemm operand (DYNAMIC AXISWISE e4m3 only)
+    cast_config: CastConfig = CastConfig(
+        scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3
+    )
+    # the output gemm (fast accumulation on CUDA); the backward gemms run without it
+    gemm_config_output: GemmConfig = GemmConfig()
     # floor every scale to a power of two (exact rescaling, as the rowwise linear recipe)
     round_scales_to_power_of_2: bool = True
     # run the float8 math in fp32 instead of torch._scaled_grouped_mm (CPU always does:
     # torch has no CPU kernel)
     emulate: bool = False
-    # accumulate the output gemm in the tensor cores' faster, lower-precision mode (CUDA)
-    use_fast_accum: bool = False
     # under FSDP2, cast expert weight shards to float8 before the all-gather (rowwise scales
     # per expert are local to the shard; the expert count must divide by the world size)
     enable_fsdp_float8_all_gather: bool = False
@@ -509,16 +514,31 @@ class Float8ExpertsConfig:
     weight_layout: str = "in_out"
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            if f.name == "weight_layout":
-                if self.weight_layout not in ("in_out", "out_in"):
-                    raise ValueError(
-                        f"Float8ExpertsConfig.weight_layout={self.weight_layout!r} must be "
-                        '"in_out" (experts, in, out) or "out_in" (experts, out, in)'
-                    )
-            elif not isinstance(getattr(self, f.name), bool):
+        c = self.cast_config
+        if not isinstance(c, CastConfig) or (
+            c.scaling_type is not ScalingType.DYNAMIC
+            or c.scaling_granularity is not ScalingGranularity.AXISWISE
+            or c.dtype_for(GemmRole.INPUT) != E4M3
+        ):
+            raise ValueError(
+                f"Float8ExpertsConfig.cast_config={c!r} is not supported: the float8 grouped "
+                "gemm takes DYNAMIC AXISWISE e4m3 operands only; use CastConfig("
+                "scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3), the default"
+            )
+        if not isinstance(self.gemm_config_output, GemmConfig):
+            raise ValueError(
+                f"Float8ExpertsConfig.gemm_config_output={self.gemm_config_output!r} must be a "
+                "GemmConfig"
+            )
+        if self.weight_layout not in ("in_out", "out_in"):
+            raise ValueError(
+                f"Float8ExpertsConfig.weight_layout={self.weight_layout!r} must be "
+                '"in_out" (experts, in, out) or "out_in" (experts, out, in)'
+            )
+        for name in ("round_scales_to_power_of_2", "emulate", "enable_fsdp_float8_all_gather"):
+            if not isinstance(getattr(self, name), bool):
                 raise ValueError(
-                    f"Float8ExpertsConfig.{f.name}={getattr(self, f.name)!r} must be a bool"
+                    f"Float8ExpertsConfig.{name}={getattr(self, name)!r} must be a bool"
                 )
 
 
@@ -526,39 +546,47 @@ class Float8ExpertsConfig:
 class Float8ReduceScatterConfig:
     """How ``enable_float8_reduce_scatter`` sends FSDP2's gradient reduce-scatter (qgZ).
 
-    Each rank's reduce-scatter input is cut into blocks of ``block_size`` elements along the
-    flattened gradient; every block gets its own scale (``fp8 = saturate(hp * scale)``) and
-    travels as float8 bytes plus one fp32 scale in a single all-to-all. The receiving rank
-    dequantizes and sums in fp32.
+    Each rank's reduce-scatter input is cut into blocks of ``cast_config.block_size``
+    elements along the flattened gradient (1 x block_size tiles); every block gets its own
+    scale (``fp8 = saturate(hp * scale)``) and travels as float8 bytes plus one fp32 scale in
+    a single all-to-all. The receiving rank dequantizes and sums in fp32.
     """
 
-    # float8 format of the sent gradients: e4m3 (more mantissa; blocks cover the range)
-    dtype: torch.dtype = E4M3
-    # elements per scale along the flattened gradient (fp32 scales: 4 / block_size bytes each)
-    block_size: int = 128
+    # the cast of the sent gradient: DYNAMIC BLOCKWISE, its float8 format (target_dtype: e4m3
+    # by default, more mantissa; blocks cover the range) and block_size (elements per fp32
+    # scale: 4 / block_size bytes each)
+    cast_config: CastConfig = CastConfig(
+        scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E4M3
+    )
     # floor every block scale to a power of two (exact rescaling)
     round_scales_to_power_of_2: bool = False
 
     def __post_init__(self):
-        if self.dtype not in FP8_DTYPES:
-            raise ValueError(
-                f"Float8ReduceScatterConfig.dtype={self.dtype!r} must be torch.float8_e4m3fn "
-                "(float8kit.E4M3) or torch.float8_e5m2 (float8kit.E5M2)"
-            )
-        if (
-            not isinstance(self.block_size, int)
-            or isinstance(self.block_size, bool)
-            or self.block_size < 1
+        c = self.cast_config
+        if not isinstance(c, CastConfig) or (
+            c.scaling_type is not ScalingType.DYNAMIC
+            or c.scaling_granularity is not ScalingGranularity.BLOCKWISE
         ):
             raise ValueError(
-                f"Float8ReduceScatterConfig.block_size={self.block_size!r} must be a positive "
-                "int (elements per scale, e.g. 128)"
+                f"Float8ReduceScatterConfig.cast_config={c!r} is not supported: gradient "
+                "blocks are cast DYNAMIC BLOCKWISE; use CastConfig(scaling_granularity="
+                "ScalingGranularity.BLOCKWISE, target_dtype=..., block_size=...)"
             )
         if not isinstance(self.round_scales_to_power_of_2, bool):
             raise ValueError(
                 "Float8ReduceScatterConfig.round_scales_to_power_of_2="
                 f"{self.round_scales_to_power_of_2!r} must be a bool"
             )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The float8 format sent (``cast_config``'s; e4m3 by default)."""
+        return self.cast_config.dtype_for(GemmRole.GRAD_OUTPUT)
+
+    @property
+    def block_size(self) -> int:
+        """Elements per scale along the flattened gradient."""
+        return self.cast_config.block_size
 
 
 class Float8Recipe(enum.Enum):

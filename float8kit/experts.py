@@ -174,7 +174,7 @@ class _Float8GroupedMM(torch.autograd.Function):
             offs,
             out_dtype=x.dtype,
             emulate=config.emulate,
-            use_fast_accum=config.use_fast_accum,
+            use_fast_accum=config.gemm_config_output.use_fast_accum,
         )
 
     @staticmethod

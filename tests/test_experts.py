@@ -13,9 +13,12 @@ from torch import nn
 
 from float8kit import (
     E4M3,
+    E5M2,
+    CastConfig,
     Float8ExpertsConfig,
     Float8ExpertWeight,
     Float8LinearConfig,
+    GemmConfig,
     convert_experts_to_float8_training,
     convert_to_float8_training,
 )
@@ -299,6 +302,14 @@ def test_config_validation_names_the_field():
         Float8ExpertsConfig(emulate=1)
     with pytest.raises(ValueError, match="Float8ExpertsConfig"):
         convert_experts_to_float8_training(Experts(), config=Float8LinearConfig())
+    # the cast and gemm settings are composed: only what the grouped kernel takes
+    for bad in (CastConfig(), CastConfig(scaling_granularity="axiswise", target_dtype=E5M2)):
+        with pytest.raises(ValueError, match="Float8ExpertsConfig.cast_config"):
+            Float8ExpertsConfig(cast_config=bad)
+    with pytest.raises(ValueError, match="Float8ExpertsConfig.gemm_config_output"):
+        Float8ExpertsConfig(gemm_config_output=True)
+    fast = Float8ExpertsConfig(gemm_config_output=GemmConfig(use_fast_accum=True))
+    assert fast.gemm_config_output.use_fast_accum and not Float8ExpertsConfig().emulate
 
 
 # ---------------------------------------------------------------------------- FSDP2, 2 ranks

@@ -21,6 +21,7 @@ from torch import nn
 from float8kit import (
     E4M3,
     E5M2,
+    CastConfig,
     Float8LinearConfig,
     Float8ReduceScatterConfig,
     enable_float8_reduce_scatter,
@@ -35,6 +36,12 @@ from tests.fsdp_harness import (
 from tests.helpers import sqnr
 
 # ---------------------------------------------------------------------------- in-process
+
+
+def _rs(dtype=None, block_size: int = 128, **kwargs) -> Float8ReduceScatterConfig:
+    """A qgZ config sending ``dtype`` (default e4m3) in blocks of ``block_size``."""
+    cast = CastConfig(scaling_granularity="blockwise", target_dtype=dtype, block_size=block_size)
+    return Float8ReduceScatterConfig(cast, **kwargs)
 
 
 def _exchange(inputs: list[torch.Tensor], config: Float8ReduceScatterConfig) -> torch.Tensor:
@@ -77,7 +84,7 @@ def test_dequantized_sum_against_fp64(world):
     ref = sum(x.double() for x in inputs)
     result = {}
     for name, dtype in (("e4m3", E4M3), ("e5m2", E5M2)):
-        got = _exchange(inputs, Float8ReduceScatterConfig(dtype=dtype))
+        got = _exchange(inputs, _rs(dtype))
         assert got.dtype == torch.float32 and got.shape == ref.shape
         tiny = TINY(chunk)
         result[name] = (sqnr(ref, got), sqnr(ref[tiny], got[tiny]))
@@ -100,7 +107,7 @@ def test_nonfinite_gradients_stay_visible(dtype):
     inputs[1][700] = float("inf")
     inputs[2][1300] = float("nan")
     inputs[0][100] = float("-inf")
-    config = Float8ReduceScatterConfig(dtype=dtype)
+    config = _rs(dtype)
     got = _exchange(inputs, config)
     ref = sum(x.double() for x in inputs)
     bad = ~torch.isfinite(ref)
@@ -129,23 +136,31 @@ def test_bytes_per_element_and_power_of_2_scales():
     # Power-of-2 scales lose at most a few dB (up to half of e4m3's range goes unused).
     assert sqnr(ref, pow2) >= fp32_scales - 4
     blocks = 16
-    small = Float8ReduceScatterConfig(block_size=blocks)
+    small = _rs(block_size=blocks)
     assert payload_bytes(chunk, small) == chunk // blocks * (blocks + 4)
     assert sqnr(ref, _exchange(inputs, small)) >= fp32_scales - 1
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "make, match",
     [
-        ({"dtype": torch.bfloat16}, "Float8ReduceScatterConfig.dtype"),
-        ({"block_size": 0}, "Float8ReduceScatterConfig.block_size"),
-        ({"block_size": 128.0}, "Float8ReduceScatterConfig.block_size"),
-        ({"round_scales_to_power_of_2": 1}, "round_scales_to_power_of_2"),
+        (lambda: _rs(torch.bfloat16), "CastConfig.target_dtype"),
+        (lambda: _rs(block_size=0), "CastConfig.block_size"),
+        (lambda: _rs(block_size=128.0), "CastConfig.block_size"),
+        (lambda: Float8ReduceScatterConfig(CastConfig()), "Float8ReduceScatterConfig.cast_config"),
+        (lambda: Float8ReduceScatterConfig(round_scales_to_power_of_2=1), "round_scales_to_power"),
     ],
 )
-def test_config_errors_name_the_field(kwargs, match):
+def test_config_errors_name_the_field(make, match):
     with pytest.raises(ValueError, match=match):
-        Float8ReduceScatterConfig(**kwargs)
+        make()
+
+
+def test_config_composes_the_cast_config():
+    config = _rs(E5M2, block_size=64)
+    assert (config.dtype, config.block_size) == (E5M2, 64)
+    assert Float8ReduceScatterConfig().dtype == torch.float8_e4m3fn
+    assert Float8ReduceScatterConfig().block_size == 128
 
 
 def test_reduce_ops_fsdp2_passes():
@@ -279,7 +294,7 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
         },
         "divide_by_1": {"divide": 1.0},
         "hsdp": {"mesh": hsdp_mesh},
-        "e5m2": {"rs": Float8ReduceScatterConfig(dtype=E5M2)},
+        "e5m2": {"rs": _rs(E5M2)},
     }
     for name in ("rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"):
         variants[name] = {"config": Float8LinearConfig.from_recipe_name(name)}
@@ -297,7 +312,7 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
         fully_shard(model, mesh=mesh)
         enable_float8_reduce_scatter(model)
         try:
-            enable_float8_reduce_scatter(model, config=Float8ReduceScatterConfig(dtype=E5M2))
+            enable_float8_reduce_scatter(model, config=_rs(E5M2))
         except ValueError as e:
             res["errors"]["other_config"] = str(e)
     if world == 2:  # compile once (test_compiled_layer_... runs on 2 ranks only)

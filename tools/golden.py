@@ -717,7 +717,10 @@ def dist_cases() -> dict[str, Callable[[Recorder], None]]:
     cases["qgz/tensorwise/default"] = _qgz_case("tensorwise")
     cases["qgz/tensorwise/e5m2_pow2_block64"] = _qgz_case(
         "tensorwise",
-        rs=Float8ReduceScatterConfig(dtype=E5M2, block_size=64, round_scales_to_power_of_2=True),
+        rs=Float8ReduceScatterConfig(
+            CastConfig(scaling_granularity="blockwise", target_dtype=E5M2, block_size=64),
+            round_scales_to_power_of_2=True,
+        ),
     )
     cases["qgz/tensorwise/bf16_reduce"] = _qgz_case("tensorwise", bf16_reduce=True)
     cases["qgz/rowwise/fp8_all_gather"] = _qgz_case("rowwise", fp8_all_gather=True)
