@@ -45,13 +45,7 @@ from torch import nn
 from float8kit import cast
 from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.gemm import scaled_grouped_mm
-from float8kit.hp_weight import (
-    KEEP_SUBCLASS,
-    HpIdentity,
-    mutated_weights,
-    padded_shard_size,
-    store_plain_weight,
-)
+from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
 
 aten = torch.ops.aten
 
@@ -320,7 +314,7 @@ _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__}
 # ---------------------------------------------------------------------------- the weight
 
 
-class Float8ExpertWeight(HpIdentity, torch.Tensor):
+class Float8ExpertWeight(HpWeight):
     """A 3-D expert weight whose ``torch._grouped_mm`` runs in float8; internal.
 
     Invariants:
@@ -337,26 +331,12 @@ class Float8ExpertWeight(HpIdentity, torch.Tensor):
           (``_KEEP_EXPERT``) stay wrapped, in-place ops return the wrapper, all else is plain.
     """
 
-    _tensor: torch.Tensor
     _scale: torch.Tensor | None
     _config: Float8ExpertsConfig
-
-    @staticmethod
-    def __new__(cls, tensor, config, scale=None, hp_dtype=None):
-        return torch.Tensor._make_wrapper_subclass(
-            cls,
-            tensor.size(),
-            strides=tensor.stride(),
-            storage_offset=tensor.storage_offset(),
-            dtype=hp_dtype or tensor.dtype,
-            layout=tensor.layout,
-            device=tensor.device,
-            requires_grad=tensor.requires_grad,
-        )
+    KEEP = _KEEP_EXPERT
 
     def __init__(self, tensor, config, scale=None, hp_dtype=None):
-        self._tensor = tensor
-        self._config = config
+        super().__init__(tensor, config)
         self._scale = scale
 
     def __repr__(self):
@@ -405,15 +385,7 @@ class Float8ExpertWeight(HpIdentity, torch.Tensor):
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
         if first._scale is not None:
             return _dispatch_fp8(cls, func, args, kwargs, first)
-        config = first._config
-        inner_args, inner_kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs))
-        out = func(*inner_args, **inner_kwargs)
-        mutated = next(mutated_weights(func, args, kwargs, cls), None)
-        if mutated is not None and isinstance(out, torch.Tensor):
-            return mutated
-        if func in _KEEP_EXPERT:
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
-        return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     # ------------------------------------------------------------------------ FSDP2 hooks
 

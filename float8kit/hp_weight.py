@@ -40,6 +40,7 @@ import threading
 from collections.abc import Iterator
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -109,6 +110,53 @@ def mutated_weights(func, args, kwargs, cls: type) -> Iterator[torch.Tensor]:
         for t in value if isinstance(value, (list, tuple)) else (value,):
             if isinstance(t, cls):
                 yield t
+
+
+class HpWeight(HpIdentity, torch.Tensor):
+    """Base of float8kit's hp weight wrappers; internal.
+
+    Invariants: ``_tensor`` is the plain tensor this stands for (same shape, strides,
+    device; the dtype is ``hp_dtype`` where given, else ``_tensor``'s); ``_config`` is the
+    owner's config. Every aten op runs on ``_tensor``: results of the ops in ``KEEP`` are
+    re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
+    """
+
+    _tensor: torch.Tensor
+    KEEP = KEEP_SUBCLASS
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, config, scale=None, hp_dtype=None):
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            tensor.size(),
+            strides=tensor.stride(),
+            storage_offset=tensor.storage_offset(),
+            dtype=hp_dtype or tensor.dtype,
+            layout=tensor.layout,
+            device=tensor.device,
+            pin_memory=tensor.is_pinned(),
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, config, scale=None, hp_dtype=None):
+        self._tensor = tensor
+        self._config = config
+
+    # No torch_function override: ops reach __torch_dispatch__ after autograd.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        config = next(t._config for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
+        inner_args, inner_kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs))
+        out = func(*inner_args, **inner_kwargs)
+        mutated = next(mutated_weights(func, args, kwargs, cls), None)
+        if mutated is not None and isinstance(out, torch.Tensor):
+            return mutated  # add_, copy_, ... return the tensor they mutated
+        if func in cls.KEEP:
+            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
+        return out
 
 
 def padded_shard_size(local: torch.Size, outer: torch.Size, world_size: int) -> torch.Size:

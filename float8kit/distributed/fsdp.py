@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
@@ -32,12 +31,7 @@ from float8kit import cast as casting
 from float8kit import granularity, linear, scaling, state
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
 from float8kit.granularity import ShardSpec
-from float8kit.hp_weight import (
-    KEEP_SUBCLASS,
-    HpIdentity,
-    mutated_weights,
-    padded_shard_size,
-)
+from float8kit.hp_weight import HpWeight, padded_shard_size
 from float8kit.reports import REPORT_CALLS, report_flags
 from float8kit.tensor import Float8TrainingTensor
 from float8kit.tensor import local as local_tensor
@@ -45,7 +39,7 @@ from float8kit.tensor import local as local_tensor
 aten = torch.ops.aten
 
 
-class Float8AllGatherWeight(HpIdentity, torch.Tensor):
+class Float8AllGatherWeight(HpWeight):
     """An hp weight that FSDP2 all-gathers in float8; internal.
 
     Invariants:
@@ -61,26 +55,7 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
           lives on the module (``PrecomputedScale``).
     """
 
-    _tensor: torch.Tensor
     _config: Float8LinearConfig
-
-    @staticmethod
-    def __new__(cls, tensor: torch.Tensor, config: Float8LinearConfig):
-        return torch.Tensor._make_wrapper_subclass(
-            cls,
-            tensor.size(),
-            strides=tensor.stride(),
-            storage_offset=tensor.storage_offset(),
-            dtype=tensor.dtype,
-            layout=tensor.layout,
-            device=tensor.device,
-            pin_memory=tensor.is_pinned(),
-            requires_grad=tensor.requires_grad,
-        )
-
-    def __init__(self, tensor: torch.Tensor, config: Float8LinearConfig):
-        self._tensor = tensor
-        self._config = config
 
     def __repr__(self):
         return (
@@ -98,22 +73,6 @@ class Float8AllGatherWeight(HpIdentity, torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, config, outer_size, outer_stride):
         return Float8AllGatherWeight(inner_tensors["_tensor"], config)
-
-    # No torch_function override: ops reach __torch_dispatch__ after autograd.
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        config = next(t._config for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
-        inner_args, inner_kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs))
-        out = func(*inner_args, **inner_kwargs)
-        mutated = next(mutated_weights(func, args, kwargs, cls), None)
-        if mutated is not None and isinstance(out, torch.Tensor):
-            return mutated  # add_, copy_, ... return the tensor they mutated
-        if func in KEEP_SUBCLASS:
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, config), out)
-        return out
 
     # ------------------------------------------------------------------------ FSDP2 hooks
 
