@@ -8,29 +8,15 @@ return the wrapper they mutated (``mutated_weights``), and a module's ``state_di
 plain hp tensor (``store_plain_weight``). Not distributed by itself (an expert weight needs
 none of FSDP2), so it sits in the core, where linear.py's ``state_dict`` can reach it.
 
-Identity: the wrappers answer identity questions with their hp tensor's answers.
-
-float8kit's parameter subclasses (``Float8AllGatherWeight``, ``Float8ExpertWeight``) are
-wrapper subclasses: they own no storage, so torch's ``data_ptr()`` says 0 for every one of
-them. Trainers identify parameters by pointer: accelerate maps the optimizer's parameters
-to their FSDP2-sharded replacements by ``data_ptr()``, so with several such weights all
-keyed 0 the optimizer ends up holding one weight many times and never updates the others,
-silently. ``HpIdentity`` makes ``data_ptr()`` the wrapped hp tensor's pointer: distinct and
-non-zero per parameter, before and after ``fully_shard`` (whose local shard is the subclass).
-
-torch itself reads ``data_ptr() == 0`` as "a wrapper subclass" when it deep-copies and
-pickles a tensor (``Tensor.__deepcopy__``, ``Tensor._reduce_ex_internal``): those two go
-through torch's own wrapper-subclass route here, as before, with the pointer reported as 0
-only for their duration (on this thread).
-
-Audit of the other identity APIs a trainer may use:
-    - ``id(p)`` and ``p is q``: the parameter object; unaffected.
-    - ``p.data``: a new wrapper around the same hp tensor, so ``p.data.data_ptr()`` equals
-      ``p.data_ptr()``.
-    - ``p.untyped_storage()``: the wrapper's (empty) storage; its ``data_ptr()`` raises in
-      torch ("invalid python storage"): it is not an identity for any wrapper subclass
-      (DTensor included), and is left as torch makes it.
-    - ``p.is_set_to(p)``: True, as for any tensor.
+Identity: the wrappers answer identity questions with their hp tensor's answers. A wrapper
+owns no storage, so torch's ``data_ptr()`` would say 0 for every one of them, and trainers
+that tell parameters apart by pointer (accelerate, mapping the optimizer's parameters to their
+FSDP2-sharded replacements) would hold one weight several times and never update the others
+(docs/trainers.md). ``HpIdentity`` makes ``data_ptr()`` the hp tensor's: distinct and
+non-zero, before and after ``fully_shard``. torch reads ``data_ptr() == 0`` as "a wrapper
+subclass" when it deep-copies and pickles a tensor: those two see 0 for their duration (on
+this thread). ``id(p)`` is unaffected; ``p.data`` wraps the same hp tensor; no wrapper
+subclass's ``untyped_storage()`` (DTensor's included) is an identity, and it is left as is.
 """
 
 from __future__ import annotations

@@ -2,24 +2,12 @@
 checkpoint loading, and the stale-scale check.
 
 For each operand ``op`` in ``input``, ``weight``, ``grad_output`` whose scaling is DELAYED or
-STATIC, a ``Float8Linear`` holds these fp32 buffers (on the weight's device, persistent: they
-are in the state_dict under these names):
-
-=========================  =====  ========  ==============================================
-buffer                     shape  policy    meaning
-=========================  =====  ========  ==============================================
-``fp8_amax_history_{op}``  (L,)   DELAYED   the amaxes of the last L steps, newest first,
-                                            folded in by ``precompute_scales``; -1 = empty
-``fp8_amax_{op}``          ()     DELAYED   the largest amax recorded (while casting) since
-                                            the last ``precompute_scales``; -1 = none
-``fp8_scale_{op}``         ()     both      the scale the next cast uses; -1 = not set:
-                                            DELAYED then scales from the tensor's own amax
-                                            (first step), STATIC needs ``calibrate``
-=========================  =====  ========  ==============================================
-
-L is ``CastConfig.amax_history_len``. A checkpoint that has none of a layer's float8 buffers
-(e.g. one saved from the plain ``nn.Linear`` model) loads with ``strict=True``: the layer's
-float8 state is reset to its initial values, as for a freshly converted layer. The other way,
+STATIC, a ``Float8Linear`` holds persistent fp32 buffers on the weight's device (in the
+state_dict): ``fp8_amax_history_{op}`` (L,) and ``fp8_amax_{op}`` () for DELAYED, and
+``fp8_scale_{op}`` () for both; -1 marks an empty slot or an unset scale (docs/scaling.md has
+the table; L is ``CastConfig.amax_history_len``). A checkpoint that has none of a layer's
+float8 buffers (e.g. one saved from the plain ``nn.Linear`` model) loads with ``strict=True``:
+the layer's float8 state is reset to its initial values, as for a fresh layer. The other way,
 ``strip_float8_state`` drops these buffers from a converted model's state_dict for the plain
 model. The buffers stay fp32 through ``model.to(dtype)`` and are reset when they come off
 the meta device (``after_apply``).
