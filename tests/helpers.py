@@ -1,4 +1,5 @@
-"""Shared test references: SQNR, fp32 reference layers, a gemm-kernel call counter."""
+"""Shared test references: fp32 reference layers, a gemm-kernel call counter; SQNR and the
+fp32 forward/backward come from the measuring code (benchmarks/measures/refs.py)."""
 
 import contextlib
 import copy
@@ -12,24 +13,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import peer_on_our_cpu_kernel  # noqa: E402, F401
 
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``actual`` against ``ref``, in dB (fp64 math)."""
-    ref, actual = ref.detach().double(), actual.detach().double()
-    noise = (ref - actual).norm()
-    if noise == 0:
-        return float("inf")
-    return float(20 * torch.log10(ref.norm() / noise))
-
-
-def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):
-    """Run forward+backward; return output, grad_input and the grads of every parameter."""
-    x = x.detach().clone().requires_grad_()
-    module.zero_grad(set_to_none=True)
-    out = module(x)
-    out.backward(grad.to(out.dtype))
-    grads = {n.removeprefix("_orig_mod."): p.grad.detach() for n, p in module.named_parameters()}
-    return out.detach(), x.grad.detach(), grads
+from benchmarks.measures.refs import fwd_bwd, sqnr  # noqa: E402, F401
 
 
 def fp32_copy(module: nn.Module) -> nn.Module:

@@ -166,6 +166,40 @@ def test_no_test_module_imports_another():
     assert {k: v for k, v in imports.items() if v} == {}
 
 
+def _imports_of_tests(path: Path) -> set[str]:
+    """The test modules ``path`` imports: anything from the ``tests`` package, or a module
+    named ``test_*`` (at any depth: function-level imports count)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {
+        m
+        for m in found
+        if m == "tests" or m.startswith("tests.") or m.split(".")[-1].startswith("test_")
+    }
+
+
+MEASURING_CODE = [REPO / "tools" / "measure.py", *sorted((REPO / "benchmarks").rglob("*.py"))]
+
+
+def test_measuring_code_imports_no_test_module():
+    """The measuring code lives outside tests (benchmarks/, tools/measure.py); tests import
+    it to assert, never the reverse: a number is stale when the library or its measuring
+    code changed, not when a test did."""
+    assert len(MEASURING_CODE) > 1 and (REPO / "benchmarks" / "measures").is_dir()
+    offenders = {
+        str(p.relative_to(REPO)): sorted(found)
+        for p in MEASURING_CODE
+        if (found := _imports_of_tests(p))
+    }
+    assert offenders == {}
+
+
 def test_public_names_unchanged():
     # the 0.3 public API (float8kit.__all__), which the refactor must keep
     assert sorted(float8kit.__all__) == sorted(

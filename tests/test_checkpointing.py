@@ -16,11 +16,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from benchmarks.measures.memory import RECIPES, config
 from float8kit import Float8Linear, checkpoint_policy, convert_to_float8_training, precompute_scales
 from float8kit.cast import kept_cast
 from float8kit.config import FP8_DTYPES
 from tests.helpers import count_scaled_mm
-from tests.memory_harness import RECIPES, config
 
 STEPS = 3  # the first step scales DELAYED casts from their own amax, the later from history
 

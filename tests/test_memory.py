@@ -1,102 +1,22 @@
 """Activation memory: the bytes a Float8Linear keeps for backward per token, against a bf16
 nn.Linear, and the rowwise float8 save against 0.1.0's hp save (bitwise-equal gradients)."""
 
-import contextlib
-import functools
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-import float8kit
+from benchmarks.measures.memory import (
+    MAX_RATIO,
+    RECIPES,
+    K,
+    N,
+    config,
+    saved_bytes,
+    saved_bytes_per_token,
+    saved_bytes_table,
+    train_step_saved_bytes,
+)
 from float8kit import Float8Linear, GemmRole
 from float8kit.cast import cast_to_float8
-from tests.memory_harness import RECIPES, LiveTensors, _storages, config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recipes"))
-import train  # noqa: E402
-
-# ---------------------------------------------------------------------------- the counter
-
-
-@contextlib.contextmanager
-def saved_bytes(exclude: nn.Module | None = None):
-    """Yields a dict whose ``"bytes"`` becomes the memory that autograd keeps for backward
-    from what runs in the context: every saved tensor's storage (a float8 tensor's fp8 data
-    and scale, not the hp size it reports), each storage counted once, less the storages of
-    ``exclude``'s parameters (kept anyway). Also ``"tensors"``: how many were saved."""
-    skip = set()
-    if exclude is not None:
-        skip = {p.untyped_storage().data_ptr() for p in exclude.parameters()}
-    seen: dict[int, int] = {}
-    result = {"bytes": 0, "tensors": 0}
-
-    def pack(t):
-        result["tensors"] += 1
-        for inner in _storages(t):
-            storage = inner.untyped_storage()
-            if storage.data_ptr() not in skip:
-                seen[storage.data_ptr()] = storage.nbytes()
-        result["bytes"] = sum(seen.values())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
-
-
-# What the issue asks: per token, at most this fraction of a bf16 nn.Linear's saved bytes.
-MAX_RATIO = 0.55
-# rowwise_with_gw_hp runs its grad_weight gemm in hp: it keeps the hp input (documented).
-HP_GRAD_WEIGHT = {"rowwise_with_gw_hp"}
-# The slope is taken between these token counts: whole 128-token tiles, so that the
-# blockwise input's fp32 scales (one per 128 tokens and column) count in it.
-TOKENS = (128, 256)
-K, N = 256, 128
-
-
-def saved_bytes_per_token(make_layer, k: int = K, dtype=torch.bfloat16) -> float:
-    """Slope of the bytes kept for backward over two token counts, parameters excluded (a
-    float8 weight copy is per layer, not per token: the slope drops it)."""
-    counts = []
-    for m in TOKENS:
-        layer = make_layer()
-        x = torch.randn(m, k, dtype=dtype, requires_grad=True)
-        with saved_bytes(exclude=layer) as s:
-            layer(x)
-        counts.append(s["bytes"])
-    return (counts[1] - counts[0]) / (TOKENS[1] - TOKENS[0])
-
-
-def saved_bytes_table(k: int = K, n: int = N) -> dict:
-    """Per recipe: saved bytes per token of one (k -> n) layer, and the ratio to bf16
-    nn.Linear's (tools/measure.py memory publishes this)."""
-    torch.manual_seed(0)
-    bf16 = saved_bytes_per_token(lambda: nn.Linear(k, n).bfloat16(), k)
-    rows = []
-    for recipe in RECIPES:
-        per_token = saved_bytes_per_token(
-            lambda recipe=recipe: Float8Linear(k, n, config=config(recipe)).bfloat16(), k
-        )
-        rows.append(
-            {
-                "recipe": recipe,
-                "bytes_per_token": per_token,
-                "ratio_vs_bf16": per_token / bf16,
-                "hp_grad_weight": recipe in HP_GRAD_WEIGHT,
-            }
-        )
-    return {
-        "in_features": k,
-        "out_features": n,
-        "tokens": list(TOKENS),
-        "bf16_bytes_per_token": bf16,
-        "max_ratio": MAX_RATIO,
-        "rows": rows,
-    }
 
 
 def test_saved_bytes_per_token_vs_bf16_linear():
@@ -164,63 +84,6 @@ def test_saved_bytes_counts_float8_storage_not_the_hp_size_it_reports():
 
         Keep.apply(w)
     assert s == {"bytes": 32 * 64 + 4, "tensors": 2}
-
-
-# ---------------------------------------------------------------------------- a training step
-
-# --float8 modes, and "MODE/AC": the same with each block under activation checkpointing
-TRAIN_MODES = [
-    "none",
-    "tensorwise",
-    "rowwise",
-    "rowwise_with_gw_hp",
-    "delayed",
-    "tensorwise/selective",
-    "tensorwise/full",
-]
-
-
-def checkpoint_blocks(model: nn.Module, ac: str) -> None:
-    """Each block of a recipes/model.py Transformer under ``checkpoint_wrapper``: ``full``
-    or ``selective`` (``float8kit.checkpoint_policy``)."""
-    kwargs = {}
-    if ac == "selective":
-        policy = float8kit.checkpoint_policy()
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
-    for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, **kwargs)
-
-
-def train_step_saved_bytes(preset: str, modes=TRAIN_MODES) -> dict:
-    """Bytes kept for backward by one recipes/train.py forward (its model, conversion and
-    bf16 autocast; the preset's batch of random tokens: the bytes depend on shapes only),
-    per ``--float8`` mode (``MODE/AC``: blocks checkpointed): ``bytes``, those of the saved
-    tensors (parameters excluded), and ``live_bytes``, those of every tensor the forward
-    made that is still alive after it (parameters and buffers excluded; this also counts a
-    selective-checkpointing cache). On CPU that is the activation memory a step holds at
-    its peak, between forward and backward."""
-    rows = {}
-    for name in modes:
-        mode, _, ac = name.partition("/")
-        args = train.parse_args(["--preset", preset, "--float8", mode])
-        model, _ = train.setup_model(args, torch.device("cpu"), 1)
-        if ac:
-            checkpoint_blocks(model, ac)
-        g = torch.Generator().manual_seed(0)
-        x, y = (torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g) for _ in "xy")
-        with (
-            LiveTensors() as live,
-            saved_bytes(exclude=model) as s,
-            train.autocast(torch.device("cpu")),
-        ):
-            loss = model(x, y)
-        rows[name] = {
-            "bytes": s["bytes"],
-            "tensors": s["tensors"],
-            "live_bytes": live.live_bytes(model),
-        }
-        loss.backward()
-    return {"preset": preset, "batch_size": args.batch_size, "seq_len": args.seq_len, "modes": rows}
 
 
 def test_train_step_saves_fewer_bytes_with_float8():

@@ -4,98 +4,31 @@ rowwise_with_gw_hp are bitwise torchao's, eager and compiled, bf16 and fp32 mode
 and on an HF LlamaDecoderLayer); and what each scaling policy does when the range of the
 input moves.
 
-The functions that measure (``sqnr_table``, ``scaling_policy_sqnrs``, ``outlier_sqnrs``)
-also make the published tables: ``python tools/measure.py numerics scaling outliers`` writes
-them to numbers/*.json.
+The functions that measure (``run_both``, ``scaling_policy_sqnrs``, ``outlier_sqnrs``) live
+in benchmarks/measures/numerics.py, which also makes the published tables:
+``python tools/measure.py numerics scaling outliers`` writes them to numbers/*.json.
 """
 
-import contextlib
-import copy
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import float8kit
-from float8kit import (
-    CastConfig,
-    Float8Linear,
-    Float8LinearConfig,
-    ScalingType,
-    calibrate,
-    convert_to_float8_training,
-    precompute_scales,
+from benchmarks.measures.numerics import (
+    ACCURACY_DB,
+    BLOCKWISE_FLOOR_DB,
+    GEMMS,
+    RECIPES,
+    outlier_sqnrs,
+    run_both,
+    scaling_policy_sqnrs,
 )
-from tests.helpers import fwd_bwd, peer_on_our_cpu_kernel, sqnr
+from tests.helpers import peer_on_our_cpu_kernel, sqnr
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torchao_float8 = pytest.importorskip("torchao.float8")
-
-RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
-GEMMS = ["output", "grad_input", "grad_weight"]
-E4M3_MAX = 448.0
-# float8kit vs fp32, per gemm (output, grad_input, grad_weight): e5m2 grad_output costs the
-# tensorwise backward gemms a few dB.
-ACCURACY_DB = {
-    "tensorwise": (25, 20, 20),
-    "rowwise": (25, 25, 25),
-    "rowwise_with_gw_hp": (25, 25, 25),
-}
-
-
-def mlp():
-    return nn.Sequential(nn.Linear(256, 512), nn.SiLU(), nn.Linear(512, 256))
-
-
-def run_both(
-    recipe: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16, compiled: bool = False
-) -> dict[str, tuple]:
-    """(output, grad_input, grad of the first weight) for fp32, float8kit and torchao, all
-    from the same initial weights and the same input; the float8 models in ``dtype``, both
-    ``torch.compile``d when ``compiled``."""
-    torch.manual_seed(seed)
-    base = mlp()
-    x = torch.randn(8, 128, 256, dtype=dtype)
-    grad = torch.randn(8, 128, 256)
-    ours = convert_to_float8_training(
-        copy.deepcopy(base).to(dtype), config=Float8LinearConfig.from_recipe_name(recipe)
-    )
-    peer = torchao_float8.convert_to_float8_training(
-        copy.deepcopy(base).to(dtype),
-        config=torchao_float8.Float8LinearConfig.from_recipe_name(recipe),
-    )
-    if compiled:
-        ours, peer = torch.compile(ours), torch.compile(peer)
-    results = {}
-    for name, m, inp in (("fp32", base, x.float()), ("float8kit", ours, x), ("torchao", peer, x)):
-        with peer_on_our_cpu_kernel() if name == "torchao" else contextlib.nullcontext():
-            out, gx, g = fwd_bwd(m, inp, grad)
-        results[name] = (out, gx, g["0.weight"])
-    return results
-
-
-def sqnr_table() -> list[dict]:
-    """One row per recipe and gemm: SQNR (dB) of float8kit and torchao against fp32, of
-    float8kit against torchao (None when bitwise equal), and whether they are bitwise equal."""
-    rows = []
-    for recipe in RECIPES:
-        r = run_both(recipe)
-        for i, gemm in enumerate(GEMMS):
-            peer_db = sqnr(r["torchao"][i], r["float8kit"][i])
-            rows.append(
-                {
-                    "recipe": recipe,
-                    "gemm": gemm,
-                    "float8kit_vs_fp32": sqnr(r["fp32"][i], r["float8kit"][i]),
-                    "torchao_vs_fp32": sqnr(r["fp32"][i], r["torchao"][i]),
-                    "float8kit_vs_torchao": None if peer_db == float("inf") else peer_db,
-                    "bitwise_equal_to_torchao": torch.equal(r["torchao"][i], r["float8kit"][i]),
-                }
-            )
-    return rows
 
 
 def assert_bitwise_peer(r: dict[str, tuple], what: str) -> None:
@@ -178,34 +111,6 @@ def test_accuracy_against_fp32(recipe):
 
 # ---------------------------------------------------------------------------- outliers
 
-OUTLIER_RECIPES = ["tensorwise", "rowwise", "blockwise"]
-OUTLIER_CHANNELS = [5, 17, 40]  # all in the first 128-tile of the input's 512 channels
-BLOCKWISE_FLOOR_DB = 22.0
-
-
-def outlier_sqnrs(seed: int = 0) -> list[dict]:
-    """SQNR (dB) against fp32 of each gemm of one 512 -> 256 layer per recipe, on 1024 bf16
-    tokens whose magnitudes vary (log-normal per token, as real activations and gradients
-    do), with three 100x outlier input channels and one 100x outlier 128x128 weight block."""
-    torch.manual_seed(seed)
-    base = nn.Linear(512, 256)
-    with torch.no_grad():
-        base.weight[128:256, 256:384] *= 100
-    x = torch.randn(8, 128, 512) * torch.exp(torch.randn(8, 128, 1))
-    x[..., OUTLIER_CHANNELS] *= 100
-    grad = torch.randn(8, 128, 256) * torch.exp(torch.randn(8, 128, 1))
-    ref = fwd_bwd(base, x, grad)
-    rows = []
-    for recipe in OUTLIER_RECIPES:
-        config = Float8LinearConfig.from_recipe_name(recipe)
-        layer = convert_to_float8_training(copy.deepcopy(base).bfloat16(), config=config)
-        out, gx, g = fwd_bwd(layer, x.bfloat16(), grad)
-        for gemm, r, got in zip(
-            GEMMS, (ref[0], ref[1], ref[2]["weight"]), (out, gx, g["weight"]), strict=True
-        ):
-            rows.append({"recipe": recipe, "gemm": gemm, "float8kit_vs_fp32": sqnr(r, got)})
-    return rows
-
 
 def test_blockwise_with_outliers_beats_the_floor_and_rowwise():
     db = {(r["recipe"], r["gemm"]): r["float8kit_vs_fp32"] for r in outlier_sqnrs()}
@@ -216,72 +121,6 @@ def test_blockwise_with_outliers_beats_the_floor_and_rowwise():
 
 
 # ---------------------------------------------------------------------------- scaling policies
-
-
-def _cast(policy: ScalingType, **kwargs) -> CastConfig:
-    return CastConfig(scaling_type=policy, **kwargs)
-
-
-def _policy_config(policy: ScalingType, **kwargs) -> Float8LinearConfig:
-    return Float8LinearConfig(
-        cast_config_input=_cast(policy, **kwargs),
-        cast_config_weight=_cast(policy, **kwargs),
-        cast_config_grad_output=_cast(policy, **kwargs)
-        if policy != ScalingType.STATIC
-        else _cast(policy, static_scale=2.0**12),
-    )
-
-
-def _step(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    y = layer(x)
-    y.backward(torch.ones_like(y))
-    return y.detach()
-
-
-def scaling_policy_sqnrs() -> dict[str, float]:
-    """Output SQNR (dB) against fp32 ``F.linear`` of one 64x64 layer (fp32 params, e4m3
-    inputs, the real ``torch._scaled_mm``) under each policy when the input range moves."""
-    out = {}
-    # DYNAMIC and DELAYED: three steps of randn inputs, then one 100x larger ("the spike")
-    torch.manual_seed(0)
-    delayed = Float8Linear(64, 64, config=_policy_config(ScalingType.DELAYED))
-    dynamic = Float8Linear.from_float(copy.deepcopy(delayed), config=Float8LinearConfig())
-    for _ in range(3):
-        _step(delayed, torch.randn(128, 64))
-        precompute_scales(delayed)
-    spike = torch.randn(128, 64) * 100
-    ref = F.linear(spike, delayed.weight, delayed.bias).detach()
-    out["dynamic_spike"] = sqnr(ref, dynamic(spike))
-    out["delayed_spike_stale"] = sqnr(ref, _step(delayed, spike))
-    precompute_scales(delayed)
-    out["delayed_spike_after_precompute"] = sqnr(ref, _step(delayed, spike))
-    # STATIC 448/4: represents |input| <= 4; then the same inputs 100x larger
-    torch.manual_seed(0)
-    static = Float8Linear(
-        64,
-        64,
-        config=Float8LinearConfig(
-            cast_config_input=_cast(ScalingType.STATIC, static_scale=E4M3_MAX / 4),
-            cast_config_weight=_cast(ScalingType.STATIC, static_scale=896.0),
-            cast_config_grad_output=_cast(ScalingType.STATIC, static_scale=2.0**12),
-        ),
-    )
-    inside = torch.rand(256, 64) * 8 - 4
-    for name, x in (("static_inside", inside), ("static_100x", inside * 100)):
-        out[name] = sqnr(F.linear(x, static.weight, static.bias), static(x))
-    # STATIC after calibrate() on 100x-300x inputs, a two-layer MLP (both gemms float8)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
-    convert_to_float8_training(model, config=_policy_config(ScalingType.STATIC))
-    batches = [torch.randn(64, 64) * 100 * (1 + i) for i in range(3)]
-    calibrate(model, batches)
-    x = batches[2]
-    with torch.no_grad():
-        ref = F.linear(
-            F.relu(F.linear(x, model[0].weight, model[0].bias)), model[2].weight, model[2].bias
-        )
-        out["static_calibrated"] = sqnr(ref, model(x))
-    return out
 
 
 def test_scaling_policies_when_the_range_moves():

@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.measures.numerics import correctly_rounded_scales, one_ulp_off_share, random_amaxes
 from float8kit import E4M3, E5M2
 from float8kit.cast import to_fp8_saturated
 from float8kit.scaling import (
@@ -34,31 +35,6 @@ def test_amax_to_scale_hand_cases():
     assert zero_scale == (torch.tensor(448.0) / amax_floor(E4M3)).item()
     assert math.isfinite(zero_scale)
     assert amax_to_scale(torch.tensor(3.0), E4M3, round_to_pow2=True).item() == 128.0
-
-
-def random_amaxes(n: int = 100_000, seed: int = 0) -> torch.Tensor:
-    """fp32 amaxes with uniform mantissas over 2^-100 .. 2^100, plus the floors' edges."""
-    g = torch.Generator().manual_seed(seed)
-    mantissa = torch.rand(n, generator=g, dtype=torch.float64) + 1
-    exponent = torch.randint(-100, 101, (n,), generator=g).double()
-    edges = [amax_floor(E4M3), amax_floor(E5M2), 1.0, 448.0, 57344.0, 3.0e38]
-    return torch.cat([(mantissa * torch.exp2(exponent)).float(), torch.tensor(edges)])
-
-
-def correctly_rounded_scales(amaxes: torch.Tensor, dtype) -> torch.Tensor:
-    """The reference: Python's fp64 division (IEEE, correctly rounded) rounded once to fp32,
-    which for a quotient of two fp32 values is the correctly rounded fp32 quotient."""
-    floor = amax_floor(dtype)
-    quotients = [fp8_max(dtype) / max(a, floor) for a in amaxes.tolist()]
-    return torch.tensor(quotients, dtype=torch.float64).float()
-
-
-def one_ulp_off_share(amaxes: torch.Tensor, dtype) -> float:
-    """Share of the amaxes whose scale in the old form ``fp8_max / amax`` (a Python float over
-    an fp32 tensor: torch evaluates it as ``reciprocal(amax) * fp8_max``, two roundings) is
-    not the correctly rounded one: how many scales the fp64 quotient changed."""
-    old = fp8_max(dtype) / torch.clamp(amaxes, min=amax_floor(dtype))
-    return (old != correctly_rounded_scales(amaxes, dtype)).double().mean().item()
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])

@@ -79,6 +79,24 @@ def write(name: str, sources: list[str], data: dict, wall_s: float, threads: int
     return path
 
 
+# The measuring code each number comes from (benchmarks/measures/, never a test module: the
+# tests import it to assert). With float8kit (added by write), what makes a number stale.
+_M = "benchmarks/measures"
+MEASURES = {
+    "numerics": [f"{_M}/numerics.py", f"{_M}/refs.py", "benchmarks/common.py"],
+    "memory": [f"{_M}/memory.py"],
+    "monitor": [f"{_M}/monitor.py", f"{_M}/refs.py"],
+    "experts": [f"{_M}/experts.py", f"{_M}/refs.py"],
+    "moe_hf": [f"{_M}/experts_hf.py", f"{_M}/refs.py"],
+    "fsdp": [f"{_M}/fsdp.py", f"{_M}/fsdp_rowwise.py", f"{_M}/gloo.py", f"{_M}/refs.py"],
+    "fsdp_blockwise": [f"{_M}/fsdp_blockwise.py", f"{_M}/gloo.py"],
+    "fsdp_mesh": [f"{_M}/fsdp_mesh.py", f"{_M}/gloo.py"],
+    "qgz": [f"{_M}/qgz.py", f"{_M}/gloo.py", f"{_M}/refs.py"],
+    "tp": [f"{_M}/tp.py", f"{_M}/gloo.py"],
+    "memory_blocks": [f"{_M}/memory_blocks.py", f"{_M}/memory.py", "recipes/model.py"],
+}
+
+
 # ---------------------------------------------------------------------------- training runs
 
 
@@ -152,20 +170,20 @@ def tiny() -> None:
 
 
 def numerics() -> None:
-    from tests import test_numerics, test_scaling
+    from benchmarks.measures import numerics as n
 
     t0 = time.perf_counter()
-    rows = test_numerics.sqnr_table()
+    rows = n.sqnr_table()
     write(
         "numerics",
-        ["tests/test_numerics.py", "tests/test_scaling.py", "tests/helpers.py"],
+        MEASURES["numerics"],
         {
             "rows": rows,
-            "thresholds_db": test_numerics.ACCURACY_DB,
+            "thresholds_db": n.ACCURACY_DB,
             # share of 100,006 wide-range amaxes whose scale the old two-rounding form
             # (fp8_max / amax as reciprocal * fp8_max) got one ulp off (0.2 and before)
             "old_scale_form_off_share": {
-                str(d): test_scaling.one_ulp_off_share(test_scaling.random_amaxes(), d)
+                str(d): n.one_ulp_off_share(n.random_amaxes(), d)
                 for d in (torch.float8_e4m3fn, torch.float8_e5m2)
             },
         },
@@ -174,29 +192,29 @@ def numerics() -> None:
 
 
 def scaling() -> None:
-    from tests import test_numerics
+    from benchmarks.measures import numerics as n
 
     t0 = time.perf_counter()
     write(
         "scaling",
-        ["tests/test_numerics.py", "tests/helpers.py"],
-        test_numerics.scaling_policy_sqnrs(),
+        MEASURES["numerics"],
+        n.scaling_policy_sqnrs(),
         time.perf_counter() - t0,
     )
 
 
 def outliers() -> None:
     """tensorwise, rowwise and blockwise on outlier channels and an outlier weight block."""
-    from tests import test_numerics
+    from benchmarks.measures import numerics as n
 
     t0 = time.perf_counter()
     write(
         "outliers",
-        ["tests/test_numerics.py", "tests/helpers.py"],
+        MEASURES["numerics"],
         {
-            "rows": test_numerics.outlier_sqnrs(),
-            "outlier_channels": test_numerics.OUTLIER_CHANNELS,
-            "blockwise_floor_db": test_numerics.BLOCKWISE_FLOOR_DB,
+            "rows": n.outlier_sqnrs(),
+            "outlier_channels": n.OUTLIER_CHANNELS,
+            "blockwise_floor_db": n.BLOCKWISE_FLOOR_DB,
         },
         time.perf_counter() - t0,
     )
@@ -204,16 +222,16 @@ def outliers() -> None:
 
 def memory() -> None:
     """Bytes kept for backward: per layer and token for every recipe, and one
-    recipes/train.py step at the small preset per --float8 mode (tests/test_memory.py)."""
-    from tests import test_memory
+    recipes/train.py step at the small preset per --float8 mode (benchmarks/measures/memory.py)."""
+    from benchmarks.measures import memory as mem
 
     t0 = time.perf_counter()
     write(
         "memory",
-        ["tests/test_memory.py", "tests/memory_harness.py", "recipes/train.py", "recipes/model.py"],
+        [*MEASURES["memory"], "recipes/train.py", "recipes/model.py"],
         {
-            "per_layer": test_memory.saved_bytes_table(),
-            "train_step": test_memory.train_step_saved_bytes("small"),
+            "per_layer": mem.saved_bytes_table(),
+            "train_step": mem.train_step_saved_bytes("small"),
         },
         time.perf_counter() - t0,
     )
@@ -221,8 +239,8 @@ def memory() -> None:
 
 def monitor() -> None:
     """Float8Monitor: the drift case (a STATIC input scale, then 100x data) and its guardrail,
-    and the time of a sampled and an unsampled step (tests/test_monitor.py)."""
-    from tests import test_monitor
+    and the time of a sampled and an unsampled step (benchmarks/measures/monitor.py)."""
+    from benchmarks.measures import monitor as mon
 
     def finite(x):  # JSON has no inf: an exact (hp) result is written as null
         if isinstance(x, dict):
@@ -232,13 +250,13 @@ def monitor() -> None:
         return None if isinstance(x, float) and not math.isfinite(x) else x
 
     t0 = time.perf_counter()
-    case = test_monitor.drift_case()
+    case = mon.drift_case()
     write(
         "monitor",
-        ["tests/test_monitor.py", "float8kit/monitor.py"],
+        [*MEASURES["monitor"], "float8kit/monitor.py"],
         {
             "drift": finite({k: v for k, v in case.items() if k != "warnings"}),
-            "overhead": test_monitor.monitor_overhead(),
+            "overhead": mon.monitor_overhead(),
         },
         time.perf_counter() - t0,
     )
@@ -247,14 +265,14 @@ def monitor() -> None:
 def memory_blocks() -> None:
     """Bytes kept for backward by one transformer block (an HF LlamaDecoderLayer and the
     recipes' Block), every recipe, without checkpointing, with recompute_norms, with
-    checkpoint_policy and with full checkpointing (tests/test_memory_blocks.py)."""
-    from tests import test_memory_blocks
+    checkpoint_policy and with full checkpointing (benchmarks/measures/memory_blocks.py)."""
+    from benchmarks.measures import memory_blocks
 
     t0 = time.perf_counter()
     write(
         "memory_blocks",
-        ["tests/test_memory_blocks.py", "tests/memory_harness.py", "recipes/model.py"],
-        test_memory_blocks.memory_table(),
+        [*MEASURES["memory_blocks"], "recipes/model.py"],
+        memory_blocks.memory_table(),
         time.perf_counter() - t0,
     )
 
@@ -262,50 +280,50 @@ def memory_blocks() -> None:
 def memory_compiled() -> None:
     """Bytes a compiled HF LlamaDecoderLayer saves for backward, bf16 and float8 (the
     float8 tensors it saves, the float8 casts of its forward graph)
-    (tests/test_memory_blocks.py)."""
-    from tests import test_memory_blocks
+    (benchmarks/measures/memory_blocks.py)."""
+    from benchmarks.measures import memory_blocks
 
     t0 = time.perf_counter()
     write(
         "memory_compiled",
-        ["tests/test_memory_blocks.py", "tests/memory_harness.py"],
-        test_memory_blocks.compiled_table(),
+        MEASURES["memory_blocks"],
+        memory_blocks.compiled_table(),
         time.perf_counter() - t0,
     )
 
 
 def experts() -> None:
-    """float8 MoE experts (tests/test_experts.py): SQNR vs fp32 of two grouped gemms with
-    SiLU between, 4 experts, one with no tokens."""
-    from tests import test_experts
+    """float8 MoE experts (benchmarks/measures/experts.py): SQNR vs fp32 of two grouped gemms
+    with SiLU between, 4 experts, one with no tokens."""
+    from benchmarks.measures import experts as e
 
     t0 = time.perf_counter()
-    scores, grads = test_experts.experts_sqnrs()
+    scores, grads = e.experts_sqnrs()
     data = {
         "sqnr_db": scores,
-        "threshold_db": test_experts.ACCURACY_DB,
+        "threshold_db": e.ACCURACY_DB,
         "empty_expert_grad_exactly_zero": all(bool(g[1].abs().max() == 0) for g in grads),
         "shapes": {
-            "tokens": test_experts.TOKENS,
-            "dim": test_experts.DIM,
-            "hidden": test_experts.HIDDEN,
-            "offs": test_experts.OFFS.tolist(),
+            "tokens": e.TOKENS,
+            "dim": e.DIM,
+            "hidden": e.HIDDEN,
+            "offs": e.OFFS.tolist(),
         },
     }
-    write("experts", ["tests/test_experts.py", "tests/helpers.py"], data, time.perf_counter() - t0)
+    write("experts", MEASURES["experts"], data, time.perf_counter() - t0)
 
 
 def moe_hf() -> None:
-    """float8 experts on a tiny Hugging Face Qwen3-MoE (tests/test_experts_hf.py): expert-only
-    and whole-model SQNR, routing flips, float8 gemm counts per experts implementation, 30
-    training steps fp32 vs float8 experts."""
-    from tests import test_experts_hf
+    """float8 experts on a tiny Hugging Face Qwen3-MoE (benchmarks/measures/experts_hf.py):
+    expert-only and whole-model SQNR, routing flips, float8 gemm counts per experts
+    implementation, 30 training steps fp32 vs float8 experts."""
+    from benchmarks.measures import experts_hf
 
     t0 = time.perf_counter()
-    data = test_experts_hf.hf_numbers()
+    data = experts_hf.hf_numbers()
     write(
         "moe_hf",
-        ["tests/test_experts_hf.py", "tests/helpers.py"],
+        MEASURES["moe_hf"],
         data,
         time.perf_counter() - t0,
     )
@@ -317,23 +335,23 @@ def moe_tiny() -> None:
 
 
 def fsdp() -> None:
-    """tests/test_fsdp.py's and tests/test_fsdp_rowwise.py's multi-process runs (2 and 3 gloo
-    ranks); rank 0's numbers."""
-    from tests import test_fsdp as t
-    from tests import test_fsdp_rowwise as tr
-    from tests.fsdp_harness import spawn
+    """FSDP2's multi-process runs (2 and 3 gloo ranks; benchmarks/measures/fsdp.py and
+    fsdp_rowwise.py, which tests/test_fsdp.py and tests/test_fsdp_rowwise.py assert on); rank
+    0's numbers."""
+    from benchmarks.measures import fsdp_rowwise as tr
+    from benchmarks.measures.gloo import _rel_diff, spawn
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for sub in ("train2", "uneven3", "compile2", "row2", "row3", "rowc2"):
             (tmp / sub).mkdir()
-        train2 = spawn("tests.test_fsdp:_worker_train", 2, tmp / "train2")
-        uneven3 = spawn("tests.test_fsdp:_worker_uneven", 3, tmp / "uneven3")
-        compile2 = spawn("tests.test_fsdp:_worker_compile", 2, tmp / "compile2")
-        row2 = spawn("tests.test_fsdp_rowwise:_worker_rowwise", 2, tmp / "row2")
-        row3 = spawn("tests.test_fsdp_rowwise:_worker_uneven_rowwise", 3, tmp / "row3")
-        rowc2 = spawn("tests.test_fsdp_rowwise:_worker_compile_rowwise", 2, tmp / "rowc2")
+        train2 = spawn("benchmarks.measures.fsdp:_worker_train", 2, tmp / "train2")
+        uneven3 = spawn("benchmarks.measures.fsdp:_worker_uneven", 3, tmp / "uneven3")
+        compile2 = spawn("benchmarks.measures.fsdp:_worker_compile", 2, tmp / "compile2")
+        row2 = spawn("benchmarks.measures.fsdp_rowwise:_worker_rowwise", 2, tmp / "row2")
+        row3 = spawn("benchmarks.measures.fsdp_rowwise:_worker_uneven_rowwise", 3, tmp / "row3")
+        rowc2 = spawn("benchmarks.measures.fsdp_rowwise:_worker_compile_rowwise", 2, tmp / "rowc2")
     r, u, c = train2[0], uneven3[0], compile2[0]
     data = {
         "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
@@ -345,19 +363,19 @@ def fsdp() -> None:
         "fwd_bwd_all_reduces_after_precompute": r["fwd_bwd_all_reduces_after_precompute"],
         "forward_all_reduces_without_precompute": r["forward_all_reduces_without_precompute"],
         "fp32_same_batch_bitwise": r["fp32_replicated_data"] == r["ref_fp32"],
-        "fp32_split_rel_diff": t._rel_diff(r["fp32"], r["ref_fp32"]),
-        "bf16_split_rel_diff": t._rel_diff(r["bf16"], r["ref_bf16"]),
-        "uneven_split_rel_diff": t._rel_diff(u["uneven"], u["ref"]),
+        "fp32_split_rel_diff": _rel_diff(r["fp32"], r["ref_fp32"]),
+        "bf16_split_rel_diff": _rel_diff(r["bf16"], r["ref_bf16"]),
+        "uneven_split_rel_diff": _rel_diff(u["uneven"], u["ref"]),
         "uneven_same_batch_bitwise": u["uneven_replicated_data"] == u["ref"],
         "uneven_local_rows": [x["local_rows"] for x in uneven3],
         "precomputed_scales_bitwise": r["precomputed_scales"] == r["full_weight_scales"],
         "dcp_resume_bitwise": all(x["resumed"] == x["after"] for x in uneven3),
-        "compiled_vs_eager_rel_diff": t._rel_diff(c["compiled"], c["eager"]),
+        "compiled_vs_eager_rel_diff": _rel_diff(c["compiled"], c["eager"]),
         "compiled_graph_breaks": c["graph_breaks"],
         # compile + activation checkpointing vs one device eager: the largest rel. diff
         # over per-block / whole-model compile and the tensorwise / delayed recipes
         "compile_ac_rel_diff": max(
-            t._rel_diff(c[f"ac_{setup}_{name}"], c[f"ac_ref_{name}"])
+            _rel_diff(c[f"ac_{setup}_{name}"], c[f"ac_ref_{name}"])
             for setup in ("block", "whole")
             for name in ("tensorwise", "delayed")
         ),
@@ -365,7 +383,7 @@ def fsdp() -> None:
     }
     for policy in ("delayed", "static"):
         data[f"{policy}_same_batch_bitwise"] = r[f"{policy}_replicated_data"] == r[f"{policy}_ref"]
-        data[f"{policy}_split_rel_diff"] = t._rel_diff(r[f"{policy}_split"], r[f"{policy}_ref"])
+        data[f"{policy}_split_rel_diff"] = _rel_diff(r[f"{policy}_split"], r[f"{policy}_ref"])
         data[f"{policy}_precompute_all_reduces"] = r[f"{policy}_precompute_all_reduces"]
         data[f"{policy}_fwd_bwd_all_reduces"] = r[f"{policy}_fwd_bwd_all_reduces"]
     data["rowwise"] = _fsdp_rowwise(tr, row2, row3, rowc2)
@@ -383,14 +401,17 @@ def fsdp() -> None:
     )
     write(
         "fsdp",
-        ["tests/test_fsdp.py", "tests/test_fsdp_rowwise.py", "tests/fsdp_harness.py"],
+        MEASURES["fsdp"],
         data,
         time.perf_counter() - t0,
     )
 
 
 def _fsdp_rowwise(tr, row2: list[dict], row3: list[dict], rowc2: list[dict]) -> dict:
-    """The rowwise recipes' numbers (tests/test_fsdp_rowwise.py), rank 0's."""
+    """The rowwise recipes' numbers (benchmarks/measures/fsdp_rowwise.py), rank 0's."""
+    from benchmarks.measures.gloo import _rel_diff
+    from benchmarks.measures.refs import sqnr
+
     r, u, c = row2[0], row3[0], rowc2[0]
     data: dict = {
         "mix_precompute_all_reduces": r["mix_precompute_all_reduces"],
@@ -400,19 +421,19 @@ def _fsdp_rowwise(tr, row2: list[dict], row3: list[dict], rowc2: list[dict]) -> 
     }
     for recipe in tr.RECIPES:
         d = data[recipe] = {
-            "split_rel_diff": tr._rel_diff(r[f"{recipe}_split"], r[f"{recipe}_ref"]),
+            "split_rel_diff": _rel_diff(r[f"{recipe}_split"], r[f"{recipe}_ref"]),
             "same_batch_bitwise": r[f"{recipe}_replicated"] == r[f"{recipe}_ref"],
-            "bf16_no_reshard_rel_diff": tr._rel_diff(r[f"{recipe}_bf16"], r[f"{recipe}_ref_bf16"]),
+            "bf16_no_reshard_rel_diff": _rel_diff(r[f"{recipe}_bf16"], r[f"{recipe}_ref_bf16"]),
             "hook_path_bitwise": r[f"{recipe}_no_precompute"] == r[f"{recipe}_split"],
             "scales_bitwise": r[f"{recipe}_scales_bitwise"],
-            "uneven_split_rel_diff": tr._rel_diff(u[f"{recipe}_uneven"], u[f"{recipe}_ref"]),
+            "uneven_split_rel_diff": _rel_diff(u[f"{recipe}_uneven"], u[f"{recipe}_ref"]),
             "uneven_same_batch_bitwise": u[f"{recipe}_uneven_replicated"] == u[f"{recipe}_ref"],
             "compile_ac_bitwise": c[f"ac_{recipe}"] == c[f"ac_ref_{recipe}"],
         }
         for reshard in (True, False):
             got, ref = r[f"{recipe}_grads_reshard_{reshard}"], r[f"{recipe}_grads_ref"]
             grads = zip(got, ref, strict=True)
-            lowest = min(tr.sqnr(b, a) for a, b in grads)
+            lowest = min(sqnr(b, a) for a, b in grads)
             # JSON has no inf: None = every gradient bitwise equal (infinite SQNR)
             d[f"grad_sqnr_min_reshard_{reshard}"] = None if math.isinf(lowest) else lowest
             fp8, bf16 = f"{recipe}_reshard_{reshard}_fp8", f"{recipe}_reshard_{reshard}_bf16"
@@ -424,9 +445,9 @@ def _fsdp_rowwise(tr, row2: list[dict], row3: list[dict], rowc2: list[dict]) -> 
 
 
 def fsdp_blockwise() -> None:
-    """tests/test_fsdp_blockwise.py's runs (2 and 3 gloo ranks); rank 0's numbers."""
-    from tests import test_fsdp as t
-    from tests.fsdp_harness import spawn
+    """FSDP2 with blockwise weights (2 and 3 gloo ranks; benchmarks/measures/fsdp_blockwise.py);
+    rank 0's numbers."""
+    from benchmarks.measures.gloo import _rel_diff, spawn
 
     t0 = time.perf_counter()
     data = {}
@@ -434,13 +455,15 @@ def fsdp_blockwise() -> None:
         for world in (2, 3):
             (Path(tmp) / str(world)).mkdir()
             ranks = spawn(
-                "tests.test_fsdp_blockwise:_worker_blockwise", world, Path(tmp) / str(world)
+                "benchmarks.measures.fsdp_blockwise:_worker_blockwise",
+                world,
+                Path(tmp) / str(world),
             )
             r = ranks[0]
             data[f"ranks{world}"] = {
                 "all_gather_bytes_fp8": r["all_gather_bytes_fp8"],
                 "all_gather_bytes_bf16": r["all_gather_bytes_bf16"],
-                "split_rel_diff": t._rel_diff(r["split"], r["ref"]),
+                "split_rel_diff": _rel_diff(r["split"], r["ref"]),
                 "same_batch_bitwise": all(x["replicated"] == r["ref"] for x in ranks),
                 "precompute_all_reduces": r["precompute_all_reduces"],
                 "fwd_bwd_all_reduces": r["fwd_bwd_all_reduces"],
@@ -450,29 +473,28 @@ def fsdp_blockwise() -> None:
         r = ranks[0]
         data["cut_ranks3"] = {
             "local_rows": r["cut_local_rows"],
-            "split_rel_diff": t._rel_diff(r["cut_split"], r["cut_ref"]),
+            "split_rel_diff": _rel_diff(r["cut_split"], r["cut_ref"]),
             "same_batch_bitwise": all(x["cut_replicated"] == r["cut_ref"] for x in ranks),
             "precompute_all_reduces": r["cut_precompute_all_reduces"],
             "fwd_bwd_all_reduces": r["cut_fwd_bwd_all_reduces"],
         }
     write(
         "fsdp_blockwise",
-        ["tests/test_fsdp_blockwise.py", "tests/test_fsdp.py", "tests/fsdp_harness.py"],
+        MEASURES["fsdp_blockwise"],
         data,
         time.perf_counter() - t0,
     )
 
 
 def fsdp_mesh() -> None:
-    """tests/test_fsdp_mesh.py's run (4 gloo ranks: FSDP2 x TP 2x2 and 1x2, HSDP 2x2), every
-    recipe with and without float8 all-gather; losses of all ranks, bytes of rank 0."""
-    from tests import test_fsdp as t
-    from tests import test_fsdp_mesh as m
-    from tests.fsdp_harness import spawn
+    """benchmarks/measures/fsdp_mesh.py's run (4 gloo ranks: FSDP2 x TP 2x2 and 1x2, HSDP
+    2x2), every recipe with and without float8 all-gather; losses of all ranks, bytes of rank 0."""
+    from benchmarks.measures import fsdp_mesh as m
+    from benchmarks.measures.gloo import _rel_diff, spawn
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = spawn("tests.test_fsdp_mesh:_worker_mesh", 4, Path(tmp))
+        ranks = spawn("benchmarks.measures.fsdp_mesh:_worker_mesh", 4, Path(tmp))
     r0 = ranks[0]
     data: dict = {"steps": m.STEPS, "dim": m.DIM, "hidden": m.HIDDEN, "batch": m.BATCH}
     for mesh in ("2x2", "hsdp", "1x2"):
@@ -480,7 +502,7 @@ def fsdp_mesh() -> None:
         data[mesh] = {
             recipe: {
                 "loss_rel_diff": max(
-                    t._rel_diff(r[mesh, recipe, True], r[mesh, recipe, False]) for r in ranks
+                    _rel_diff(r[mesh, recipe, True], r[mesh, recipe, False]) for r in ranks
                 ),
                 "all_gather_bytes_fp8": r0[mesh, recipe, True, "all_gather_bytes"],
                 "all_gather_bytes_bf16": bf16,
@@ -493,26 +515,26 @@ def fsdp_mesh() -> None:
         data[mesh]["whole_weight_scales"] = all(r[mesh, "whole_weight_scales"] for r in ranks)
     write(
         "fsdp_mesh",
-        ["tests/test_fsdp_mesh.py", "tests/test_fsdp.py", "tests/fsdp_harness.py"],
+        MEASURES["fsdp_mesh"],
         data,
         time.perf_counter() - t0,
     )
 
 
 def qgz() -> None:
-    """tests/test_reduce_scatter.py's gloo runs (2 and 3 ranks): FSDP2's default gradient
+    """benchmarks/measures/qgz.py's gloo runs (2 and 3 ranks): FSDP2's default gradient
     reduce-scatter against the float8 one (qgZ); rank 0's numbers."""
     import statistics
 
-    from tests import test_reduce_scatter as q
-    from tests.fsdp_harness import spawn
+    from benchmarks.measures import qgz as q
+    from benchmarks.measures.gloo import spawn
 
     t0 = time.perf_counter()
     data = {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in (2, 3):
             (Path(tmp) / str(world)).mkdir()
-            r = spawn("tests.test_reduce_scatter:_worker_qgz", world, Path(tmp) / str(world))[0]
+            r = spawn("benchmarks.measures.qgz:_worker_qgz", world, Path(tmp) / str(world))[0]
             fp32 = r["fp32"]
             late = {k: statistics.fmean(fp32[k]["losses"][15:20]) for k in ("default", "float8")}
             data[f"ranks{world}"] = {
@@ -535,8 +557,7 @@ def qgz() -> None:
     write(
         "qgz",
         [
-            "tests/test_reduce_scatter.py",
-            "tests/fsdp_harness.py",
+            *MEASURES["qgz"],
             "float8kit/distributed/reduce_scatter.py",
         ],
         data,
@@ -598,17 +619,17 @@ def qgz_train() -> None:
 
 
 def tp() -> None:
-    """tests/test_tp.py's multi-process runs (2 and 4 gloo ranks); rank 0's numbers."""
-    from tests import test_tp as t
-    from tests.fsdp_harness import spawn
+    """benchmarks/measures/tp.py's multi-process runs (2 and 4 gloo ranks); rank 0's numbers."""
+    from benchmarks.measures import tp as t
+    from benchmarks.measures.gloo import spawn
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for sub in ("tp2", "mesh2d"):
             (tmp / sub).mkdir()
-        r = spawn("tests.test_tp:_worker_tp2", 2, tmp / "tp2")[0]
-        m = spawn("tests.test_tp:_worker_2d", 4, tmp / "mesh2d")
+        r = spawn("benchmarks.measures.tp:_worker_tp2", 2, tmp / "tp2")[0]
+        m = spawn("benchmarks.measures.tp:_worker_2d", 4, tmp / "mesh2d")
     sp = ("tensorwise", "rowwise")
     data = {
         "torch_styles_rel_diff": {
@@ -641,7 +662,7 @@ def tp() -> None:
     }
     write(
         "tp",
-        ["tests/test_tp.py", "tests/fsdp_harness.py", "recipes/model.py"],
+        [*MEASURES["tp"], "recipes/model.py"],
         data,
         time.perf_counter() - t0,
     )

@@ -1,6 +1,6 @@
-"""What the FSDP2 tests share: the gloo launcher (real processes, one per rank), the small
-models and data, the training loop, the collective counter. Not a test module: test modules
-import it, never each other."""
+"""The gloo launcher (real processes, one per rank) and what the FSDP2 measurements and tests
+share: the small models and data, the training loop, the collective counters. The measuring
+modules' workers and the tests' own workers run through ``spawn``."""
 
 from __future__ import annotations
 
@@ -282,7 +282,8 @@ def _entry(rank: int, name, world: int, tmp: str) -> None:
         timeout=datetime.timedelta(seconds=120),
     )
     try:
-        # "module:function" names the worker (a test module's: imported here, by name)
+        # "module:function" names the worker (imported here, by name: a measuring module's
+        # or a test module's; the parent's sys.path comes with mp.spawn)
         module, _, func = name.partition(":")
         worker = getattr(importlib.import_module(module), func)
         result = worker(rank, world, tmp)
