@@ -9,6 +9,7 @@ measure SQNR against a reference, print a markdown table, and write JSON + markd
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import importlib.metadata
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "benchmarks" / "results"
@@ -287,27 +289,48 @@ def finite_or_none(x: float | None, ndigits: int = 2) -> float | None:
     return round(x, ndigits)
 
 
+class OpCounter(TorchDispatchMode):
+    """The one aten op counter of float8kit's tests and benchmarks: records every op that
+    runs while it is active (below autograd), with the dtype it was asked to produce.
+
+    ``counts``: calls per op name; ``kernels``: the ops that are not views (each may launch
+    a kernel); ``float8_casts``: hp -> float8 conversions (``_to_copy`` to a float8 dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.calls.append((func, kwargs.get("dtype")))
+        return func(*args, **kwargs)
+
+    @property
+    def counts(self) -> collections.Counter:
+        return collections.Counter(str(func) for func, _ in self.calls)
+
+    @property
+    def kernels(self) -> list[str]:
+        return [str(func) for func, _ in self.calls if not func.is_view]
+
+    @property
+    def float8_casts(self) -> int:
+        fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+        return sum(f is torch.ops.aten._to_copy.default and d in fp8 for f, d in self.calls)
+
+
 def count_aten_ops(module, m: int, k: int, n: int, backward: bool) -> int:
     """aten ops one fwd(+bwd) call of ``module`` on an (m, k) bf16 input dispatches: each is
     a kernel launch on a GPU in eager mode, and a trip through the dispatcher on any device."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += 1
-            return func(*args, **(kwargs or {}))
-
     p = next(module.parameters())
     x = torch.randn(m, k, dtype=torch.bfloat16, device=p.device, requires_grad=True)
-    with Count():
+    with OpCounter() as counter:
         y = module(x)
         if backward:
             y.backward(torch.randn(m, n, dtype=torch.bfloat16, device=p.device))
     for q in module.parameters():
         q.grad = None
-    return Count.n
+    return len(counter.calls)
 
 
 # ----------------------------------------------------------------------------

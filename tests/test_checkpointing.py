@@ -13,13 +13,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
     checkpoint_wrapper,
 )
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from benchmarks.common import OpCounter
 from benchmarks.measures.memory import RECIPES, config
 from float8kit import Float8Linear, checkpoint_policy, convert_to_float8_training, precompute_scales
 from float8kit.cast import kept_cast
-from float8kit.config import FP8_DTYPES
 from tests.helpers import count_scaled_mm
 
 STEPS = 3  # the first step scales DELAYED casts from their own amax, the later from history
@@ -106,20 +105,6 @@ def test_eager_checkpointing_is_bitwise_no_checkpointing(recipe, ac):
         assert counts and all(int(c) == 1 for c in counts)
 
 
-class CountOps(TorchDispatchMode):
-    """Counts float8 casts (hp -> float8 data) that run while it is active."""
-
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") in FP8_DTYPES:
-            self.casts += 1
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_selective_policy_keeps_float8_gemm_outputs(recipe):
     # What backward runs, per way of checkpointing: without checkpointing, each layer's two
@@ -133,9 +118,9 @@ def test_selective_policy_keeps_float8_gemm_outputs(recipe):
         if ac != "none":
             model = AC[ac](model)
         out = model(x).float().square().mean()
-        with count_scaled_mm() as gemms, CountOps() as casts:
+        with count_scaled_mm() as gemms, OpCounter() as casts:
             out.backward()
-        counts[ac] = (len(gemms), casts.casts)
+        counts[ac] = (len(gemms), casts.float8_casts)
         grads[ac] = [p.grad for p in model.parameters()]
     layers = 4
     casts_fwd = {"tensorwise": 2, "rowwise": 3}[recipe]  # input, weight (+ input along dim 0)

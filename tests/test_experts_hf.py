@@ -18,12 +18,12 @@ from torch.utils.checkpoint import (
 )
 
 import float8kit
+from benchmarks.common import OpCounter
 from benchmarks.measures.experts_hf import (
     EXPERTS,
     FLOAT8_GEMM,
     LAYERS,
     VOCAB,
-    CountOps,
     _train,
     batch,
     hf_numbers,
@@ -141,9 +141,9 @@ def test_grouped_mm_and_eager_experts_run_float8(name):
         convert_experts_to_float8_training(model)
         assert len(expert_params(model)) == 2 * LAYERS
         assert all(isinstance(p, Float8ExpertWeight) for _, p in expert_params(model))
-        with CountOps() as forward:
+        with OpCounter() as forward:
             logits, experts = expert_outputs(model, ids)
-        with CountOps() as backward:
+        with OpCounter() as backward:
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()
         results[impl] = (logits.detach(), experts, forward.counts, backward.counts)
         # no hp grouped gemm anywhere, no hp gemm on an expert weight (refused otherwise)
@@ -179,7 +179,7 @@ def test_transformers_fallback_op_runs_float8_and_its_backward_refuses():
     f8 = torch.nn.Parameter(Float8ExpertWeight(weight.detach().clone(), Float8ExpertsConfig()))
     x = torch.randn(40, 32)
     offs = torch.tensor([10, 10, 30, 40], dtype=torch.int32)
-    with CountOps() as counts:
+    with OpCounter() as counts:
         got = torch.ops.transformers.grouped_mm_fallback(x, f8, offs=offs)
     assert counts.counts[FLOAT8_GEMM] == 1
     assert torch.equal(got, torch._grouped_mm(x, f8, offs=offs))  # the same float8 gemm
@@ -262,7 +262,7 @@ def test_checkpoint_policy_keeps_the_float8_expert_gemms():
     counts = []
     for model in (plain, ckpt):
         loss = model(ids, labels=ids).loss
-        with CountOps() as backward:
+        with OpCounter() as backward:
             loss.backward()
         counts.append(backward.counts[FLOAT8_GEMM])
         grads.append([p.grad for _, p in expert_params(model)])

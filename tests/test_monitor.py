@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import OpCounter
 from benchmarks.measures.monitor import DIM, MLP, drift_case, drift_model, train
 from float8kit import (
     Float8LinearConfig,
@@ -113,16 +113,9 @@ def test_autocast_reference_stays_fp32_and_eval_forwards_are_not_steps():
 
 
 def _count_ops(fn) -> dict:
-    counts = {}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts[str(func)] = counts.get(str(func), 0) + 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    with OpCounter() as counter:
         fn()
-    return counts
+    return dict(counter.counts)
 
 
 def test_unsampled_steps_run_no_extra_op():

@@ -4,11 +4,9 @@ steps fp32 vs float8 experts."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import OpCounter
 from benchmarks.measures.refs import sqnr
 from float8kit import convert_experts_to_float8_training
 
@@ -45,16 +43,6 @@ def qwen3_moe(seed=0):
 
 def batch(seed=1, batch_size=2, seq=16):
     return torch.randint(0, VOCAB, (batch_size, seq), generator=torch.Generator().manual_seed(seed))
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.counts = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 FSDP_STEPS = 3
@@ -134,7 +122,7 @@ def hf_numbers() -> dict:
         model = convert_experts_to_float8_training(qwen3_moe())
         model.set_experts_implementation(impl)
         try:
-            with CountOps() as c:
+            with OpCounter() as c:
                 model(ids, labels=ids).loss.backward()
             counts[impl] = c.counts[FLOAT8_GEMM]
         except NotImplementedError:

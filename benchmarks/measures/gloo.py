@@ -134,28 +134,57 @@ def _train(model, xs, ys, steps, *, precompute=True, autocast=False, sharded=Tru
 
 
 class _Count:
-    """Counts calls (and bytes of the output tensor) of a torch.distributed collective."""
+    """The one collective counter of the tests and measures: while active, patches the
+    torch.distributed collectives ``names`` and counts their calls and bytes: the gathered
+    output of an all-gather, the sent input of a reduce-scatter or all-to-all, the tensor of
+    an all-reduce or broadcast. ``calls`` / ``bytes``: totals; ``by_name``: bytes per name;
+    ``log``: the names called, in order. torch 2.11 names FSDP2's collectives differently
+    (``all_gather_into_tensor``, ``reduce_scatter_tensor``): counted under the 2.13 names."""
 
-    def __init__(self, name: str):
-        self.name, self.calls, self.bytes = name, 0, 0
+    # name -> (keyword, position) of the tensor whose bytes are counted
+    TENSOR = {
+        "all_gather_single": ("output_tensor", 0),
+        "all_gather_into_tensor": ("output_tensor", 0),
+        "reduce_scatter_single": ("input", 1),
+        "reduce_scatter_tensor": ("input", 1),
+        "all_to_all_single": ("input", 1),
+    }
+    OLD_NAMES = {
+        "all_gather_single": "all_gather_into_tensor",
+        "reduce_scatter_single": "reduce_scatter_tensor",
+    }
+
+    def __init__(self, *names: str):
+        self.names, self.calls, self.bytes, self.log = names, 0, 0, []
+        self.by_name = dict.fromkeys(names, 0)
 
     def __enter__(self):
-        # torch 2.11's FSDP2 all-gathers through all_gather_into_tensor (no all_gather_single)
-        if not hasattr(dist, self.name) and self.name == "all_gather_single":
-            self.name = "all_gather_into_tensor"
-        self.orig = getattr(dist, self.name)
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            t = args[0] if args else next(iter(kwargs.values()))
-            self.bytes += t.numel() * t.element_size()
-            return self.orig(*args, **kwargs)
-
-        setattr(dist, self.name, counted)
+        self.orig = {}
+        for name in self.names:
+            real = name if hasattr(dist, name) else self.OLD_NAMES.get(name, name)
+            self.orig[real] = getattr(dist, real)
+            setattr(dist, real, self._counted(name, self.orig[real]))
         return self
 
+    def _counted(self, name: str, fn):
+        key, pos = self.TENSOR.get(name, (None, 0))
+
+        def counted(*args, **kwargs):
+            t = kwargs[key] if key in kwargs else args[pos] if len(args) > pos else None
+            if t is None and kwargs:
+                t = next(iter(kwargs.values()))
+            size = t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+            self.calls += 1
+            self.bytes += size
+            self.by_name[name] += size
+            self.log.append(name)
+            return fn(*args, **kwargs)
+
+        return counted
+
     def __exit__(self, *exc):
-        setattr(dist, self.name, self.orig)
+        for real, fn in self.orig.items():
+            setattr(dist, real, fn)
 
 
 FP8_AG = Float8LinearConfig(enable_fsdp_float8_all_gather=True)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.measures.gloo import (
+    _Count,
     _data,
     _shard,
     _uneven_net,
@@ -29,43 +30,6 @@ from float8kit import (
 STEPS = 20
 LR = 1e-3
 TENSORWISE = Float8LinearConfig()
-
-
-# FSDP2's default reduce-scatter: ``reduce_scatter_single`` from torch 2.13 on,
-# ``reduce_scatter_tensor`` (same input argument) in torch 2.11.
-_RS = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-
-
-def _dist_name(name: str) -> str:
-    return _RS if name == "reduce_scatter_single" else name
-
-
-class _SentBytes:
-    """Bytes each rank hands to ``all_to_all_single`` / FSDP2's reduce-scatter (their
-    inputs: what the rank sends), while active; counted under the names "all_to_all_single"
-    and "reduce_scatter_single" on every torch."""
-
-    NAMES = ("all_to_all_single", "reduce_scatter_single")
-
-    def __enter__(self):
-        self.bytes = dict.fromkeys(self.NAMES, 0)
-        self.orig = {n: getattr(dist, _dist_name(n)) for n in self.NAMES}
-
-        def counter(name):
-            def counted(*args, **kwargs):
-                t = kwargs["input"] if "input" in kwargs else args[1]
-                self.bytes[name] += t.numel() * t.element_size()
-                return self.orig[name](*args, **kwargs)
-
-            return counted
-
-        for n in self.NAMES:
-            setattr(dist, _dist_name(n), counter(n))
-        return self
-
-    def __exit__(self, *exc):
-        for n, f in self.orig.items():
-            setattr(dist, _dist_name(n), f)
 
 
 def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
@@ -102,9 +66,9 @@ def _worker_qgz(rank: int, world: int, tmp: str, steps: int = STEPS) -> dict:
         for step in range(n_steps):
             loss = F.mse_loss(model(xs[step, local]).float(), ys[step, local])
             if step == 0:
-                with _SentBytes() as sent:
+                with _Count("all_to_all_single", "reduce_scatter_single") as sent:
                     loss.backward()
-                out["bytes"] = sent.bytes
+                out["bytes"] = sent.by_name
                 grads = [p.grad.full_tensor().float() for p in model.parameters()]
                 out["grads"] = grads if rank == 0 else None
             else:
