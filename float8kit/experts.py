@@ -44,6 +44,7 @@ from torch import nn
 
 from float8kit import cast
 from float8kit.config import E4M3, Float8ExpertsConfig
+from float8kit.distributed.fsdp import local_scale_inputs, local_scale_outputs
 from float8kit.gemm import scaled_grouped_mm
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
 
@@ -416,19 +417,22 @@ class Float8ExpertWeight(HpWeight):
         data, scale = cast.cast_rowwise(
             self._tensor, reduce_dim, self._config.round_scales_to_power_of_2
         )
-        return (data.view(torch.uint8), scale.view(torch.uint8)), None
+        # the scales are the shard's own: the same all-gather as a dense weight's blocks
+        return local_scale_inputs(data, scale, data.shape[0], 1, mesh.size())
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """Wrap the gathered tensors as the unsharded weight. On later all-gathers (``out``
         given) FSDP2 has refilled the buffers that weight's tensors view: nothing to do."""
-        if out is not None:
-            return None
         if not self._config.enable_fsdp_float8_all_gather:
+            if out is not None:
+                return None
             (data,) = all_gather_outputs
             return Float8ExpertWeight(data, self._config), (data,)
-        data, scale = all_gather_outputs
-        data, scale = data.view(E4M3), scale.view(torch.float32)
-        return Float8ExpertWeight(data, self._config, scale, param_dtype), (data, scale)
+        got = local_scale_outputs(all_gather_outputs, metadata, E4M3, out)
+        if got is None:
+            return None
+        data, scale, free = got
+        return Float8ExpertWeight(data, self._config, scale, param_dtype), free
 
 
 def _dispatch_fp8(cls, func, args, kwargs, weight: Float8ExpertWeight):

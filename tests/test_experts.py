@@ -8,6 +8,7 @@ import io
 import pytest
 import torch
 import torch._inductor.config as inductor_config
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -272,6 +273,32 @@ def test_config_validation_names_the_field():
         Float8ExpertsConfig(gemm_config_output=True)
     fast = Float8ExpertsConfig(gemm_config_output=GemmConfig(use_fast_accum=True))
     assert fast.gemm_config_output.use_fast_accum and not Float8ExpertsConfig().emulate
+
+
+@pytest.mark.parametrize("fp8_all_gather", [False, True])
+def test_one_rank_fsdp2_equals_unsharded(fp8_all_gather):
+    # World size 1 (one GPU): FSDP2 copies only the first all-gather input, so the
+    # per-expert scales, a second input on more ranks, must come another way (they did not:
+    # the post hook failed to unpack). The same casts as one device: bitwise.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=fp8_all_gather)
+    torch.manual_seed(0)
+    ref = convert_experts_to_float8_training(Experts(), config=Float8ExpertsConfig())
+    model = convert_experts_to_float8_training(Experts(), config=config)
+    model.load_state_dict(ref.state_dict())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        for step in range(2):  # the second all-gather refills the first one's buffers
+            x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+            want, got = run(ref, x, grad), run(model, x, grad)
+            for w, g in zip(want, got, strict=True):
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                assert torch.equal(w, g), step
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------- FSDP2, 2 ranks

@@ -142,50 +142,33 @@ class Float8AllGatherWeight(HpWeight):
         return None
 
     def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size):
-        """The blockwise ``fsdp_pre_all_gather`` for shards of whole blocks:
-        ``((data_uint8, scales_uint8), ())``, both padded to FSDP2's padded shard size; every
-        scale is local to its shard."""
-        b, world = self._block_size, mesh.size()
-        chunk = padded_shard_size(self.shape, outer_size, world)
+        """The blockwise ``fsdp_pre_all_gather`` for shards of whole blocks: every scale is
+        local to its shard (``local_scale_inputs``)."""
         config = self._config
         fp8 = casting.cast_to_float8(
             self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config
         )
-        data, scale = fp8._data.view(torch.uint8), fp8._scale
-        rows = chunk[0] - data.shape[0]
-        if rows:  # uneven: the last ranks' shards are padded (an empty one entirely)
-            data = torch.nn.functional.pad(data, (0, 0, 0, rows))
-            scale = torch.nn.functional.pad(
-                scale, (0, 0, 0, chunk[0] // b - scale.shape[0]), value=1.0
-            )
-        if world == 1:
-            # FSDP2 copies only the first all-gather input on a single rank: the scales,
-            # the whole weight's, go as metadata (refilled in place by the post hook).
-            return (data,), (scale,)
-        # fp32 scales travel as bytes next to the fp8 bytes (one uint8 all-gather buffer)
-        return (data, scale.contiguous().view(torch.uint8)), ()
+        chunk = padded_shard_size(self.shape, outer_size, mesh.size())
+        return local_scale_inputs(fp8._data, fp8._scale, chunk[0], self._block_size, mesh.size())
 
     def _post_all_gather_blocks(self, all_gather_outputs, metadata, param_dtype, out):
         c = self._config
         gran = granularity.weight(c.cast_config_weight)
-        if len(all_gather_outputs) == 1:  # the scales came as metadata (replicated)
-            (data,), (scale, *rows) = all_gather_outputs, metadata
+        if len(all_gather_outputs) == 1 and len(metadata) > 1:
+            # shards that cut blocks: the whole-block scales came as metadata (replicated);
+            # drop the padding rows (a view, as rowwise below)
+            (data,), (scale, rows) = all_gather_outputs, metadata
             if out is not None:
                 _refill_scale(out, scale)
                 return None
-            # shards that cut blocks: drop the padding rows (a view, as rowwise below)
-            fp8 = data[: rows[0]] if rows else data
-            weight = Float8TrainingTensor(
-                fp8.view(self._fp8_dtype), scale.clone(), param_dtype, GemmRole.WEIGHT, gran, c
-            )
+            fp8 = data[:rows].view(self._fp8_dtype)
+            weight = Float8TrainingTensor(fp8, scale.clone(), param_dtype, GemmRole.WEIGHT, gran, c)
             return weight, (data,)
-        if out is not None:
-            # the data and scales view the all-gather buffers, which FSDP2 refilled
+        got = local_scale_outputs(all_gather_outputs, metadata, self._fp8_dtype, out)
+        if got is None:
             return None
-        data, scale_bytes = all_gather_outputs
-        data, scale = data.view(self._fp8_dtype), scale_bytes.view(torch.float32)
-        weight = Float8TrainingTensor(data, scale, param_dtype, GemmRole.WEIGHT, gran, c)
-        return weight, (data, scale)
+        data, scale, free = got
+        return Float8TrainingTensor(data, scale, param_dtype, GemmRole.WEIGHT, gran, c), free
 
     def fsdp_post_all_gather(
         self,
@@ -230,6 +213,42 @@ class Float8AllGatherWeight(HpWeight):
         return weight, (data,)
 
 
+def local_scale_inputs(
+    data: torch.Tensor, scale: torch.Tensor, padded_rows: int, rows_per_scale: int, world: int
+):
+    """``fsdp_pre_all_gather``'s return for a float8 shard whose scales are its own (a dense
+    weight's whole blocks, an expert weight's per-expert scales): the fp8 bytes and the fp32
+    scales' bytes as two uint8 all-gather inputs, both padded along dim 0 to FSDP2's padded
+    shard size (``padded_rows`` data rows; a padding scale is 1.0). On one rank FSDP2 copies
+    only the first all-gather input, so the scales go as metadata there instead."""
+    data = data.view(torch.uint8)
+    if padded_rows != data.shape[0]:  # uneven: the last ranks' shards are padded
+        pad = padded_rows - data.shape[0]
+        data = torch.nn.functional.pad(data, (0, 0) * (data.dim() - 1) + (0, pad))
+        pad = padded_rows // rows_per_scale - scale.shape[0]
+        scale = torch.nn.functional.pad(scale, (0, 0) * (scale.dim() - 1) + (0, pad), value=1.0)
+    if world == 1:
+        return (data,), (scale,)
+    return (data, scale.contiguous().view(torch.uint8)), ()
+
+
+def local_scale_outputs(all_gather_outputs, metadata, fp8_dtype: torch.dtype, out):
+    """``(data, scale, tensors to free)`` from what ``local_scale_inputs`` sent, for the post
+    hook to wrap; None on a re-gather (``out``), where the weight's data and scales view the
+    buffers FSDP2 refilled (on one rank, the scales from metadata are copied in place)."""
+    if len(all_gather_outputs) == 1:  # one rank: the scales came as metadata
+        (data,), (scale,) = all_gather_outputs, metadata
+        if out is not None:
+            _refill_scale(out, scale)
+            return None
+        return data.view(fp8_dtype), scale.clone(), (data,)
+    if out is not None:
+        return None
+    data, scale_bytes = all_gather_outputs
+    data, scale = data.view(fp8_dtype), scale_bytes.view(torch.float32)
+    return data, scale, (data, scale)
+
+
 def _refill_scale(out: torch.Tensor, scale: torch.Tensor) -> None:
     """A re-gather (FSDP2's ``out``): copy the new scale into the weight built by the first
     all-gather, whose data already views the refilled all-gather buffer.
@@ -240,10 +259,10 @@ def _refill_scale(out: torch.Tensor, scale: torch.Tensor) -> None:
     Sound for the same reason as FSDP2's data refill: between a forward and its backward the
     weight does not change, so every re-gather writes back the value that was saved."""
     local = out._local_tensor if hasattr(out, "_local_tensor") else out
-    if not isinstance(local, Float8TrainingTensor):
+    if getattr(local, "_scale", None) is None:
         raise RuntimeError(
-            f"float8kit: FSDP2 passed out={type(local).__name__}, expected the "
-            "Float8TrainingTensor weight built by the first all-gather"
+            f"float8kit: FSDP2 passed out={type(local).__name__}, expected the float8 "
+            "weight built by the first all-gather"
         )
     with torch.autograd._unsafe_preserve_version_counter(local._scale):
         local._scale.copy_(scale)
