@@ -22,14 +22,10 @@ from float8kit import (
     precompute_scales,
 )
 from float8kit.cast import operand_scale
+from tests.helpers import sqnr
 
 DELAYED = CastConfig(scaling_type=ScalingType.DELAYED)
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.detach().double(), actual.detach().double()
-    return float(10 * torch.log10(ref.pow(2).mean() / (ref - actual).pow(2).mean()))
 
 
 def delayed_layer(in_f=64, out_f=64, **cast_kwargs) -> Float8Linear:

@@ -14,14 +14,10 @@ from float8kit import (
     calibrate,
     convert_to_float8_training,
 )
+from tests.helpers import sqnr
 
 E4M3_MAX = 448.0
 GO_STATIC = CastConfig(scaling_type=ScalingType.STATIC, static_scale=2.0**12)
-
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    ref, actual = ref.detach().double(), actual.detach().double()
-    return float(10 * torch.log10(ref.pow(2).mean() / (ref - actual).pow(2).mean()))
 
 
 def static_config(input_scale=None, weight_scale=None, go=GO_STATIC) -> Float8LinearConfig:

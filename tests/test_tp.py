@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 import float8kit
-from benchmarks.measures.gloo import spawn
-from benchmarks.measures.tp import BATCH, MLP, RECIPES, SEQ, _data, _mlp, _rel_diff
+from benchmarks.measures.gloo import _rel_diff, spawn
+from benchmarks.measures.tp import BATCH, MLP, RECIPES, SEQ, _data, _mlp
 
 
 @pytest.fixture(scope="module")

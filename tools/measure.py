@@ -85,13 +85,19 @@ _M = "benchmarks/measures"
 MEASURES = {
     "numerics": [f"{_M}/numerics.py", f"{_M}/refs.py", "benchmarks/common.py"],
     "memory": [f"{_M}/memory.py"],
-    "monitor": [f"{_M}/monitor.py", f"{_M}/refs.py"],
-    "experts": [f"{_M}/experts.py", f"{_M}/refs.py"],
-    "moe_hf": [f"{_M}/experts_hf.py", f"{_M}/refs.py"],
-    "fsdp": [f"{_M}/fsdp.py", f"{_M}/fsdp_rowwise.py", f"{_M}/gloo.py", f"{_M}/refs.py"],
+    "monitor": [f"{_M}/monitor.py", f"{_M}/refs.py", "benchmarks/common.py"],
+    "experts": [f"{_M}/experts.py", f"{_M}/refs.py", "benchmarks/common.py"],
+    "moe_hf": [f"{_M}/experts_hf.py", f"{_M}/refs.py", "benchmarks/common.py"],
+    "fsdp": [
+        f"{_M}/fsdp.py",
+        f"{_M}/fsdp_rowwise.py",
+        f"{_M}/gloo.py",
+        f"{_M}/refs.py",
+        "benchmarks/common.py",
+    ],
     "fsdp_blockwise": [f"{_M}/fsdp_blockwise.py", f"{_M}/gloo.py"],
     "fsdp_mesh": [f"{_M}/fsdp_mesh.py", f"{_M}/gloo.py"],
-    "qgz": [f"{_M}/qgz.py", f"{_M}/gloo.py", f"{_M}/refs.py"],
+    "qgz": [f"{_M}/qgz.py", f"{_M}/gloo.py", f"{_M}/refs.py", "benchmarks/common.py"],
     "tp": [f"{_M}/tp.py", f"{_M}/gloo.py"],
     "memory_blocks": [f"{_M}/memory_blocks.py", f"{_M}/memory.py", "recipes/model.py"],
 }
@@ -621,7 +627,7 @@ def qgz_train() -> None:
 def tp() -> None:
     """benchmarks/measures/tp.py's multi-process runs (2 and 4 gloo ranks); rank 0's numbers."""
     from benchmarks.measures import tp as t
-    from benchmarks.measures.gloo import spawn
+    from benchmarks.measures.gloo import _rel_diff, spawn
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -633,10 +639,10 @@ def tp() -> None:
     sp = ("tensorwise", "rowwise")
     data = {
         "torch_styles_rel_diff": {
-            recipe: t._rel_diff(r[f"tp_{recipe}"], r[f"ref_{recipe}"]) for recipe in t.RECIPES
+            recipe: _rel_diff(r[f"tp_{recipe}"], r[f"ref_{recipe}"]) for recipe in t.RECIPES
         },
         "sp_rel_diff": {
-            recipe: t._rel_diff(r[f"fp8_sp_{recipe}"], r[f"ref_{recipe}"]) for recipe in sp
+            recipe: _rel_diff(r[f"fp8_sp_{recipe}"], r[f"ref_{recipe}"]) for recipe in sp
         },
         "sp_equals_torch_sp": {
             recipe: r[f"fp8_sp_{recipe}"] == r[f"torch_sp_{recipe}"] for recipe in sp
@@ -645,12 +651,12 @@ def tp() -> None:
         "all_gather_bytes_bf16": {recipe: r[f"bytes_torch_sp_{recipe}"] for recipe in sp},
         "compiled_equals_eager": r["compiled_fp8_sp_tensorwise"] == r["fp8_sp_tensorwise"],
         "compiled_llama_rel_diff": {
-            recipe: t._rel_diff(r[f"compiled_llama_{recipe}"], r[f"eager_llama_{recipe}"])
+            recipe: _rel_diff(r[f"compiled_llama_{recipe}"], r[f"eager_llama_{recipe}"])
             for recipe in sp
         },
         "compiled_llama_graph_breaks": {recipe: r[f"graph_breaks_{recipe}"] for recipe in sp},
         "mesh2d_rel_diff": {
-            recipe: max(t._rel_diff(x[f"2d_{recipe}"], m[0][f"ref_{recipe}"]) for x in m)
+            recipe: max(_rel_diff(x[f"2d_{recipe}"], m[0][f"ref_{recipe}"]) for x in m)
             for recipe in sp
         },
         "mesh2d_fsdp_float8_all_gather": {

@@ -149,21 +149,24 @@ class _Count:
         "reduce_scatter_tensor": ("input", 1),
         "all_to_all_single": ("input", 1),
     }
+    # torch 2.11's names (torch.distributed's, then the functional collectives')
     OLD_NAMES = {
-        "all_gather_single": "all_gather_into_tensor",
-        "reduce_scatter_single": "reduce_scatter_tensor",
+        "all_gather_single": ("all_gather_into_tensor", "all_gather_tensor"),
+        "reduce_scatter_single": ("reduce_scatter_tensor",),
     }
 
-    def __init__(self, *names: str):
-        self.names, self.calls, self.bytes, self.log = names, 0, 0, []
+    def __init__(self, *names: str, module=dist):
+        """``module``: where the collectives live (torch.distributed, or its functional
+        collectives ``torch.distributed._functional_collectives`` that DTensor uses)."""
+        self.names, self.module, self.calls, self.bytes, self.log = names, module, 0, 0, []
         self.by_name = dict.fromkeys(names, 0)
 
     def __enter__(self):
         self.orig = {}
         for name in self.names:
-            real = name if hasattr(dist, name) else self.OLD_NAMES.get(name, name)
-            self.orig[real] = getattr(dist, real)
-            setattr(dist, real, self._counted(name, self.orig[real]))
+            real = next(n for n in (name, *self.OLD_NAMES.get(name, ())) if hasattr(self.module, n))
+            self.orig[real] = getattr(self.module, real)
+            setattr(self.module, real, self._counted(name, self.orig[real]))
         return self
 
     def _counted(self, name: str, fn):
@@ -184,7 +187,7 @@ class _Count:
 
     def __exit__(self, *exc):
         for real, fn in self.orig.items():
-            setattr(dist, real, fn)
+            setattr(self.module, real, fn)
 
 
 FP8_AG = Float8LinearConfig(enable_fsdp_float8_all_gather=True)

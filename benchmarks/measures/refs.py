@@ -3,14 +3,7 @@
 import torch
 from torch import nn
 
-
-def sqnr(ref: torch.Tensor, actual: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio of ``actual`` against ``ref``, in dB (fp64 math)."""
-    ref, actual = ref.detach().double(), actual.detach().double()
-    noise = (ref - actual).norm()
-    if noise == 0:
-        return float("inf")
-    return float(20 * torch.log10(ref.norm() / noise))
+from benchmarks.common import sqnr_db as sqnr  # noqa: F401  (the one SQNR, in dB, fp64 math)
 
 
 def fwd_bwd(module: nn.Module, x: torch.Tensor, grad: torch.Tensor):

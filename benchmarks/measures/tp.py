@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import float8kit
+from benchmarks.measures.gloo import _Count
 from float8kit import Float8LinearConfig, convert_to_float8_training, precompute_scales
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise")
@@ -50,10 +51,6 @@ def _data(steps: int = STEPS):
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def _rel_diff(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
 def _train(model, xs, ys, *, seq_shard: slice | None = None, world: int = 1) -> list[float]:
     """Losses of AdamW steps. ``seq_shard``: this rank's sequence slice (sequence parallel:
     the model takes and returns local sequence shards); the loss is the global batch's."""
@@ -74,32 +71,6 @@ def _train(model, xs, ys, *, seq_shard: slice | None = None, world: int = 1) -> 
             dist.all_reduce(loss)
         losses.append(loss.item())
     return losses
-
-
-# Every DTensor and float8kit all-gather goes through ``funcol.all_gather_single`` from
-# torch 2.13 on, through ``funcol.all_gather_tensor`` (same first argument) in torch 2.11.
-_AG = "all_gather_single" if hasattr(funcol, "all_gather_single") else "all_gather_tensor"
-
-
-class _GatherBytes:
-    """Counts the bytes that all-gathers move, per phase."""
-
-    def __init__(self):
-        self.bytes = {"forward": 0, "backward": 0}
-        self.phase = "forward"
-
-    def __enter__(self):
-        self.orig = getattr(funcol, _AG)
-
-        def counted(t, *args, **kwargs):
-            self.bytes[self.phase] += t.numel() * t.element_size()
-            return self.orig(t, *args, **kwargs)
-
-        setattr(funcol, _AG, counted)
-        return self
-
-    def __exit__(self, *exc):
-        setattr(funcol, _AG, self.orig)
 
 
 def _sp_plan(styles) -> dict:
@@ -151,11 +122,12 @@ def _worker_tp2(rank: int, world: int, tmp: str) -> dict:
             res[f"{name}_{recipe}"] = _train(model, xs, ys, seq_shard=seq, world=world)
             # bytes of one bf16 step
             model = parallelize_module(_mlp(recipe).bfloat16(), mesh, _sp_plan(styles))
-            with _GatherBytes() as counter:
+            # every DTensor and float8kit all-gather is a functional all_gather_single
+            with _Count("all_gather_single", module=funcol) as forward:
                 out = model(xs[0][:, seq].bfloat16())
-                counter.phase = "backward"
+            with _Count("all_gather_single", module=funcol) as backward:
                 out.float().pow(2).mean().backward()
-            res[f"bytes_{name}_{recipe}"] = dict(counter.bytes)
+            res[f"bytes_{name}_{recipe}"] = {"forward": forward.bytes, "backward": backward.bytes}
     # sequence parallel without PrepareFloat8ModuleInput: w1 and w3 each gather the input
     from torch.distributed.tensor import Shard
 
