@@ -851,9 +851,13 @@ def suite() -> None:
     import xml.etree.ElementTree as ET
 
     run("tools/publish.py")
+    # The one test that cannot pass while this runs: suite.json's own freshness (it is the
+    # file being measured). It checks the new file in every later suite run.
+    own = "tests/test_docs.py::test_number_file_names_a_clean_commit_that_has_its_scripts"
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "junit.xml"
-        wall = run("-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}")
+        args = ("-q", "-p", "no:cacheprovider", f"--junitxml={report}")
+        wall = run("-m", "pytest", *args, "--deselect", f"{own}[suite.json]")
         s = ET.parse(report).getroot().find("testsuite")
     tests, skipped = int(s.get("tests")), int(s.get("skipped"))
     failed = int(s.get("failures")) + int(s.get("errors"))
