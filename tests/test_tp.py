@@ -1,4 +1,4 @@
-"""Float8 tensor and sequence parallel (float8kit/tp.py, float8kit/dtensor.py).
+"""Float8 tensor and sequence parallel (float8kit/distributed/tp.py, float8kit/cast.py).
 
 Real gloo processes, one module-scoped group per world size (test_fsdp.py's launcher):
 2 ranks for TP and sequence parallel on a small MLP, 4 ranks for FSDP2 (2) x TP (2) on the
