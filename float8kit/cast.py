@@ -28,7 +28,6 @@ from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
     GemmRole,
-    ScalingGranularity,
     ScalingType,
 )
 from float8kit.granularity import TENSORWISE, Granularity
@@ -239,7 +238,8 @@ def _cast_dtensor(
         hp = hp.redistribute(
             placements=[Replicate() if p.is_partial() else p for p in hp.placements]
         )
-    if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+    gran = granularity.of(cast, role, reduce_dim, hp.dim())
+    if gran.block is not None:
         # Every block's scale is its own: each rank casts its shard in blocks of its own
         # (a partial block at a shard edge is zero-padded, as at a tensor edge), which is a
         # blockwise cast of the local operand the local gemm uses. No collective.
@@ -247,7 +247,6 @@ def _cast_dtensor(
     # DELAYED/STATIC buffers: parallelize_module replicates them as DTensors; the local
     # tensor shares their storage, so a recorded amax lands in the buffer.
     state_scale, amax_record = local(state_scale), local(amax_record)
-    gran = granularity.of(cast, role, reduce_dim, hp.dim())
     amax_value = None
     if needs_amax(cast, amax_record is not None, scale_set):
         amax_value = scaling.dtensor_amax(hp, gran.axiswise_dim)

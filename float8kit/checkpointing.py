@@ -49,7 +49,7 @@ def _is_float8_gemm(op, args) -> bool:
 
 
 def _is_float8_cast(op, args, kwargs) -> bool:
-    # The last op of every cast (scaling.to_fp8_saturated): hp -> float8 data. Compiled
+    # The last op of every cast (cast.to_fp8_saturated): hp -> float8 data. Compiled
     # graphs may spell it as the prims conversion.
     if op is _aten._to_copy.default:
         return kwargs.get("dtype") in FP8_DTYPES

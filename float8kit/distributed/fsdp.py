@@ -136,10 +136,9 @@ class Float8AllGatherWeight(HpWeight):
 
     @property
     def _block_size(self) -> int | None:
-        cast = self._config.cast_config_weight
-        if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
-            return cast.block_size
-        return None
+        """The row count of a scale block of this weight (None: not block-scaled)."""
+        block = granularity.weight(self._config.cast_config_weight).block
+        return None if block is None else block[0]
 
     def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size):
         """The blockwise ``fsdp_pre_all_gather`` for shards of whole blocks: every scale is
@@ -542,11 +541,10 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
         if where is None:
             continue
         mesh = m.fp8_state.shard_mesh or m.weight.device_mesh
-        if cast.scaling_granularity is ScalingGranularity.BLOCKWISE and not (
-            granularity.weight(cast).cuts(where.outer_shape[0], mesh.size())
-        ):
+        gran = granularity.weight(cast)
+        if gran.block is not None and not gran.cuts(where.outer_shape[0], mesh.size()):
             continue  # whole blocks on every shard: each rank's block scales are its own
-        if cast.scaling_granularity is ScalingGranularity.TENSORWISE:
+        if gran is granularity.TENSORWISE:
             groups.setdefault((cast, m.config.round_scales_to_power_of_2), []).append(m)
         else:
             others.append((m, where))
