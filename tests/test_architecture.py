@@ -28,16 +28,22 @@ def _modules() -> dict[str, ast.Module]:
 MODULES = _modules()
 
 
-def _imports(tree: ast.Module, known) -> set[str]:
-    """Every float8kit module ``tree`` imports, at any depth (functions included)."""
+def _imported(tree: ast.Module) -> set[str]:
+    """Every module ``tree`` imports, at any depth (function-level imports count), and every
+    ``module.name`` a ``from module import name`` names (a submodule, when it is one)."""
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("float8kit"):
+        if isinstance(node, ast.ImportFrom) and node.module:
             found.add(node.module)
             found.update(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("float8kit"))
-    return {m for m in found if m in known and m != "float8kit"}
+            found.update(a.name for a in node.names)
+    return found
+
+
+def _imports(tree: ast.Module, known) -> set[str]:
+    """Every float8kit module ``tree`` imports."""
+    return {m for m in _imported(tree) if m in known and m != "float8kit"}
 
 
 GRAPH = {name: _imports(tree, MODULES) - {name} for name, tree in MODULES.items()}
@@ -150,14 +156,8 @@ def test_torch_version_probes_in_one_module():
 
 
 def _test_imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+    """The ``test_*`` modules ``path`` imports."""
+    found = _imported(ast.parse(path.read_text()))
     return {m for m in found if m.split(".")[-1].startswith("test_")}
 
 
@@ -169,14 +169,7 @@ def test_no_test_module_imports_another():
 def _imports_of_tests(path: Path) -> set[str]:
     """The test modules ``path`` imports: anything from the ``tests`` package, or a module
     named ``test_*`` (at any depth: function-level imports count)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+    found = _imported(ast.parse(path.read_text(), filename=str(path)))
     return {
         m
         for m in found
