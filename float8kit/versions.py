@@ -8,6 +8,7 @@ The library supports torch 2.11 to 2.15. Where releases differ, the code asks on
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -46,3 +47,32 @@ def premul_sum_factor(op) -> float | None:
     """A PREMUL_SUM reduce op's factor where torch shows it (``op.factor``); None on torch
     2.11, whose ``ReduceOp`` keeps that factor in C++."""
     return float(op.factor) if hasattr(op, "factor") else None
+
+
+# oneDNN ISA caps (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) that keep its native bf16 matmul:
+# AVX512_CORE_BF16 and every ISA above it (AMX, AVX10, AVX512_CORE_FP16) or no cap at all.
+_BF16_ISA_MARKS = ("BF16", "AMX", "AVX10", "FP16", "ALL")
+CPU_HP_DTYPE_ENV = "FLOAT8KIT_CPU_HP_DTYPE"
+_HP_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU runs torch's bf16 matmul natively (AVX512-BF16 or AMX, and oneDNN not
+    capped below them by ``ONEDNN_MAX_CPU_ISA``). Without it (AVX2-only CPUs, many cloud VMs
+    and laptops) torch 2.13 emulates bf16 matmuls ~48x slower than fp32."""
+    if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return False
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"
+    return any(mark in cap.upper() for mark in _BF16_ISA_MARKS)
+
+
+def cpu_hp_dtype() -> torch.dtype:
+    """The high-precision dtype a CPU run should compute in: bf16 where the CPU has it natively,
+    fp32 otherwise. ``FLOAT8KIT_CPU_HP_DTYPE=float32`` (or ``bfloat16``) overrides the probe,
+    e.g. to reproduce an AVX2-only machine's runs on one with bf16."""
+    forced = os.environ.get(CPU_HP_DTYPE_ENV)
+    if forced:
+        if forced not in _HP_DTYPES:
+            raise ValueError(f"{CPU_HP_DTYPE_ENV}={forced!r}: expected one of {sorted(_HP_DTYPES)}")
+        return _HP_DTYPES[forced]
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
