@@ -265,3 +265,48 @@ def test_no_references_a_reader_cannot_follow():
             if UNFOLLOWABLE.search(line):
                 hits.append(f"{name}:{i}: {line.strip()}")
     assert hits == []
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """GitHub's anchors for a markdown file's headings (lowercase, punctuation dropped, spaces
+    to hyphens)."""
+    anchors = set()
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("doc", DOC_FILES)
+def test_links_reach_a_heading_and_never_the_page_itself(doc):
+    """A link's #anchor names a heading of its target, and no page links to itself without
+    one (a reader who follows it lands where they already are)."""
+    here = (REPO / doc).resolve()
+    broken = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", (REPO / doc).read_text()):
+        if "://" in target:
+            continue
+        path = (
+            here
+            if not target
+            else (
+                REPO / target.lstrip("/") if target.startswith("/") else here.parent / target
+            ).resolve()
+        )
+        if path.suffix != ".md" or not path.exists():
+            continue
+        if path == here and not anchor:
+            broken.append(f"{target}: links to this page itself")
+        elif anchor and anchor not in heading_anchors(path):
+            broken.append(f"{target}#{anchor}: no such heading")
+    assert broken == [], f"{doc}: {broken}"
+
+
+def test_the_link_check_can_fail(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## Measured (CPU)\n")
+    assert heading_anchors(page) == {"title", "measured-cpu"}
