@@ -21,6 +21,7 @@ count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -49,12 +50,23 @@ DEFAULT_THREADS = torch.get_num_threads()
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def run(*args: str) -> float:
-    """Run ``python ARGS`` from the repository root; return its wall time in s."""
+def run(*args: str, env: dict | None = None) -> float:
+    """Run ``python ARGS`` from the repository root (in ``env``, default ENV); return its wall
+    time in s."""
     t0 = time.perf_counter()
     print("+ python", " ".join(args), flush=True)
-    subprocess.run([PY, *args], cwd=REPO, env=ENV, check=True)
+    subprocess.run([PY, *args], cwd=REPO, env=env or ENV, check=True)
     return time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def no_bf16_env():
+    """ENV for a process that runs as on an AVX2-only CPU (benchmarks/measures/cpu_dtype.py's
+    NO_BF16_ENV), with the fresh inductor cache such a process needs."""
+    from measures.cpu_dtype import NO_BF16_ENV
+
+    with tempfile.TemporaryDirectory() as cache:
+        yield {**ENV, **NO_BF16_ENV, "TORCHINDUCTOR_CACHE_DIR": cache}
 
 
 def write(name: str, sources: list[str], data: dict, wall_s: float, threads: int = 1) -> Path:
@@ -844,26 +856,62 @@ def bench_train() -> None:
     )
 
 
-def suite() -> None:
-    """`make test`'s suite: its wall time on this machine and its counts. Runs last, after
-    re-rendering the docs from the files just written (tests/test_docs.py checks them), and
-    refuses to publish a time for a suite that failed."""
+def cpu_dtype() -> None:
+    """A bf16 and an fp32 matmul on this CPU, natively and as on an AVX2-only CPU (oneDNN
+    capped): why CPU runs compute in fp32 where bf16 is not native."""
+    script = "benchmarks/measures/cpu_dtype.py"
+    data, wall = {}, 0.0
+    with no_bf16_env() as capped:
+        for kind, env in (("native", ENV), ("no_bf16", capped)):
+            t0 = time.perf_counter()
+            out = subprocess.run(
+                [PY, script], cwd=REPO, env=env, check=True, capture_output=True, text=True
+            )
+            wall += time.perf_counter() - t0
+            data[kind] = json.loads(out.stdout)
+    write("cpu_dtype", [script], data, wall)
+
+
+# The two suite timings cannot pass their own freshness test while they are measured: each
+# deselects both files' (the later one's file is stale while the first runs), and every later
+# suite run checks them.
+SUITE_FILES = ("suite.json", "suite_no_bf16.json")
+
+
+def _suite(name: str, env: dict, **extra) -> None:
+    """Run the suite in ``env``; publish its wall time and counts as ``name``, never for a red
+    suite."""
     import xml.etree.ElementTree as ET
 
-    run("tools/publish.py")
-    # The one test that cannot pass while this runs: suite.json's own freshness (it is the
-    # file being measured). It checks the new file in every later suite run.
     own = "tests/test_docs.py::test_number_file_names_a_clean_commit_that_has_its_scripts"
+    deselect = [a for f in SUITE_FILES for a in ("--deselect", f"{own}[{f}]")]
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "junit.xml"
-        args = ("-q", "-p", "no:cacheprovider", f"--junitxml={report}")
-        wall = run("-m", "pytest", *args, "--deselect", f"{own}[suite.json]")
+        args = ("-q", "-p", "no:cacheprovider", f"--junitxml={report}", *deselect)
+        wall = run("-m", "pytest", *args, env=env)
         s = ET.parse(report).getroot().find("testsuite")
     tests, skipped = int(s.get("tests")), int(s.get("skipped"))
     failed = int(s.get("failures")) + int(s.get("errors"))
     assert failed == 0, f"{failed} tests failed: no suite time is published for a red suite"
-    data = {"tests": tests, "passed": tests - skipped, "skipped": skipped}
-    write("suite", ["Makefile", "pyproject.toml"], data, wall, threads=DEFAULT_THREADS)
+    data = {"tests": tests, "passed": tests - skipped, "skipped": skipped, **extra}
+    write(name, ["Makefile", "pyproject.toml"], data, wall, threads=DEFAULT_THREADS)
+
+
+def suite() -> None:
+    """`make test`'s suite: its wall time on this machine and its counts. Runs last, after
+    re-rendering the docs from the files just written (tests/test_docs.py checks them), and
+    refuses to publish a time for a suite that failed."""
+    run("tools/publish.py")
+    _suite("suite", ENV)
+
+
+def suite_no_bf16() -> None:
+    """`make test`'s suite as on an AVX2-only CPU (no native bf16; emulated here, see
+    cpu_dtype): its wall time and counts."""
+    from measures.cpu_dtype import NO_BF16_ENV
+
+    with no_bf16_env() as env:
+        _suite("suite_no_bf16", env, emulated_with=NO_BF16_ENV)
 
 
 NAMES: dict[str, Callable[[], None]] = {
@@ -893,7 +941,9 @@ NAMES: dict[str, Callable[[], None]] = {
     "traffic": traffic,
     "roofline_predicted": roofline_predicted,
     "bench_train": bench_train,
+    "cpu_dtype": cpu_dtype,
     "suite": suite,
+    "suite_no_bf16": suite_no_bf16,
 }
 
 
