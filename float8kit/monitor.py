@@ -75,6 +75,54 @@ def _hp_class(cls: type) -> type:
     return _HP_CLASSES[cls]
 
 
+class _Monitored:
+    """Mixed in front of each monitored ``Float8Linear``'s class while a monitor is attached.
+
+    Invariants: the layer computes exactly what it computed before (same parameters,
+    buffers, state_dict keys, numbers). Two things change under ``torch.compile``:
+
+    - the class is part of what dynamo guards on, its hooks are not
+      (``torch._dynamo.config.skip_nnmodule_hook_guards``): without the new class, a graph
+      compiled for another model of the same architecture (or for this one before the
+      monitor came) would run this layer with the monitor's hooks skipped, measuring nothing;
+    - on a sampled step (``_monitor_eager``, set by the monitor for that forward) the layer's
+      forward runs eagerly, also inside a compiled graph (a graph break around each layer on
+      sampled steps only), so that the monitor sees the layer's own float8 gemm and its
+      autograd node whichever way the model was compiled.
+    """
+
+    _monitor_eager = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._monitor_eager:
+            return _eager_forward(self, input)
+        return super().forward(input)
+
+
+@torch._dynamo.disable
+def _eager_forward(mod: _Monitored, input: torch.Tensor) -> torch.Tensor:
+    return super(_Monitored, mod).forward(input)
+
+
+_MONITORED_CLASSES: dict[type, type] = {}
+
+
+def _monitored_class(cls: type) -> type:
+    if cls not in _MONITORED_CLASSES:
+        _MONITORED_CLASSES[cls] = type(f"Monitored{cls.__name__}", (_Monitored, cls), {})
+    return _MONITORED_CLASSES[cls]
+
+
+def _unmonitored_class(cls: type) -> type:
+    """``cls`` without the monitor's mixin (an hp fallback stays one)."""
+    for base, monitored in _MONITORED_CLASSES.items():
+        if cls is monitored:
+            return base
+        if cls is _HP_CLASSES.get(monitored):
+            return _hp_class(base)
+    return cls
+
+
 def _operand_sums(
     mod: Float8Linear, hp: torch.Tensor, field: str, role: GemmRole, reduce_dim: int
 ) -> torch.Tensor:
@@ -135,18 +183,6 @@ def _layer_input(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-@torch._dynamo.disable
-def _attached_before_compile(monitor: Float8Monitor, fqn: str) -> None:
-    monitor._restore_stance()
-    monitor._pending = {}
-    raise RuntimeError(
-        f"Float8Monitor: layer {fqn!r} ran a sampled step inside a torch.compile graph: the "
-        "monitor was attached to the model before torch.compile. Attach it to the module "
-        "torch.compile returns instead (Float8Monitor(torch.compile(model))): sampled steps "
-        "then run eagerly and all three gemms are measured"
-    )
-
-
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -157,8 +193,9 @@ class Float8Monitor:
 
     Args:
         model: a converted model (``convert_to_float8_training``): the module you call,
-            i.e. the ``fully_shard``-ed root, and under ``torch.compile`` the module
-            ``torch.compile`` returned (attached before compiling, a sampled step raises).
+            i.e. the ``fully_shard``-ed root; under ``torch.compile`` the module
+            ``torch.compile`` returned or the model inside it (sampled steps run each layer
+            eagerly either way).
             The monitor counts its train-mode forwards as steps (eval forwards are neither
             counted nor measured); ``monitor.step`` is the last one's number (-1 before the
             first; set it to continue a resumed run's numbering).
@@ -224,6 +261,11 @@ class Float8Monitor:
                 "Float8Monitor: the model has no Float8Linear; convert it with "
                 "float8kit.convert_to_float8_training first"
             )
+        self._swapped: list[str] = []  # the layers whose class this monitor changed
+        for fqn, mod in self._layers.items():
+            if not isinstance(mod, _Monitored):
+                mod.__class__ = _monitored_class(type(mod))
+                self._swapped.append(fqn)
         self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         self._handles.append(model.register_forward_hook(self._on_model_output))
         for fqn, mod in self._layers.items():
@@ -275,13 +317,21 @@ class Float8Monitor:
             h.remove()
         self._handles.clear()
         self._restore_stance()
+        self._set_eager(False)
+        for fqn in self._swapped:
+            mod = self._layers[fqn]
+            mod.__class__ = _unmonitored_class(type(mod))
+        self._swapped.clear()
 
     # ------------------------------------------------------------------ hooks
 
     # The model-level hooks never run compiled (torch._dynamo.disable): under torch.compile
     # a sampled step runs eagerly (the "force_eager" stance, set here and restored after the
     # forward), so that the hooks see each layer's own float8 gemm and its autograd node; an
-    # unsampled step runs the compiled graphs, where the layer hooks trace to nothing.
+    # unsampled step runs the compiled graphs, where the layer hooks trace to nothing. The
+    # stance only acts on a compiled module entered after it is set: when the monitor's model
+    # runs inside a compiled frame (attached before torch.compile, or called from a compiled
+    # function), each layer's forward runs eagerly on a sampled step instead (_Monitored).
 
     @torch._dynamo.disable
     def _on_model_forward(self, module, args) -> None:
@@ -295,13 +345,20 @@ class Float8Monitor:
         self._sampling = self.step % self.every == 0
         if self._sampling:
             self._prior_stance = _set_stance(DynamoStance("force_eager"))
+            self._set_eager(True)
 
     @torch._dynamo.disable
     def _on_model_output(self, module, args, output) -> None:
         self._restore_stance()
+        self._set_eager(False)
         if self._sampling and not self._backward_pending:
             # no gemm of this step will run a backward: the step is complete
             self._finalize()
+
+    def _set_eager(self, eager: bool) -> None:
+        for mod in self._layers.values():
+            if isinstance(mod, _Monitored) and mod._monitor_eager != eager:
+                mod._monitor_eager = eager
 
     def _restore_stance(self) -> None:
         if self._prior_stance is not None:
@@ -312,12 +369,11 @@ class Float8Monitor:
         def hook(module, args, output):
             if not self._sampling or is_recomputing():
                 return
-            if torch.compiler.is_compiling():
-                _attached_before_compile(self, fqn)
             self._measure_forward(fqn, mod, args[0], output)
 
         return hook
 
+    @torch._dynamo.disable  # traced inside a compiled frame: runs eagerly on real tensors
     @torch.no_grad()
     def _measure_forward(self, fqn, mod, x, output) -> None:
         x2d = _layer_input(x)  # reads the autocast state: before disabling it
