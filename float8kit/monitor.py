@@ -187,6 +187,23 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``: inf for an exact result, -inf for a zero reference (or
+    an infinite error), NaN where a power is NaN (a NaN or inf operand) or both are inf."""
+    if math.isnan(signal) or math.isnan(noise) or (math.isinf(signal) and math.isinf(noise)):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    ratio = signal / noise
+    return -math.inf if ratio == 0 else 10 * math.log10(ratio)
+
+
+def _worst_first(row: dict) -> tuple[bool, float]:
+    # NaN compares false with everything: sorted by the dB alone it lands anywhere
+    db = row["sqnr_db"]
+    return (not math.isnan(db), db)
+
+
 class Float8Monitor:
     """Measure each ``Float8Linear``'s float8 error on sampled steps; optionally switch a
     layer whose output falls below ``fallback_below_db`` to hp.
@@ -200,12 +217,13 @@ class Float8Monitor:
             counted nor measured); ``monitor.step`` is the last one's number (-1 before the
             first; set it to continue a resumed run's numbering).
         every: measure on the steps that are multiples of ``every`` (0, every, 2 * every...).
-        fallback_below_db: a layer whose SQNR falls below this on a sampled step runs in hp
-            from the next step on (once; a warning names the layer, the dB and the step).
-            None: measure only.
+        fallback_below_db: a layer whose SQNR falls below this (or is NaN) on a sampled step
+            runs in hp from the next step on (once; a warning names the layer, the dB and the
+            step). None: measure only.
         fallback_on: ``"output"`` (the output gemm decides) or ``"any"`` (any of the three).
         log_path: append every sampled step's rows to this file as JSON lines (on rank 0
-            under torch.distributed); non-finite dB (an exact result) is written as null.
+            under torch.distributed); a non-finite dB (inf: an exact result; NaN) is written
+            as null.
         group: the process group to reduce over (default: the world, when initialized).
     """
 
@@ -225,10 +243,14 @@ class Float8Monitor:
             raise ValueError(
                 f"Float8Monitor: fallback_on={fallback_on!r} is not valid: use 'output' or 'any'"
             )
-        if fallback_below_db is not None and not isinstance(fallback_below_db, (int, float)):
+        if fallback_below_db is not None and (
+            isinstance(fallback_below_db, bool)
+            or not isinstance(fallback_below_db, (int, float))
+            or not math.isfinite(fallback_below_db)
+        ):
             raise ValueError(
-                f"Float8Monitor: fallback_below_db={fallback_below_db!r} must be a number (dB) "
-                "or None"
+                f"Float8Monitor: fallback_below_db={fallback_below_db!r} must be a finite "
+                "number (dB) or None"
             )
         self.model = model
         self.every = every
@@ -288,9 +310,9 @@ class Float8Monitor:
 
     def worst(self, k: int = 1, gemm: str | None = None) -> list[dict]:
         """The ``k`` rows of the last sampled step with the lowest SQNR (of ``gemm`` only,
-        when given)."""
+        when given); a NaN SQNR (a NaN or inf in the layer's result) ranks lowest of all."""
         rows = [r for r in self.report() if gemm is None or r["gemm"] == gemm]
-        return sorted(rows, key=lambda r: r["sqnr_db"])[:k]
+        return sorted(rows, key=_worst_first)[:k]
 
     def state_dict(self) -> dict:
         """What to save next to the model's checkpoint so that a resumed run keeps the
@@ -462,13 +484,7 @@ class Float8Monitor:
         self._guardrail(rows)
 
     def _row(self, layer: str, gemm: str, v: list[float], world: int) -> dict:
-        signal, noise = v[0], v[1]
-        if noise == 0:
-            db = math.inf
-        elif signal == 0:
-            db = -math.inf
-        else:
-            db = 10 * math.log10(signal / noise)
+        db = _sqnr_db(v[0], v[1])
         operands = {}
         for j, (name, _, field, _) in enumerate(_OPERANDS[gemm]):
             start = 2 + j * _OPERAND_SUMS
@@ -509,7 +525,9 @@ class Float8Monitor:
         for r in rows:
             if r["fallback"] or (self.fallback_on == "output" and r["gemm"] != "output"):
                 continue
-            if r["sqnr_db"] < limit and not isinstance(self._layers[r["layer"]], _HpFallback):
+            # not `db < limit`: a NaN SQNR (a NaN or inf in the result) is below any floor
+            below = not r["sqnr_db"] >= limit
+            if below and not isinstance(self._layers[r["layer"]], _HpFallback):
                 self._switch_to_hp(r["layer"])
                 entry = {
                     "layer": r["layer"],

@@ -4,6 +4,7 @@ independent fp32 measurements; the guardrail's hp fallback; free unsampled steps
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -183,6 +184,41 @@ def test_fallback_on_any_gemm_also_watches_the_backward():
     assert switched == list(first_low.values())
 
 
+def test_nan_sqnr_ranks_worst_and_trips_the_guardrail():
+    # fc3's weight holds a NaN: its output rows are NaN, fc1's and fc2's stay finite
+    torch.manual_seed(0)
+    x = torch.randn(64, DIM)
+    for floor in (None, 15):
+        model = drift_model()
+        with torch.no_grad():
+            model.fc3.weight[0, 0] = float("nan")
+        monitor = Float8Monitor(model, every=1, fallback_below_db=floor)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            model(x)  # a train-mode forward: a sampled step, output rows only
+        rows = {r["layer"]: r["sqnr_db"] for r in monitor.report()}
+        assert math.isnan(rows["fc3"]) and 20 < rows["fc1"] < 40 and 20 < rows["fc2"] < 40
+        assert [r["layer"] for r in monitor.worst(3)] == [
+            "fc3",
+            *sorted(["fc1", "fc2"], key=rows.get),
+        ]
+        assert [r["layer"] for r in monitor.worst(1, gemm="output")] == ["fc3"]
+    # the floor: exactly fc3, with a warning naming it
+    assert [(f["layer"], f["step"]) for f in monitor.fallbacks] == [("fc3", 0)]
+    msgs = [str(w.message) for w in caught if "Float8Monitor" in str(w.message)]
+    assert len(msgs) == 1 and "'fc3'" in msgs[0] and "nan dB" in msgs[0]
+
+
+def test_sqnr_db_of_non_finite_powers():
+    from float8kit.monitor import _sqnr_db
+
+    assert _sqnr_db(100.0, 1.0) == 20.0
+    assert _sqnr_db(1.0, 0.0) == _sqnr_db(0.0, 0.0) == math.inf  # exact
+    assert _sqnr_db(0.0, 1.0) == _sqnr_db(1.0, math.inf) == -math.inf  # was a math error
+    for signal, noise in ((math.nan, 1.0), (1.0, math.nan), (math.inf, math.inf)):
+        assert math.isnan(_sqnr_db(signal, noise))
+
+
 def test_argument_errors_name_the_fix():
     with pytest.raises(ValueError, match="every=0"):
         Float8Monitor(drift_model(), every=0)
@@ -190,6 +226,9 @@ def test_argument_errors_name_the_fix():
         Float8Monitor(MLP())
     with pytest.raises(ValueError, match="fallback_on"):
         Float8Monitor(drift_model(), fallback_on="grad")
+    for bad in (float("nan"), float("inf"), True, "15"):
+        with pytest.raises(ValueError, match=r"fallback_below_db=.* finite number"):
+            Float8Monitor(drift_model(), fallback_below_db=bad)
     model = convert_to_float8_training(
         MLP(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     )
