@@ -75,6 +75,54 @@ def _hp_class(cls: type) -> type:
     return _HP_CLASSES[cls]
 
 
+class _Monitored:
+    """Mixed in front of each monitored ``Float8Linear``'s class while a monitor is attached.
+
+    Invariants: the layer computes exactly what it computed before (same parameters,
+    buffers, state_dict keys, numbers). Two things change under ``torch.compile``:
+
+    - the class is part of what dynamo guards on, its hooks are not
+      (``torch._dynamo.config.skip_nnmodule_hook_guards``): without the new class, a graph
+      compiled for another model of the same architecture (or for this one before the
+      monitor came) would run this layer with the monitor's hooks skipped, measuring nothing;
+    - on a sampled step (``_monitor_eager``, set by the monitor for that forward) the layer's
+      forward runs eagerly, also inside a compiled graph (a graph break around each layer on
+      sampled steps only), so that the monitor sees the layer's own float8 gemm and its
+      autograd node whichever way the model was compiled.
+    """
+
+    _monitor_eager = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self._monitor_eager:
+            return _eager_forward(self, input)
+        return super().forward(input)
+
+
+@torch._dynamo.disable
+def _eager_forward(mod: _Monitored, input: torch.Tensor) -> torch.Tensor:
+    return super(_Monitored, mod).forward(input)
+
+
+_MONITORED_CLASSES: dict[type, type] = {}
+
+
+def _monitored_class(cls: type) -> type:
+    if cls not in _MONITORED_CLASSES:
+        _MONITORED_CLASSES[cls] = type(f"Monitored{cls.__name__}", (_Monitored, cls), {})
+    return _MONITORED_CLASSES[cls]
+
+
+def _unmonitored_class(cls: type) -> type:
+    """``cls`` without the monitor's mixin (an hp fallback stays one)."""
+    for base, monitored in _MONITORED_CLASSES.items():
+        if cls is monitored:
+            return base
+        if cls is _HP_CLASSES.get(monitored):
+            return _hp_class(base)
+    return cls
+
+
 def _operand_sums(
     mod: Float8Linear, hp: torch.Tensor, field: str, role: GemmRole, reduce_dim: int
 ) -> torch.Tensor:
@@ -135,20 +183,25 @@ def _layer_input(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-@torch._dynamo.disable
-def _attached_before_compile(monitor: Float8Monitor, fqn: str) -> None:
-    monitor._restore_stance()
-    monitor._pending = {}
-    raise RuntimeError(
-        f"Float8Monitor: layer {fqn!r} ran a sampled step inside a torch.compile graph: the "
-        "monitor was attached to the model before torch.compile. Attach it to the module "
-        "torch.compile returns instead (Float8Monitor(torch.compile(model))): sampled steps "
-        "then run eagerly and all three gemms are measured"
-    )
-
-
 def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
+
+
+def _sqnr_db(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``: inf for an exact result, -inf for a zero reference (or
+    an infinite error), NaN where a power is NaN (a NaN or inf operand) or both are inf."""
+    if math.isnan(signal) or math.isnan(noise) or (math.isinf(signal) and math.isinf(noise)):
+        return math.nan
+    if noise == 0:
+        return math.inf
+    ratio = signal / noise
+    return -math.inf if ratio == 0 else 10 * math.log10(ratio)
+
+
+def _worst_first(row: dict) -> tuple[bool, float]:
+    # NaN compares false with everything: sorted by the dB alone it lands anywhere
+    db = row["sqnr_db"]
+    return (not math.isnan(db), db)
 
 
 class Float8Monitor:
@@ -157,18 +210,20 @@ class Float8Monitor:
 
     Args:
         model: a converted model (``convert_to_float8_training``): the module you call,
-            i.e. the ``fully_shard``-ed root, and under ``torch.compile`` the module
-            ``torch.compile`` returned (attached before compiling, a sampled step raises).
+            i.e. the ``fully_shard``-ed root; under ``torch.compile`` the module
+            ``torch.compile`` returned or the model inside it (sampled steps run each layer
+            eagerly either way).
             The monitor counts its train-mode forwards as steps (eval forwards are neither
             counted nor measured); ``monitor.step`` is the last one's number (-1 before the
             first; set it to continue a resumed run's numbering).
         every: measure on the steps that are multiples of ``every`` (0, every, 2 * every...).
-        fallback_below_db: a layer whose SQNR falls below this on a sampled step runs in hp
-            from the next step on (once; a warning names the layer, the dB and the step).
-            None: measure only.
+        fallback_below_db: a layer whose SQNR falls below this (or is NaN) on a sampled step
+            runs in hp from the next step on (once; a warning names the layer, the dB and the
+            step). None: measure only.
         fallback_on: ``"output"`` (the output gemm decides) or ``"any"`` (any of the three).
         log_path: append every sampled step's rows to this file as JSON lines (on rank 0
-            under torch.distributed); non-finite dB (an exact result) is written as null.
+            under torch.distributed); a non-finite dB (inf: an exact result; NaN) is written
+            as null.
         group: the process group to reduce over (default: the world, when initialized).
     """
 
@@ -188,10 +243,14 @@ class Float8Monitor:
             raise ValueError(
                 f"Float8Monitor: fallback_on={fallback_on!r} is not valid: use 'output' or 'any'"
             )
-        if fallback_below_db is not None and not isinstance(fallback_below_db, (int, float)):
+        if fallback_below_db is not None and (
+            isinstance(fallback_below_db, bool)
+            or not isinstance(fallback_below_db, (int, float))
+            or not math.isfinite(fallback_below_db)
+        ):
             raise ValueError(
-                f"Float8Monitor: fallback_below_db={fallback_below_db!r} must be a number (dB) "
-                "or None"
+                f"Float8Monitor: fallback_below_db={fallback_below_db!r} must be a finite "
+                "number (dB) or None"
             )
         self.model = model
         self.every = every
@@ -224,6 +283,11 @@ class Float8Monitor:
                 "Float8Monitor: the model has no Float8Linear; convert it with "
                 "float8kit.convert_to_float8_training first"
             )
+        self._swapped: list[str] = []  # the layers whose class this monitor changed
+        for fqn, mod in self._layers.items():
+            if not isinstance(mod, _Monitored):
+                mod.__class__ = _monitored_class(type(mod))
+                self._swapped.append(fqn)
         self._handles = [model.register_forward_pre_hook(self._on_model_forward)]
         self._handles.append(model.register_forward_hook(self._on_model_output))
         for fqn, mod in self._layers.items():
@@ -246,9 +310,9 @@ class Float8Monitor:
 
     def worst(self, k: int = 1, gemm: str | None = None) -> list[dict]:
         """The ``k`` rows of the last sampled step with the lowest SQNR (of ``gemm`` only,
-        when given)."""
+        when given); a NaN SQNR (a NaN or inf in the layer's result) ranks lowest of all."""
         rows = [r for r in self.report() if gemm is None or r["gemm"] == gemm]
-        return sorted(rows, key=lambda r: r["sqnr_db"])[:k]
+        return sorted(rows, key=_worst_first)[:k]
 
     def state_dict(self) -> dict:
         """What to save next to the model's checkpoint so that a resumed run keeps the
@@ -275,13 +339,21 @@ class Float8Monitor:
             h.remove()
         self._handles.clear()
         self._restore_stance()
+        self._set_eager(False)
+        for fqn in self._swapped:
+            mod = self._layers[fqn]
+            mod.__class__ = _unmonitored_class(type(mod))
+        self._swapped.clear()
 
     # ------------------------------------------------------------------ hooks
 
     # The model-level hooks never run compiled (torch._dynamo.disable): under torch.compile
     # a sampled step runs eagerly (the "force_eager" stance, set here and restored after the
     # forward), so that the hooks see each layer's own float8 gemm and its autograd node; an
-    # unsampled step runs the compiled graphs, where the layer hooks trace to nothing.
+    # unsampled step runs the compiled graphs, where the layer hooks trace to nothing. The
+    # stance only acts on a compiled module entered after it is set: when the monitor's model
+    # runs inside a compiled frame (attached before torch.compile, or called from a compiled
+    # function), each layer's forward runs eagerly on a sampled step instead (_Monitored).
 
     @torch._dynamo.disable
     def _on_model_forward(self, module, args) -> None:
@@ -295,13 +367,20 @@ class Float8Monitor:
         self._sampling = self.step % self.every == 0
         if self._sampling:
             self._prior_stance = _set_stance(DynamoStance("force_eager"))
+            self._set_eager(True)
 
     @torch._dynamo.disable
     def _on_model_output(self, module, args, output) -> None:
         self._restore_stance()
+        self._set_eager(False)
         if self._sampling and not self._backward_pending:
             # no gemm of this step will run a backward: the step is complete
             self._finalize()
+
+    def _set_eager(self, eager: bool) -> None:
+        for mod in self._layers.values():
+            if isinstance(mod, _Monitored) and mod._monitor_eager != eager:
+                mod._monitor_eager = eager
 
     def _restore_stance(self) -> None:
         if self._prior_stance is not None:
@@ -312,12 +391,11 @@ class Float8Monitor:
         def hook(module, args, output):
             if not self._sampling or is_recomputing():
                 return
-            if torch.compiler.is_compiling():
-                _attached_before_compile(self, fqn)
             self._measure_forward(fqn, mod, args[0], output)
 
         return hook
 
+    @torch._dynamo.disable  # traced inside a compiled frame: runs eagerly on real tensors
     @torch.no_grad()
     def _measure_forward(self, fqn, mod, x, output) -> None:
         x2d = _layer_input(x)  # reads the autocast state: before disabling it
@@ -406,13 +484,7 @@ class Float8Monitor:
         self._guardrail(rows)
 
     def _row(self, layer: str, gemm: str, v: list[float], world: int) -> dict:
-        signal, noise = v[0], v[1]
-        if noise == 0:
-            db = math.inf
-        elif signal == 0:
-            db = -math.inf
-        else:
-            db = 10 * math.log10(signal / noise)
+        db = _sqnr_db(v[0], v[1])
         operands = {}
         for j, (name, _, field, _) in enumerate(_OPERANDS[gemm]):
             start = 2 + j * _OPERAND_SUMS
@@ -453,7 +525,9 @@ class Float8Monitor:
         for r in rows:
             if r["fallback"] or (self.fallback_on == "output" and r["gemm"] != "output"):
                 continue
-            if r["sqnr_db"] < limit and not isinstance(self._layers[r["layer"]], _HpFallback):
+            # not `db < limit`: a NaN SQNR (a NaN or inf in the result) is below any floor
+            below = not r["sqnr_db"] >= limit
+            if below and not isinstance(self._layers[r["layer"]], _HpFallback):
                 self._switch_to_hp(r["layer"])
                 entry = {
                     "layer": r["layer"],

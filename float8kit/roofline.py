@@ -22,9 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import re
 from collections.abc import Callable, Iterable
 
+import torch
 from torch import nn
+
+from float8kit.versions import cuda_device_name
 
 # ----------------------------------------------------------------------------
 # devices
@@ -131,15 +136,53 @@ def _gemms_ms(m, k, n, fp8_gemms, dev, eff) -> float:
     return sum(_gemm_ms(*d, fp8, dev, eff) for d, fp8 in zip(dims, fp8_gemms, strict=True))
 
 
-def device_spec(device: str | DeviceSpec) -> DeviceSpec:
+# a GPU name as torch reports it ("NVIDIA H100 80GB HBM3") -> DEVICES' key; PCIe and NVL
+# boards have other peaks than the SXM ones in DEVICES, GH200 / GB200 other GPUs
+_GPU_NAME = re.compile(r"\b(H100|H200|B200)\b(?!.*\b(PCIE|NVL)\b)", re.IGNORECASE)
+
+
+def device_spec(device: str | DeviceSpec | torch.device) -> DeviceSpec:
+    """The ``DeviceSpec`` of ``device``: a ``DeviceSpec``, a key of ``DEVICES`` (``"h100"``,
+    ``"h200"``, ``"b200"``), or a CUDA ``torch.device`` (its name, as torch reports it on
+    this machine, looked up)."""
     if isinstance(device, DeviceSpec):
         return device
+    if isinstance(device, torch.device):
+        return _spec_of_torch_device(device)
+    if not isinstance(device, str):
+        raise ValueError(
+            f"roofline: device={device!r} must be a GPU name (one of {sorted(DEVICES)}), a "
+            "DeviceSpec or a CUDA torch.device"
+        )
     try:
         return DEVICES[device.lower()]
     except KeyError:
         raise ValueError(
             f"roofline: no device {device!r}; known: {sorted(DEVICES)} (or pass a DeviceSpec)"
         ) from None
+
+
+def _spec_of_torch_device(device: torch.device) -> DeviceSpec:
+    names = f"its name (one of {sorted(DEVICES)}) or a DeviceSpec"
+    if device.type != "cuda":
+        raise ValueError(
+            f"roofline: device={device!r} is not a GPU; the model predicts the time on the GPU "
+            f"the run trains on: pass {names}"
+        )
+    name = cuda_device_name(device.index)
+    if name is None:
+        raise ValueError(
+            f"roofline: device={device!r}, but this machine has no CUDA to look up the GPU's "
+            f"name: pass {names}"
+        )
+    match = _GPU_NAME.search(name)
+    if match is None:
+        raise ValueError(
+            f"roofline: device={device!r} is a {name!r}, which has no datasheet entry "
+            f"(known: {', '.join(d.name for d in DEVICES.values())}): pass a DeviceSpec with "
+            "its peaks"
+        )
+    return DEVICES[match.group(1).lower()]
 
 
 def traffic_for(recipe: str) -> Traffic:
@@ -164,7 +207,8 @@ def predict(
     Args:
         m: tokens (the input's leading dims flattened); k: in_features; n: out_features.
         recipe: a float8kit recipe name (``TRAFFIC``'s keys).
-        device: ``"h100"``, ``"h200"``, ``"b200"`` or a ``DeviceSpec``.
+        device: ``"h100"``, ``"h200"``, ``"b200"``, a ``DeviceSpec`` or a CUDA
+            ``torch.device`` (``device_spec``).
         efficiency: achieved fractions of the peaks (default ``Efficiency()``).
 
     Returns:
@@ -247,7 +291,7 @@ def calibrate(
 def auto_module_filter(
     recipe: str = "tensorwise",
     *,
-    device: str | DeviceSpec = "h100",
+    device: str | DeviceSpec | torch.device = "h100",
     tokens: int,
     min_speedup: float = 1.0,
     efficiency: Efficiency | None = None,
@@ -256,9 +300,11 @@ def auto_module_filter(
 
     Args:
         recipe: the float8kit recipe the model is converted with.
-        device: the GPU it trains on (``DEVICES``' keys or a ``DeviceSpec``).
-        tokens: tokens per step on one device (batch * sequence length): a layer's M.
-        min_speedup: convert where the predicted fwd+bwd speedup is at least this.
+        device: the GPU it trains on (``DEVICES``' keys, a ``DeviceSpec``, or a CUDA
+            ``torch.device``, whose name is looked up on this machine).
+        tokens: tokens per step on one device (batch * sequence length): a layer's M; a
+            positive int.
+        min_speedup: convert where the predicted fwd+bwd speedup is at least this (> 0).
         efficiency: calibrated efficiencies (default ``Efficiency()``).
 
     Returns:
@@ -269,11 +315,35 @@ def auto_module_filter(
     from float8kit.config import Float8LinearConfig
     from float8kit.convert import default_module_filter
 
-    if tokens <= 0:
-        raise ValueError(f"auto_module_filter: tokens={tokens!r} must be > 0 (batch * seq_len)")
-    if not math.isfinite(min_speedup) or min_speedup <= 0:
-        raise ValueError(f"auto_module_filter: min_speedup={min_speedup!r} must be > 0")
+    # every argument is checked here: a NaN compares false with everything, so a NaN
+    # tokens or min_speedup would otherwise keep every layer in hp without a word
+    integral = isinstance(tokens, numbers.Integral) or (
+        isinstance(tokens, float) and math.isfinite(tokens) and tokens.is_integer()
+    )
+    if isinstance(tokens, bool) or not integral or tokens <= 0:
+        raise ValueError(
+            f"auto_module_filter: tokens={tokens!r} must be a positive int: the tokens per "
+            "step on one device (batch * seq_len)"
+        )
+    if (
+        isinstance(min_speedup, bool)
+        or not isinstance(min_speedup, numbers.Real)
+        or not math.isfinite(min_speedup)
+        or min_speedup <= 0
+    ):
+        raise ValueError(
+            f"auto_module_filter: min_speedup={min_speedup!r} must be a finite number > 0 "
+            "(1.0: wherever float8 is predicted faster)"
+        )
+    if efficiency is not None and not isinstance(efficiency, Efficiency):
+        raise ValueError(
+            f"auto_module_filter: efficiency={efficiency!r} must be a roofline.Efficiency "
+            "(roofline.calibrate(rows, device) makes one) or None"
+        )
+    if not isinstance(recipe, str):
+        raise ValueError(f"auto_module_filter: recipe={recipe!r} must be a recipe name (str)")
     traffic_for(recipe)  # an unknown recipe fails here, not at the first layer
+    tokens = int(tokens)
     dev = device_spec(device)
     config = Float8LinearConfig.from_recipe_name(recipe) if recipe != "static" else None
 

@@ -76,3 +76,14 @@ def cpu_hp_dtype() -> torch.dtype:
             raise ValueError(f"{CPU_HP_DTYPE_ENV}={forced!r}: expected one of {sorted(_HP_DTYPES)}")
         return _HP_DTYPES[forced]
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cuda_device_name(index: int | None = None) -> str | None:
+    """The name torch reports for CUDA device ``index`` (default: the current one), e.g.
+    ``"NVIDIA H100 80GB HBM3"``; None where this torch or machine has no CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    count = torch.cuda.device_count()
+    if index is not None and not 0 <= index < count:
+        raise ValueError(f"cuda:{index}: this machine has {count} CUDA device(s)")
+    return torch.cuda.get_device_name(index)

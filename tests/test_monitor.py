@@ -4,6 +4,7 @@ independent fp32 measurements; the guardrail's hp fallback; free unsampled steps
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -183,6 +184,41 @@ def test_fallback_on_any_gemm_also_watches_the_backward():
     assert switched == list(first_low.values())
 
 
+def test_nan_sqnr_ranks_worst_and_trips_the_guardrail():
+    # fc3's weight holds a NaN: its output rows are NaN, fc1's and fc2's stay finite
+    torch.manual_seed(0)
+    x = torch.randn(64, DIM)
+    for floor in (None, 15):
+        model = drift_model()
+        with torch.no_grad():
+            model.fc3.weight[0, 0] = float("nan")
+        monitor = Float8Monitor(model, every=1, fallback_below_db=floor)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            model(x)  # a train-mode forward: a sampled step, output rows only
+        rows = {r["layer"]: r["sqnr_db"] for r in monitor.report()}
+        assert math.isnan(rows["fc3"]) and 20 < rows["fc1"] < 40 and 20 < rows["fc2"] < 40
+        assert [r["layer"] for r in monitor.worst(3)] == [
+            "fc3",
+            *sorted(["fc1", "fc2"], key=rows.get),
+        ]
+        assert [r["layer"] for r in monitor.worst(1, gemm="output")] == ["fc3"]
+    # the floor: exactly fc3, with a warning naming it
+    assert [(f["layer"], f["step"]) for f in monitor.fallbacks] == [("fc3", 0)]
+    msgs = [str(w.message) for w in caught if "Float8Monitor" in str(w.message)]
+    assert len(msgs) == 1 and "'fc3'" in msgs[0] and "nan dB" in msgs[0]
+
+
+def test_sqnr_db_of_non_finite_powers():
+    from float8kit.monitor import _sqnr_db
+
+    assert _sqnr_db(100.0, 1.0) == 20.0
+    assert _sqnr_db(1.0, 0.0) == _sqnr_db(0.0, 0.0) == math.inf  # exact
+    assert _sqnr_db(0.0, 1.0) == _sqnr_db(1.0, math.inf) == -math.inf  # was a math error
+    for signal, noise in ((math.nan, 1.0), (1.0, math.nan), (math.inf, math.inf)):
+        assert math.isnan(_sqnr_db(signal, noise))
+
+
 def test_argument_errors_name_the_fix():
     with pytest.raises(ValueError, match="every=0"):
         Float8Monitor(drift_model(), every=0)
@@ -190,6 +226,9 @@ def test_argument_errors_name_the_fix():
         Float8Monitor(MLP())
     with pytest.raises(ValueError, match="fallback_on"):
         Float8Monitor(drift_model(), fallback_on="grad")
+    for bad in (float("nan"), float("inf"), True, "15"):
+        with pytest.raises(ValueError, match=r"fallback_below_db=.* finite number"):
+            Float8Monitor(drift_model(), fallback_below_db=bad)
     model = convert_to_float8_training(
         MLP(), config=Float8LinearConfig(enable_fsdp_float8_all_gather=True)
     )
@@ -311,16 +350,70 @@ def test_attach_after_compile_measures_eagerly_and_compiles_the_rest():
     assert [r["sqnr_db"] for r in rows["compiled"]] == [r["sqnr_db"] for r in rows["eager"]]
 
 
-def test_attach_before_compile_raises_naming_the_fix():
+def _compile_and_train(xs, how: str, backend: str, monitor: bool):
+    """The drift model compiled ``how`` ("module": torch.compile(model); "fn": a compiled
+    function that calls it), the monitor (when asked) attached to the model before
+    compiling; trains on ``xs``. Returns the monitor."""
+    torch.manual_seed(0)
+    model = drift_model()
+    mon = Float8Monitor(model, every=2) if monitor else None
+    if how == "module":
+        run = torch.compile(model, backend=backend)
+    else:
+        run = torch.compile(lambda x: model(x), backend=backend)
+    for x in xs:
+        run(x).square().mean().backward()
+    return mon
+
+
+@pytest.mark.parametrize("how, backend", [("module", "inductor"), ("fn", "eager")])
+def test_attach_before_compile_measures_like_eager_also_after_another_model(how, backend):
     import torch._dynamo
 
-    torch._dynamo.reset()
+    xs = [torch.randn(64, DIM) for _ in range(3)]
+    torch.manual_seed(0)
     model = drift_model()
-    Float8Monitor(model, every=1)
-    compiled = torch.compile(model, backend="eager")  # the error is dynamo's tracing, not codegen
-    with pytest.raises(RuntimeError, match=r"Float8Monitor\(torch.compile\(model\)\)"):
-        compiled(torch.randn(8, DIM))
+    eager = Float8Monitor(model, every=2)
+    for x in xs:
+        model(x).square().mean().backward()
+    ref = [(r["layer"], r["gemm"], r["sqnr_db"]) for r in eager.report()]
+    assert len(ref) == 9
+
+    def rows(mon):
+        assert mon.step == 2
+        return [(r["layer"], r["gemm"], r["sqnr_db"]) for r in mon.report()]
+
+    def close(got):
+        if backend == "eager":
+            return got  # the same ops as eager: the same numbers
+        # inductor's gelu and loss backward round grad_output differently in fp32, which
+        # moves a float8 rounding here and there: a few thousandths of a dB
+        return [(layer, g, pytest.approx(db, abs=0.05)) for layer, g, db in got]
+
+    torch._dynamo.reset()  # as in a fresh process
+    assert close(rows(_compile_and_train(xs, how, backend, monitor=True))) == ref
     assert torch._dynamo.eval_frame._stance.stance == "default"  # not left forcing eager
+    # a second model of the same architecture, after one compiled without a monitor: the
+    # graph compiled for the first must not run the second with the monitor's hooks skipped
+    torch._dynamo.reset()
+    _compile_and_train(xs, how, backend, monitor=False)
+    assert close(rows(_compile_and_train(xs, how, backend, monitor=True))) == ref
+
+
+def test_remove_restores_the_layer_classes():
+    model = drift_model()
+    classes = [type(m) for m in (model.fc1, model.fc2, model.fc3)]
+    monitor = Float8Monitor(model, every=1, fallback_below_db=15)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(model, 1)
+    assert [f["layer"] for f in monitor.fallbacks] == ["fc1"]
+    monitor.remove()
+    assert [type(m) for m in (model.fc2, model.fc3)] == classes[1:]
+    # fc1 stays switched to hp: the hp forward in front of its own class, nothing else
+    assert type(model.fc1).__mro__[2:] == classes[0].__mro__
+    x = torch.randn(16, DIM) * 100
+    torch.testing.assert_close(model.fc1(x), F.linear(x, model.fc1.weight, model.fc1.bias))
 
 
 # ---------------------------------------------------------------------------- recipes/train.py

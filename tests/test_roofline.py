@@ -164,8 +164,61 @@ def test_errors_name_the_fix():
         roofline.predict(1, 1, 1, recipe="x")
     with pytest.raises(ValueError, match=r"Efficiency.hbm=1.5 must be in \(0, 1\]"):
         roofline.Efficiency(hbm=1.5)
-    with pytest.raises(ValueError, match="tokens=0 must be > 0"):
+    with pytest.raises(ValueError, match="tokens=0 must be a positive int"):
         float8kit.auto_module_filter("tensorwise", tokens=0)
+
+
+def test_auto_module_filter_refuses_bad_arguments_naming_them():
+    bad = {
+        "tokens": [float("nan"), float("inf"), -1, 0, 0.5, True, "16384", None],
+        "min_speedup": [float("nan"), float("inf"), 0, -1.0, "1", None, True],
+        "efficiency": [{"fp8_gemm": 0.5}, 0.5],
+        "recipe": [None, ["tensorwise"], "x"],
+        "device": [0, None, "a100", torch.device("cpu")],
+    }
+    for arg, values in bad.items():
+        for value in values:
+            kwargs = {"tokens": 16384, arg: value}
+            with pytest.raises(ValueError) as info:
+                float8kit.auto_module_filter(**kwargs)
+            message = str(info.value)  # names the argument and the value given
+            assert arg in message and repr(value) in message, (arg, value, message)
+    # an integral float is a token count
+    big = nn.Linear(8192, 16384, device="meta")
+    assert float8kit.auto_module_filter(tokens=16384.0)(big, "0")
+
+
+def _as_cuda(name: str | None):
+    """torch.cuda as seen on a machine with one GPU named ``name`` (None: no CUDA)."""
+    return mock.patch.multiple(
+        torch.cuda,
+        is_available=lambda: name is not None,
+        device_count=lambda: 1,
+        get_device_name=lambda index=None: name,
+    )
+
+
+def test_auto_module_filter_takes_a_torch_device_by_its_gpu_name():
+    dims = [(8192, 16384), (16384, 8192), (1024, 1024), (4096, 1024), (2048, 2048)]
+    model = [nn.Linear(k, n, device="meta") for k, n in dims]
+    for name, key in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                      ("NVIDIA B200", "b200")):  # fmt: skip
+        by_key = float8kit.auto_module_filter(device=key, tokens=4096)
+        with _as_cuda(name):
+            assert roofline.device_spec(torch.device("cuda")) is roofline.DEVICES[key]
+            assert roofline.device_spec(torch.device("cuda:0")) is roofline.DEVICES[key]
+            by_device = float8kit.auto_module_filter(device=torch.device("cuda"), tokens=4096)
+        keep = [by_key(m, str(i)) for i, m in enumerate(model)]
+        assert [by_device(m, str(i)) for i, m in enumerate(model)] == keep
+        assert True in keep and False in keep  # a decision the device changes, not a constant
+    # other boards' peaks differ from DEVICES' SXM ones: refused, naming the fix
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 NVL", "NVIDIA GH200 480GB", "NVIDIA A100"):
+        with _as_cuda(name), pytest.raises(ValueError, match=rf"{name}.*pass a DeviceSpec"):
+            float8kit.auto_module_filter(device=torch.device("cuda"), tokens=4096)
+    with _as_cuda("NVIDIA H100 80GB HBM3"), pytest.raises(ValueError, match="1 CUDA device"):
+        float8kit.auto_module_filter(device=torch.device("cuda:3"), tokens=4096)
+    with _as_cuda(None), pytest.raises(ValueError, match="no CUDA .* pass its name"):
+        float8kit.auto_module_filter(device=torch.device("cuda"), tokens=4096)
 
 
 def test_auto_module_filter_converts_where_predicted_and_aligned():
