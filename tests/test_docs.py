@@ -19,6 +19,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,32 @@ def test_python_blocks_run(doc):
         assert len(losses) == 5 and losses[-1] < losses[0], r.stdout  # it trains
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """Every fenced block of ``text`` as ``(info string, body)``."""
+    blocks, info, body = [], None, []
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if info is None:
+                info, body = line[3:].strip(), []
+            else:
+                blocks.append((info, "\n".join(body)))
+                info = None
+        elif info is not None:
+            body.append(line)
+    return blocks
+
+
+@pytest.mark.parametrize("doc", CODE_DOCS)
+def test_python_code_sits_in_python_blocks(doc):
+    # only ```python blocks run (test_python_blocks_run): Python elsewhere is an untested fragment
+    fragments = [
+        body
+        for info, body in fenced_blocks((REPO / doc).read_text())
+        if info != "python" and re.search(r"^(from|import) \w", body, flags=re.M)
+    ]
+    assert fragments == [], f"{doc}: Python outside a ```python block: {fragments}"
+
+
 def test_readme_example_trains_float8_like_bf16():
     blocks = python_blocks((REPO / "README.md").read_text())
     scope = run_block(blocks[0], "README.md example")
@@ -238,6 +265,32 @@ def test_paths_the_docs_name_exist(doc):
         if not target.exists():
             missing.add(link)
     assert not missing, f"{doc} names files this repository does not have: {sorted(missing)}"
+
+
+def heading_anchors(text: str) -> Iterator[str]:
+    """The anchors GitHub gives ``text``'s headings (a repeated one gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    for title in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", text, flags=re.DOTALL), re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        yield slug if n == 0 else f"{slug}-{n}"
+
+
+@pytest.mark.parametrize("doc", DOC_FILES)
+def test_links_reach_a_heading_and_not_their_own_file(doc):
+    text = (REPO / doc).read_text()
+    bad = []
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)", text):
+        if "://" in target:
+            continue
+        path = (REPO / doc).parent / target if target else REPO / doc
+        if target and path.resolve() == (REPO / doc).resolve():
+            bad.append(f"{target}#{anchor}: links to itself (use #{anchor or 'heading'})")
+        elif anchor and path.suffix == ".md" and path.exists():
+            if anchor not in set(heading_anchors(path.read_text())):
+                bad.append(f"{target}#{anchor}: no such heading")
+    assert bad == [], f"{doc}: {bad}"
 
 
 UNFOLLOWABLE = re.compile(
