@@ -507,11 +507,12 @@ class Float8ExpertsConfig:
     # per expert are local to the shard; the expert count must divide by the world size)
     enable_fsdp_float8_all_gather: bool = False
     # how the expert weights are stored, which says along which dim the float8 all-gather
-    # scales them (the dim the output gemm reduces): "in_out" = (experts, in, out), used as
+    # scales them (the dim the output gemm reduces): None (default) = decided per weight at
+    # its first use (exact from the first step); "in_out" = (experts, in, out), used as
     # torch._grouped_mm(x, w) (GPT-OSS); "out_in" = (experts, out, in), used as
     # torch._grouped_mm(x, w.transpose(-2, -1)) (most Hugging Face MoE models, torchtitan).
-    # Only the float8 all-gather needs it; a gathered weight used the other way raises.
-    weight_layout: str = "in_out"
+    # Only the float8 all-gather reads it; a gathered weight used the other way than set raises.
+    weight_layout: str | None = None
 
     def __post_init__(self):
         c = self.cast_config
@@ -530,10 +531,11 @@ class Float8ExpertsConfig:
                 f"Float8ExpertsConfig.gemm_config_output={self.gemm_config_output!r} must be a "
                 "GemmConfig"
             )
-        if self.weight_layout not in ("in_out", "out_in"):
+        if self.weight_layout not in (None, "in_out", "out_in"):
             raise ValueError(
-                f"Float8ExpertsConfig.weight_layout={self.weight_layout!r} must be "
-                '"in_out" (experts, in, out) or "out_in" (experts, out, in)'
+                f"Float8ExpertsConfig.weight_layout={self.weight_layout!r} must be None "
+                '(decided at the first use, the default), "in_out" (experts, in, out) or '
+                '"out_in" (experts, out, in)'
             )
         for name in ("round_scales_to_power_of_2", "emulate", "enable_fsdp_float8_all_gather"):
             if not isinstance(getattr(self, name), bool):

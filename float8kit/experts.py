@@ -28,9 +28,16 @@ raise ``NotImplementedError`` naming the op and the fix.
 Every other op on the weight (optimizer steps, ``load_state_dict``, FSDP2's sharding) runs on
 the hp tensor; ``state_dict`` holds the plain hp tensor. Under FSDP2 the subclass all-gathers
 hp, or with ``enable_fsdp_float8_all_gather`` float8 bytes plus the per-expert rowwise scales
-(local to the shard: experts are sharded on dim 0) along the dim the output gemm reduces
-(``Float8ExpertsConfig.weight_layout``), and the gathered weight carries its float8 data
-into the output gemm as is.
+(local to the shard: experts are sharded on dim 0) along the dim the output gemm reduces,
+and the gathered weight carries its float8 data into the output gemm as is.
+
+Which dim that is depends on how the weight is stored and used: (experts, in, out) as
+``w``, or (experts, out, in) as ``w.transpose(-2, -1)``. ``Float8ExpertsConfig.weight_layout``
+may say so; by default each weight finds out at its first use. Its first float8 all-gather
+assumes (experts, out, in), the common layout; a gathered weight that reaches the gemm the
+other way records the layout, and that once casts from the hp shards, gathered in hp (one
+extra all-gather per weight, in the first step only), so the numbers are exactly those of
+the right guess. Every later all-gather uses the recorded layout.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
@@ -109,6 +117,56 @@ _FIX = (
 # Ops on a float8-gathered weight that keep its values; transposes move the scale along.
 _FP8_SAME = {aten.detach.default, aten.alias.default, aten.as_strided.default, aten.view.default}
 _FP8_TRANSPOSE = {aten.transpose.int, aten.permute.default}
+# The layout a float8 all-gather assumes until a weight's first use has shown its own:
+# (experts, out, in), used as w.transpose(-2, -1) (torchtitan, most Hugging Face families).
+_FIRST_GUESS = "out_in"
+_OTHER = {"in_out": "out_in", "out_in": "in_out"}
+
+
+class _Layout:
+    """How one expert weight is stored, shared by every wrapper of it (the parameter, its
+    FSDP2 shard, the gathered weight and their views); internal.
+
+    ``value``: "in_out", "out_in", or None while undecided (a float8 all-gather then assumes
+    ``_FIRST_GUESS``). ``explicit``: set by ``Float8ExpertsConfig.weight_layout``, never
+    changed; otherwise the first use of a float8-gathered weight sets it.
+    """
+
+    def __init__(self, value: str | None):
+        self.value = value
+        self.explicit = value is not None
+
+    def __repr__(self):
+        return f"_Layout({self.value!r}, explicit={self.explicit})"
+
+    # by value: torch.compile compares a wrapper's flatten context with the one it traced
+    def __eq__(self, other):
+        return isinstance(other, _Layout) and (self.value, self.explicit) == (
+            other.value,
+            other.explicit,
+        )
+
+    def __hash__(self):
+        return hash((self.value, self.explicit))
+
+
+def _scales_for(layout: str, padded: torch.Tensor, shape) -> torch.Tensor:
+    """The gathered weight's scales for ``layout`` from the (experts, max(d1, d2)) padded
+    buffer: (E, 1, d2) for "in_out" (reduced over dim 1), (E, d1, 1) for "out_in"."""
+    _, d1, d2 = shape
+    return padded[:, :d2].unsqueeze(1) if layout == "in_out" else padded[:, :d1].unsqueeze(2)
+
+
+def _full_hp(weight) -> torch.Tensor:
+    """The whole hp expert weight behind a float8-gathered one, as stored: its FSDP2 shards
+    all-gathered in hp (an ordinary collective: every rank reaches it in the same use)."""
+    shard, mesh = weight._source[:2]
+    local = shard._tensor.contiguous()
+    if mesh.size() == 1:
+        return local
+    full = local.new_empty((mesh.size() * local.size(0), *local.shape[1:]))
+    dist.all_gather_into_tensor(full, local, group=mesh.get_group())
+    return full
 
 
 # ---------------------------------------------------------------------------- scaling
@@ -135,25 +193,23 @@ class _Float8GroupedMM(torch.autograd.Function):
     scales). The grad_input gemm recasts the output gemm's float8 weight, dequantized, with
     scales along N: for an FSDP2 float8-gathered weight (which has no hp values) and for an
     hp one alike, so both give bitwise the same gradients. A gathered weight whose scales run
-    along N here (stored in the other layout than ``config.weight_layout``) raises.
+    along N here was gathered in the other layout: on its first use (layout undecided, or
+    decided since this weight was gathered) the layout is recorded and the weight cast from
+    its hp shards instead, the same numbers; otherwise (set in the config, or the weight used
+    both ways) it raises.
     """
 
     @staticmethod
     def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
         groups, _, n = weight.shape
         if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
-            if weight._scale.size(1) != 1:
-                raise ValueError(
-                    "float8kit: an expert weight FSDP2 all-gathered in float8 reached "
-                    "torch._grouped_mm transposed, so its scales run along the dim this gemm "
-                    "does not reduce. Set Float8ExpertsConfig.weight_layout to how the "
-                    'weights are stored: "out_in" for (experts, out, in) used as '
-                    "w.transpose(-2, -1) (most Hugging Face MoE models, torchtitan), "
-                    '"in_out" for (experts, in, out) (GPT-OSS); got '
-                    f"{weight._config.weight_layout!r}"
-                )
-            # float8 from the all-gather, scaled along K as this gemm needs: use it as is
-            w_data, w_scale = weight._tensor, weight._scale
+            if weight._scale.size(1) == 1:
+                # float8 from the all-gather, scaled along K as this gemm needs: use it as is
+                w_data, w_scale = weight._tensor, weight._scale
+                if weight._layout.value is None and weight._source is not None:
+                    weight._layout.value = weight._source[2]  # the first guess was right
+            else:
+                w_data, w_scale = _cast_gathered_the_other_way(weight)
             ctx.save_for_backward(x, offs, w_data, w_scale)
         else:
             w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
@@ -218,6 +274,41 @@ class _Float8GroupedMM(torch.autograd.Function):
                 emulate=c.emulate,
             )
         return grad_input, grad_weight, None, None
+
+
+def _cast_gathered_the_other_way(weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float8-gathered weight reached the gemm transposed from how it was gathered: record
+    the layout its use shows and cast it as this gemm needs, from the hp shards; or raise
+    where the layout was already known when it was gathered."""
+    layout = weight._layout
+    if weight._source is None:
+        raise ValueError(
+            "float8kit: an expert weight FSDP2 all-gathered in float8 reached "
+            "torch._grouped_mm transposed from how it was gathered, inside a compiled graph, "
+            "which cannot gather it again in hp: set Float8ExpertsConfig.weight_layout to how "
+            'the weights are stored ("in_out" for (experts, in, out) used as w, "out_in" for '
+            "(experts, out, in) used as w.transpose(-2, -1)), or run the first step eagerly"
+        )
+    gathered_as = weight._source[2]
+    if layout.value == gathered_as:  # set in the config, or learned before this all-gather
+        how = (
+            f"Float8ExpertsConfig.weight_layout={layout.value!r} says how they are stored"
+            if layout.explicit
+            else "this weight reaches torch._grouped_mm both as w and as w.transpose(-2, -1)"
+        )
+        raise ValueError(
+            "float8kit: an expert weight FSDP2 all-gathered in float8 reached "
+            "torch._grouped_mm transposed, so its scales run along the dim this gemm does "
+            f"not reduce ({how}). Set Float8ExpertsConfig.weight_layout to how the weights "
+            'are stored: "out_in" for (experts, out, in) used as w.transpose(-2, -1) (most '
+            'Hugging Face MoE models, torchtitan), "in_out" for (experts, in, out) (GPT-OSS), '
+            "or None (the default) to have each weight's first use decide; or gather it in "
+            "hp (enable_fsdp_float8_all_gather=False)"
+        )
+    layout.value = _OTHER[gathered_as]  # every later all-gather casts along the right dim
+    full = _full_hp(weight)
+    hp = full if layout.value == "in_out" else full.transpose(-2, -1)
+    return cast.cast_rowwise(hp, 1, weight._config.round_scales_to_power_of_2)
 
 
 def float8_grouped_mm(
@@ -323,7 +414,10 @@ class Float8ExpertWeight(HpWeight):
           strides, dtype, device), or, on a weight FSDP2 all-gathered in float8, its e4m3
           data, with ``_scale`` the fp32 multiplying scales (one per expert and column, a
           size-1 dim where they reduce) and ``dtype`` the hp dtype it stands for.
-        - ``_config`` is the ``Float8ExpertsConfig`` of the conversion.
+        - ``_config`` is the ``Float8ExpertsConfig`` of the conversion; ``_layout`` the
+          ``_Layout`` shared by every wrapper of this weight; on a float8-gathered weight
+          ``_source`` is (its FSDP2 shard, the shard mesh, the layout it was gathered in, the
+          padded scale buffer ``_scale`` views).
         - ``torch._grouped_mm(x, w, offs=offs)`` with ``w`` this weight, ``x`` 2-D hp, no
           bias and no other out_dtype runs ``_Float8GroupedMM``, as do transformers'
           ``grouped_mm_fallback`` and ``F.linear(x, w[e])`` / ``x @ w[e]`` (one group); any
@@ -336,9 +430,15 @@ class Float8ExpertWeight(HpWeight):
     _config: Float8ExpertsConfig
     KEEP = _KEEP_EXPERT
 
-    def __init__(self, tensor, config, scale=None, hp_dtype=None):
+    @staticmethod
+    def __new__(cls, tensor, config, scale=None, hp_dtype=None, layout=None, source=None):
+        return HpWeight.__new__(cls, tensor, config, scale, hp_dtype)
+
+    def __init__(self, tensor, config, scale=None, hp_dtype=None, layout=None, source=None):
         super().__init__(tensor, config)
         self._scale = scale
+        self._layout = layout if layout is not None else _Layout(config.weight_layout)
+        self._source = source
 
     def __repr__(self):
         fp8 = "" if self._scale is None else ", fp8 gathered"
@@ -346,13 +446,14 @@ class Float8ExpertWeight(HpWeight):
 
     def __tensor_flatten__(self):
         names = ["_tensor"] if self._scale is None else ["_tensor", "_scale"]
-        return names, (self._config, self.dtype)
+        # no _source: a compiled graph's gathered weight cannot cast from its hp shards
+        return names, (self._config, self.dtype, self._layout)
 
     @staticmethod
     def __tensor_unflatten__(inner_tensors, ctx, outer_size, outer_stride):
-        config, dtype = ctx
+        config, dtype, layout = ctx
         return Float8ExpertWeight(
-            inner_tensors["_tensor"], config, inner_tensors.get("_scale"), dtype
+            inner_tensors["_tensor"], config, inner_tensors.get("_scale"), dtype, layout
         )
 
     @classmethod
@@ -386,7 +487,12 @@ class Float8ExpertWeight(HpWeight):
         first = next(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, cls))
         if first._scale is not None:
             return _dispatch_fp8(cls, func, args, kwargs, first)
-        return super().__torch_dispatch__(func, types, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func in cls.KEEP:  # still this weight (FSDP2's shard, a view): the same layout
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, cls):
+                    t._layout = first._layout
+        return out
 
     # ------------------------------------------------------------------------ FSDP2 hooks
 
@@ -413,12 +519,18 @@ class Float8ExpertWeight(HpWeight):
             )
         # scales along the dim the output gemm reduces: in for (experts, in, out), the
         # stored dim 2 for (experts, out, in), which reaches the gemm transposed
-        reduce_dim = 1 if self._config.weight_layout == "in_out" else 2
+        layout = self._layout.value or _FIRST_GUESS
         data, scale = cast.cast_rowwise(
-            self._tensor, reduce_dim, self._config.round_scales_to_power_of_2
+            self._tensor, 1 if layout == "in_out" else 2, self._config.round_scales_to_power_of_2
         )
+        # (experts, max(d1, d2)): the same all-gather sizes in either layout, so a layout
+        # decided after the first all-gather reuses FSDP2's buffers
+        e, d1, d2 = data.shape
+        padded = scale.new_ones((e, max(d1, d2)))
+        padded[:, : scale.numel() // e] = scale.reshape(e, -1)
         # the scales are the shard's own: the same all-gather as a dense weight's blocks
-        return local_scale_inputs(data, scale, data.shape[0], 1, mesh.size())
+        inputs, meta = local_scale_inputs(data, padded, e, 1, mesh.size())
+        return inputs, (layout, mesh, meta)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """Wrap the gathered tensors as the unsharded weight. On later all-gathers (``out``
@@ -428,11 +540,23 @@ class Float8ExpertWeight(HpWeight):
                 return None
             (data,) = all_gather_outputs
             return Float8ExpertWeight(data, self._config), (data,)
-        got = local_scale_outputs(all_gather_outputs, metadata, E4M3, out)
-        if got is None:
+        layout, mesh, meta = metadata
+        if out is not None:
+            # FSDP2 refilled the buffers out's data views (on one rank, the scales come as
+            # metadata: copy them in); a layout decided since then re-slices the scales
+            padded = out._source[3]
+            if len(all_gather_outputs) == 1:
+                with torch.autograd._unsafe_preserve_version_counter(padded):
+                    padded.copy_(meta[0])
+            if out._source[2] != layout:
+                out._scale = _scales_for(layout, padded, out.shape)
+                out._source = (self, mesh, layout, padded)
             return None
-        data, scale, free = got
-        return Float8ExpertWeight(data, self._config, scale, param_dtype), free
+        data, padded, free = local_scale_outputs(all_gather_outputs, meta, E4M3, None)
+        scale = _scales_for(layout, padded, data.shape)
+        source = (self, mesh, layout, padded)
+        weight = Float8ExpertWeight(data, self._config, scale, param_dtype, self._layout, source)
+        return weight, free
 
 
 def _dispatch_fp8(cls, func, args, kwargs, weight: Float8ExpertWeight):
@@ -447,7 +571,7 @@ def _dispatch_fp8(cls, func, args, kwargs, weight: Float8ExpertWeight):
                 if func in _FP8_TRANSPOSE
                 else weight._scale
             )
-            return cls(data, weight._config, scale, weight.dtype)
+            return cls(data, weight._config, scale, weight.dtype, weight._layout, weight._source)
     raise NotImplementedError(
         f"float8kit: {func} on an expert weight FSDP2 all-gathered in float8 is not "
         "supported (it only feeds torch._grouped_mm); set "

@@ -82,6 +82,21 @@ def amax(hp: torch.Tensor, reduce_dim: int | None = None) -> torch.Tensor:
     return torch.amax(torch.abs(hp), dim=reduce_dim, keepdim=True).to(torch.float32)
 
 
+def _smallest_safe_power_of_2(fp8_dtype: torch.dtype) -> float:
+    # The smallest power of two p with fp8_max / p finite in fp32: a scale below it leaves
+    # float8 values v (v <= fp8_max) whose dequantized v / scale is past fp32's max, which a
+    # finite value near that max reaches by rounding up (3.4e38 * 2^-120 = 255.9 -> 256 in
+    # e4m3, and 256 * 2^120 = inf). 2^-119 for e4m3, 2^-112 for e5m2.
+    limit, top = fp8_max(fp8_dtype), torch.finfo(torch.float32).max
+    p = 1.0
+    while limit / p <= top:
+        p /= 2
+    return p * 2
+
+
+_SAFE_POW2 = {dtype: _smallest_safe_power_of_2(dtype) for dtype in _FP8_MAX}
+
+
 def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     """Floor positive fp32 scales to a power of two by clearing the mantissa bits (exact,
     no log2 rounding). 0 and inf are kept; NaN stays NaN."""
@@ -96,13 +111,21 @@ def amax_to_scale(
     """``fp8_max / max(amax, amax_floor(fp8_dtype))``, correctly rounded to fp32: always
     finite for a finite amax (an all-zero tensor gets the largest finite scale and casts to
     zeros). An inf amax gives scale 0 and a NaN amax a NaN scale, so a cast with it yields
-    NaN: overflow stays visible downstream."""
+    NaN: overflow stays visible downstream.
+
+    ``round_to_pow2`` floors the scale to a power of two, except for an amax above
+    ``fp8_max * 2^-k`` (k = 119 for e4m3, 112 for e5m2: about 2.98e38), where the floored
+    scale would let a value round up past fp32's max on the way back (``fp8 / scale`` =
+    inf): there the scale stays the exact quotient, whose casts saturate at fp8_max and come
+    back finite. Scale rounding never turns a finite value into inf."""
     # clamp_min keeps NaN (torch.clamp propagates it), unlike torch.maximum with a scalar.
     scale = _quotient(
         fp8_max(fp8_dtype), torch.clamp(amax.to(torch.float32), min=amax_floor(fp8_dtype))
     )
     if round_to_pow2:
-        scale = round_to_power_of_2(scale)
+        floored = round_to_power_of_2(scale)
+        # NaN, and 0 from an inf amax, fail the comparison and keep the quotient's NaN / 0
+        scale = torch.where(floored >= _SAFE_POW2[fp8_dtype], floored, scale)
     return scale
 
 

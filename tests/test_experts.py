@@ -64,13 +64,21 @@ def test_no_tokens_at_all_gives_empty_outputs_and_zero_grads():
     assert grad_w1.abs().max() == 0 and grad_w2.abs().max() == 0
 
 
-def test_transposed_weight_layout_gives_the_same_numbers():
-    # torchtitan's layout: weights stored (experts, out, in), passed as w.transpose(-2, -1)
-    class Transposed(Experts):
-        def forward(self, x, offs):
-            h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
-            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+class Transposed(Experts):
+    """torchtitan's layout: weights stored (experts, out, in), passed as w.transpose(-2, -1)."""
 
+    def __init__(self):
+        super().__init__()
+        with torch.no_grad():
+            self.w1 = nn.Parameter(self.w1.transpose(-2, -1).contiguous())
+            self.w2 = nn.Parameter(self.w2.transpose(-2, -1).contiguous())
+
+    def forward(self, x, offs):
+        h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offs))
+        return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)
+
+
+def test_transposed_weight_layout_gives_the_same_numbers():
     plain = convert_experts_to_float8_training(Experts())
     flipped = convert_experts_to_float8_training(Transposed())
     with torch.no_grad():
@@ -341,6 +349,19 @@ def _worker_experts(rank: int, world: int, tmp: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     xs, ys = _fsdp_data()
     res = {}
+    # Both layouts, no weight_layout: the float8 all-gather trains bitwise like the hp one
+    # (the same casts), and each weight's first use decided its layout. The default
+    # "in_out" raised for the (experts, out, in) module.
+    for cls in (Experts, Transposed):
+        for fp8_ag in (True, False):
+            torch.manual_seed(0)
+            config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=fp8_ag)
+            model = convert_experts_to_float8_training(cls(), config=config)
+            fully_shard(model, mesh=mesh)
+            res[f"{cls.__name__}_{fp8_ag}"] = _fsdp_train(model, xs, ys, [rank])
+            res[f"{cls.__name__}_{fp8_ag}_layouts"] = sorted(
+                {str(p._local_tensor._layout.value) for p in model.parameters()}
+            )
     for fp8_ag in (True, False):
         config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=fp8_ag)
         torch.manual_seed(0)
@@ -386,6 +407,17 @@ def test_fsdp2_experts_sharded_on_dim0_match_single_device(experts2, fp8_all_gat
         fp8_dtype = "torch.float8_e4m3fn" if fp8_all_gather else "torch.float32"
         assert res[f"gathered_{fp8_all_gather}"] == ("Float8ExpertWeight", fp8_dtype)
         assert res[f"state_dict_{fp8_all_gather}"] == ["Tensor"]  # plain shards
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["Experts", "Transposed"])
+def test_fsdp2_float8_all_gather_decides_either_layout_bitwise(experts2, layout):
+    for res in experts2:
+        assert res[f"{layout}_True"] == res[f"{layout}_False"]  # bitwise the hp all-gather
+        assert res[f"{layout}_True"][-1] < res[f"{layout}_True"][0]  # it trains
+        want = "in_out" if layout == "Experts" else "out_in"
+        assert res[f"{layout}_True_layouts"] == [want]
+        assert res[f"{layout}_False_layouts"] == ["None"]  # an hp all-gather needs none
 
 
 # Realistic routings for the CUDA alignment rule: counts not multiples of 16, an empty

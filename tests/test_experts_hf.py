@@ -272,20 +272,48 @@ def test_checkpoint_policy_keeps_the_float8_expert_gemms():
         assert torch.equal(a, b)
 
 
-def test_gathered_weight_in_the_other_layout_refuses_naming_the_field():
-    class Mesh:
-        def size(self):
-            return 1
+class Mesh1:
+    def size(self):
+        return 1
 
-    config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=True)  # "in_out", the default
+
+def _gather(weight):
+    """One rank's FSDP2 float8 all-gather of ``weight``, by hand."""
+    inputs, meta = weight.fsdp_pre_all_gather(Mesh1(), weight.shape, weight.stride(), None, None)
+    gathered, _ = weight.fsdp_post_all_gather(inputs, meta, torch.float32)
+    return gathered
+
+
+def test_gathered_weight_in_the_other_layout_than_set_refuses_naming_the_field():
+    config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=True, weight_layout="in_out")
     w = Float8ExpertWeight(torch.randn(4, 48, 32), config)  # stored (experts, out, in)
-    inputs, meta = w.fsdp_pre_all_gather(Mesh(), w.shape, w.stride(), None, None)
-    gathered, _ = w.fsdp_post_all_gather(inputs, meta, torch.float32)
     offs = torch.tensor([8, 16, 24, 32], dtype=torch.int32)
-    with pytest.raises(ValueError, match='weight_layout.*"out_in"'):
-        torch._grouped_mm(torch.randn(32, 32), gathered.transpose(-2, -1), offs=offs)
+    with pytest.raises(ValueError, match='weight_layout=.in_out. says.*"out_in"'):
+        torch._grouped_mm(torch.randn(32, 32), _gather(w).transpose(-2, -1), offs=offs)
     with pytest.raises(ValueError, match="Float8ExpertsConfig.weight_layout"):
         Float8ExpertsConfig(weight_layout="experts_in_out")
+
+
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_gathered_weight_needs_no_layout_and_learns_it_at_first_use(layout):
+    # No weight_layout: the first all-gather assumes (experts, out, in); used either way, the
+    # gemm's numbers are the hp weight's (bitwise), and the next all-gather uses the layout
+    # the first use showed. The default "in_out" raised for (experts, out, in) weights.
+    torch.manual_seed(0)
+    config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=True)
+    stored = torch.randn(4, 48, 32) if layout == "out_in" else torch.randn(4, 32, 48)
+    x, offs = torch.randn(32, 32), torch.tensor([8, 8, 20, 32], dtype=torch.int32)
+
+    def use(w):
+        return torch._grouped_mm(x, w.transpose(-2, -1) if layout == "out_in" else w, offs=offs)
+
+    want = use(Float8ExpertWeight(stored, config))  # hp, cast at the gemm
+    w = Float8ExpertWeight(stored, config)
+    for step in range(2):
+        assert torch.equal(use(_gather(w)), want), step
+        assert w._layout.value == layout, step
+    # the second all-gather already scaled along the dim the gemm reduces
+    assert _gather(w)._source[2] == layout
 
 
 # ---------------------------------------------------------------------------- FSDP2, 2 ranks
@@ -299,7 +327,9 @@ def _worker_hf(rank: int, world: int, tmp: str) -> dict:
     ids = batch(seed=7, batch_size=2, seq=24)  # the same batch on every rank
     res = {}
     for name in ("qwen3_moe", "gpt_oss"):
-        config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=True, weight_layout=LAYOUT[name])
+        # no weight_layout: each weight's first use decides (the default "in_out" raised for
+        # Qwen3-MoE's (experts, out, in) weights)
+        config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=True)
         model = convert_experts_to_float8_training(MODELS[name](), config=config)
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh)
@@ -310,6 +340,7 @@ def _worker_hf(rank: int, world: int, tmp: str) -> dict:
         res[f"{name}_gathered"] = sorted(
             {f"{type(p).__name__} {p._tensor.dtype}" for _, p in expert_params(model)}
         )
+        res[f"{name}_layouts"] = sorted({p._layout.value for _, p in expert_params(model)})
         for layer in model.model.layers:
             layer.reshard()
         single = convert_experts_to_float8_training(MODELS[name](), config=config)
@@ -330,6 +361,7 @@ def test_fsdp2_float8_all_gather_is_bitwise_single_device(hf2, name):
         assert res[name] == res[f"{name}_single"], (res[name], res[f"{name}_single"])
         assert res[name][-1] < res[name][0]  # it trains
         assert res[f"{name}_gathered"] == ["Float8ExpertWeight torch.float8_e4m3fn"]
+        assert res[f"{name}_layouts"] == [LAYOUT[name]]  # decided by the first use
 
 
 # ---------------------------------------------------------------------------- published numbers

@@ -135,6 +135,26 @@ def test_bytes_per_element_and_power_of_2_scales():
     assert sqnr(ref, _exchange(inputs, small)) >= fp32_scales - 1
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_power_of_2_scales_keep_gradients_near_fp32_max_finite(dtype):
+    # A block whose amax is near fp32's max: the floored scale (2^-120 for e4m3) let 3.4e38
+    # round up to 2^128 = inf on arrival. Now finite, within the format's rounding error.
+    world, chunk = 2, 512
+    top = torch.finfo(torch.float32).max
+    inputs = [torch.randn(world * chunk) * 1e-3 for _ in range(world)]
+    big = torch.tensor([3e38, -3.3e38, 3.4e38, top, -top, 2.9e38, 1.5e38, 1e38])
+    for r, at in enumerate((5, chunk + 7)):  # one block on each destination, from rank r
+        inputs[r][at : at + len(big)] = big
+        inputs[r][at + 128 : at + 128 + len(big)] = big / 7  # not the block's amax
+    got = _exchange(inputs, _rs(dtype, round_scales_to_power_of_2=True))
+    assert torch.isfinite(got).all(), got[~torch.isfinite(got)]
+    ref = sum(x.double() for x in inputs)
+    half_ulp = 2.0 ** -(4 if dtype == E4M3 else 3)
+    large = ref.abs() > 1e30
+    rel = ((got.double() - ref).abs() / ref.abs())[large]
+    assert large.sum() == 4 * len(big) and rel.max() <= half_ulp * (1 + 2**-20), rel.max()
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

@@ -48,8 +48,32 @@ def test_amax_to_scale_is_correctly_rounded(dtype, compiled):
     assert wrong == 0, f"{wrong} of {len(amaxes)} scales are not correctly rounded"
     # the test has teeth: the two-rounding form misses about a quarter of them
     assert one_ulp_off_share(amaxes, dtype) > 0.2
-    # power-of-2 rounding floors the correctly rounded scale, as before
-    assert torch.equal(to_scale(amaxes, dtype, True), round_to_power_of_2(want))
+    # power-of-2 rounding floors the correctly rounded scale, as before, except near fp32's
+    # max (the 3e38 edge), where a floored scale would dequantize to inf: the quotient stays
+    near_max = amaxes > fp8_max(dtype) * 2.0 ** (119 if dtype == E4M3 else 112)
+    assert near_max.sum() == 1
+    want_pow2 = torch.where(near_max, want, round_to_power_of_2(want))
+    assert torch.equal(to_scale(amaxes, dtype, True), want_pow2)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_power_of_2_scales_never_turn_a_finite_value_into_inf(dtype):
+    # Every fp32 amax from 2^126 to fp32's max (1 in 16), and the max itself: its pow2
+    # scale's cast comes back finite and within the format's rounding error (half an ulp of
+    # its 3 or 2 mantissa bits). The floored scale 2^-120 sent 3.4e38 back as inf.
+    top = torch.tensor(torch.finfo(torch.float32).max)
+    start = torch.tensor(2.0**126).view(torch.int32).item()
+    bits = torch.arange(start, top.view(torch.int32).item(), 16, dtype=torch.int32)
+    values = torch.cat([bits.view(torch.float32), top[None], torch.tensor([3e38, 3.4e38])])
+    scale = amax_to_scale(values, dtype, round_to_pow2=True)
+    back = to_fp8_saturated(values, scale, dtype).float() / scale
+    assert torch.isfinite(back).all(), values[~torch.isfinite(back)][:4]
+    rel = ((back.double() - values.double()).abs() / values.double()).max().item()
+    half_ulp = 2.0 ** -(4 if dtype == E4M3 else 3)
+    assert rel <= half_ulp * (1 + 2**-20), rel
+    # below the edge the scale is still a power of two
+    low = values < fp8_max(dtype) * 2.0 ** (119 if dtype == E4M3 else 112)
+    assert low.sum() > 0 and torch.equal(scale[low], round_to_power_of_2(scale[low]))
 
 
 def test_round_to_power_of_2():
