@@ -177,9 +177,8 @@ class _Float8Matmul(torch.autograd.Function):
     of that buffer, which reaches backward as a ``ctx`` attribute, not through
     ``save_for_backward``: the buffer is mutated by every call, and a saved tensor's version
     check would fail when a layer runs twice before its backwards (weight tying, activation
-    checkpointing). AOTAutograd traces the mutation of
-    this forward input into the compiled backward graph (no graph break; checked in
-    tests/test_compile_scaling).
+    checkpointing). AOTAutograd traces the mutation of this forward input into the compiled
+    backward graph (no graph break; checked in tests/test_compile_scaling).
     """
 
     @staticmethod

@@ -1,4 +1,5 @@
-"""Checkpoints of converted models go through torch.save / torch.load(weights_only=True)."""
+"""Checkpoints of converted models: torch.save / torch.load(weights_only=True), and a DELAYED
+fan-out model (tied input states) through torch.save, DCP and safetensors, resumed bitwise."""
 
 import io
 
