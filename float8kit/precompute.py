@@ -108,8 +108,8 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         torch._foreach_copy_(scales, new_scales)
         unset = torch.full((), scaling.UNSET, device=reduced.device)
         torch._foreach_copy_(pending, [unset] * len(pending))
-        # ties whose layers' new scales are known equal stay (host bookkeeping, no sync)
-        state.settle_ties(tied)
+        if tied:  # ties whose layers' new scales are known equal stay (host bookkeeping)
+            state.settle_ties(tied)
         torch._foreach_zero_(counts)
         report_flags(REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", names)
         if unmarked:

@@ -237,7 +237,11 @@ class Tie:
 def settle_ties(layers: list[nn.Module]) -> None:
     """Called by ``precompute_scales`` right after it wrote the DELAYED scales of ``layers``
     (the tied ones among them), before it zeroes their forward counts."""
-    ties = {id(t): t for m in layers if (t := m.fp8_state.tie) is not None}
+    ties: dict[int, Tie] = {}
+    for m in layers:
+        tie = m.fp8_state.tie
+        if tie is not None:
+            ties[id(tie)] = tie
     updated = {id(m) for m in layers}
     for tie in ties.values():
         tie.settle(updated)
