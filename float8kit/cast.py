@@ -186,12 +186,16 @@ def cast_to_float8(
     state_scale: torch.Tensor | None = None,
     amax_record: torch.Tensor | None = None,
     scale_set: bool = False,
+    *,
+    recorded: list[torch.Tensor] | None = None,
 ) -> Float8TrainingTensor:
     """Cast ``hp`` to float8 with the scale ``operand_scale`` picks: dynamic from its own
     amax (one scale, or one per slice along ``reduce_dim`` when axiswise), delayed or static
     from the layer's state (``state_scale``, ``amax_record``, ``scale_set``: see
     ``operand_scale``). The amax is computed only when that scale needs it: STATIC never,
-    DELAYED in train mode (to record it) or before its scale is set."""
+    DELAYED in train mode (to record it) or before its scale is set. ``recorded``: a list
+    the amax folded into ``amax_record`` is appended to (plain tensors), for a layer that
+    reuses this cast and records the same amax (float8kit/shared_cast.py)."""
     if isinstance(hp, DTensor):  # tensor parallel
         return _cast_dtensor(
             hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
@@ -207,6 +211,8 @@ def cast_to_float8(
         else:
             amax = gran.amax(hp)
     scale = operand_scale(cast, role, config, amax, state_scale, amax_record, scale_set)
+    if recorded is not None and amax_record is not None and amax is not None:
+        recorded.append(amax)
     # A dynamic scale already turns inf/NaN into NaN (scale 0 or NaN): no guard pass needed.
     guard = cast.scaling_type is not ScalingType.DYNAMIC
     return hp_to_float8(hp, scale, cast.dtype_for(role), role, gran, config, guard_non_finite=guard)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from float8kit import shared_cast, state
+from float8kit import scaling, shared_cast, state
 from float8kit.cast import cast_to_float8, is_recomputing, kept_cast, recast_with_scale
 from float8kit.config import (
     GEMM_ROLES,
@@ -91,6 +91,8 @@ def input_for_backward(
     config: Float8LinearConfig,
     x_state: tuple[torch.Tensor | None, torch.Tensor | None, bool],
     share: torch.Tensor | None = None,
+    share_key: torch.Tensor | None = None,
+    recorded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What ``_Float8Matmul`` saves of the input for its grad_weight gemm (which reduces M,
     the input's dim 0): the one save decision for the input, so that a new granularity
@@ -113,22 +115,26 @@ def input_for_backward(
         share: the tensor the layer's shared casts are keyed on (``shared_cast.source_for``),
             or None: the float8 copy kept here is stored there, or taken from there when
             another layer already made it from the same tensor in this forward.
+        share_key: the scale buffer a DELAYED shared cast is keyed on (the layer's own, or
+            the one of the layer it is tied to, see ``Float8Linear.forward``).
+        recorded: the amax the cast of ``x`` recorded (DELAYED, train mode), stored with it.
     """
     first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
     if _reusable(first, second):
         if is_float8(x):
-            shared_cast.store(share, first, -1, config, input_hp.dtype, x, x_state[0])
+            shared_cast.store(share, first, -1, config, input_hp.dtype, x, share_key, recorded)
         return x
     # An input that came in float8 (cast before a tensor-parallel all-gather) goes on
     # from its hp values.
     hp = _as_hp(input_hp)
     if not second.enabled:
         return hp
-    kept = shared_cast.lookup(share, second, 0, config, hp.dtype, x_state[0])
-    if kept is None:
-        with kept_cast():  # checkpoint_policy keeps this cast's data
-            kept = cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
-        shared_cast.store(share, second, 0, config, hp.dtype, kept, x_state[0])
+    hit = shared_cast.lookup(share, second, 0, config, hp.dtype, share_key)
+    if hit is not None:
+        return hit[0]
+    with kept_cast():  # checkpoint_policy keeps this cast's data
+        kept = cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
+    shared_cast.store(share, second, 0, config, hp.dtype, kept, share_key)
     return kept
 
 
@@ -163,13 +169,16 @@ class _Float8Matmul(torch.autograd.Function):
     DELAYED/STATIC state: ``*_scale`` is the operand's ``fp8_scale_<op>`` buffer (None when
     the operand keeps no state), ``*_amax`` its ``fp8_amax_<op>`` buffer when amaxes are
     recorded (train mode), else None, ``*_set`` whether the host knows the DELAYED scale is
-    set (a Python bool: compiled graphs specialize on it). The grad_output amax is recorded
-    in ``backward`` by an in-place ``clamp_`` of that buffer, which reaches backward as a
-    ``ctx`` attribute, not through ``save_for_backward``: the buffer is mutated by every
-    call, and a saved tensor's version check would fail when a layer runs twice before its
-    backwards (weight tying, activation checkpointing). AOTAutograd traces the mutation of
-    this forward input into the compiled backward graph (no graph break; checked in
-    tests/test_compile_scaling).
+    set (a Python bool: compiled graphs specialize on it). ``share`` / ``share_key``: the
+    tensor and the scale buffer its shared input casts are keyed on (float8kit/shared_cast.py;
+    ``share_key`` None: ``x_scale``); a DELAYED cast taken from there is recorded as this
+    layer's own (its amax folded into ``x_amax``), so the state is the one the layer's own
+    cast leaves. The grad_output amax is recorded in ``backward`` by an in-place ``clamp_``
+    of that buffer, which reaches backward as a ``ctx`` attribute, not through
+    ``save_for_backward``: the buffer is mutated by every call, and a saved tensor's version
+    check would fail when a layer runs twice before its backwards (weight tying, activation
+    checkpointing). AOTAutograd traces the mutation of this forward input into the compiled
+    backward graph (no graph break; checked in tests/test_compile_scaling).
     """
 
     @staticmethod
@@ -188,8 +197,10 @@ class _Float8Matmul(torch.autograd.Function):
         go_amax: torch.Tensor | None = None,
         go_set: bool = False,
         share: torch.Tensor | None = None,
+        share_key: torch.Tensor | None = None,
     ):
         c = config
+        share_key = x_scale if share_key is None else share_key
         ctx.w_dtype = weight.dtype
         ctx.empty = input_hp.shape[0] == 0
         if ctx.empty:
@@ -201,23 +212,42 @@ class _Float8Matmul(torch.autograd.Function):
         input_is_fp8 = is_float8(input_hp)
         if input_is_fp8 and not c.cast_config_input.enabled:
             input_hp, input_is_fp8 = _as_hp(input_hp), False
+        recorded = None  # the amax the input cast recorded (DELAYED, train mode)
         if c.cast_config_input.enabled:
             x = None
             if input_is_fp8:
                 x = input_hp
             elif _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight):
                 # another layer's cast of the same tensor (shared_cast: DYNAMIC, or DELAYED
-                # with this layer's scale buffer, shared once the layers' states are tied)
-                x = shared_cast.lookup(share, c.cast_config_input, -1, c, input_hp.dtype, x_scale)
+                # with an equal scale: this layer's, or that of the layer it is tied to)
+                hit = shared_cast.lookup(
+                    share, c.cast_config_input, -1, c, input_hp.dtype, share_key
+                )
+                if hit is not None:
+                    x, recorded = hit
+                    if x_amax is not None:  # record what this layer's own cast would
+                        if recorded is None:  # made by a layer that recorded nothing
+                            recorded = scaling.recorded_amax(input_hp)
+                        x_amax.clamp_(min=recorded)
             if x is None:
                 # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy)
                 kept = ctx.needs_input_grad[1] and _reusable(
                     c.cast_config_input, c.cast_config_input_for_grad_weight
                 )
+                amaxes = []
                 with kept_cast() if kept else contextlib.nullcontext():
                     x = cast_to_float8(
-                        input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax, x_set
+                        input_hp,
+                        c.cast_config_input,
+                        GemmRole.INPUT,
+                        -1,
+                        c,
+                        x_scale,
+                        x_amax,
+                        x_set,
+                        recorded=amaxes,
                     )
+                recorded = amaxes[0] if amaxes else None
             w = weight
             if not weight_is_fp8:
                 w = cast_to_float8(
@@ -236,7 +266,9 @@ class _Float8Matmul(torch.autograd.Function):
         )
         # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
         x_saved = (
-            input_for_backward(input_hp, x, c, x_state, share) if ctx.needs_input_grad[1] else None
+            input_for_backward(input_hp, x, c, x_state, share, share_key, recorded)
+            if ctx.needs_input_grad[1]
+            else None
         )
         # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
         # parameter (kept anyway) and the scale, and redo the cast in backward
@@ -277,7 +309,7 @@ class _Float8Matmul(torch.autograd.Function):
             x_shape, w_shape, w_device = ctx.shapes
             grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
             grad_input = grad_output.new_zeros(x_shape)
-            return grad_input, grad_weight, None, *(None,) * 10
+            return grad_input, grad_weight, None, *(None,) * 11
         c = ctx.config
         x_saved, w_saved, w_scale_kept = ctx.saved_tensors
         grad_output = grad_output.contiguous()
@@ -313,7 +345,7 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
             grad_weight = grad_weight.to(ctx.w_dtype)
-        return grad_input, grad_weight, None, *(None,) * 10
+        return grad_input, grad_weight, None, *(None,) * 11
 
 
 # How a layer's weight becomes the FSDP2 float8 all-gather weight when its config enables it:
@@ -386,8 +418,7 @@ class Float8Linear(nn.Linear):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
-        # a tied input state (state.tie_input) takes this layer's values, not the
-        # last-loaded layer's of the tie
+        # loaded values may differ from the tied layers' (state.Tie): untied
         state.untie_input(self)
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
@@ -422,13 +453,14 @@ class Float8Linear(nn.Linear):
             )
         record = self.training
         # A forward that activation checkpointing recomputes in backward is not a new one.
-        if record and c.stale_delayed_warn_after and state.has_delayed(c) and not is_recomputing():
+        # (Counted even without the warning: a tie checks its bookkeeping against it.)
+        if record and state.has_delayed(c) and not is_recomputing():
             state.count_delayed_forward(own.forward_count, c.stale_delayed_warn_after)
         weight = self.weight
         device_type = input.device.type
         # keyed on the input as passed (before autocast): linears that read one tensor share
         # the float8 copy they keep for backward (float8kit/shared_cast.py)
-        share = shared_cast.source_for(input)
+        share, passed = shared_cast.source_for(input), input
         if torch.is_autocast_enabled(device_type) and input.is_floating_point():
             # Only the input: _Float8Matmul casts an fp32 weight to float8 directly.
             input = input.to(torch.get_autocast_dtype(device_type))
@@ -440,27 +472,51 @@ class Float8Linear(nn.Linear):
                 "torch.autocast for a mixed-precision model"
                 + ("" if input.is_floating_point() else "; integer inputs are never accepted")
             )
-        if share is not None and input.numel() > 0 and _shares_delayed_input(c):
-            # the first layer that cast this tensor in this forward: tie this layer's input
-            # state to it where they are equal, so that it reuses that cast (shared_cast)
-            owner = shared_cast.delayed_owner(share, c.cast_config_input, c, input.dtype, self)
-            if owner is not None:
-                state.tie_input(self, owner, input, record)
-            tie = own.tie
-            if tie is not None:  # check that the tied layers still read one tensor
-                region = shared_cast.region_state(share)
-                if owner is not None and owner.fp8_state.tie is tie:
-                    tie.read(owner, share, region)  # the first reader of this tensor
-                tie.read(self, share, region)
+        share_key = None
+        if not torch.compiler.is_compiling() and _shares_delayed_input(c):
+            share_key = self._share_delayed_input(input, passed, share, record)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
         states = [t for role in GEMM_ROLES for t in own.operand(self, role, record)]
-        out_2d = _Float8Matmul.apply(input.reshape(-1, input.shape[-1]), weight, c, *states, share)
+        out_2d = _Float8Matmul.apply(
+            input.reshape(-1, input.shape[-1]),
+            weight,
+            c,
+            *states,
+            share,
+            share_key,
+        )
         # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
         # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).
         output = torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output
+
+    def _share_delayed_input(
+        self, input: torch.Tensor, passed: torch.Tensor, share: torch.Tensor | None, record: bool
+    ) -> torch.Tensor | None:
+        """For a DELAYED input cast that can be shared (eager): tie this layer's input state
+        to the first layer that cast ``share`` in this forward where they are equal
+        (``state.tie_input``), note this recording forward for its tie (``state.Tie``), and
+        return that layer's scale buffer while tied to it (it keys the cast this layer then
+        reuses, see ``shared_cast``), else None. ``input``: what the layer casts (after
+        autocast); ``passed``: the tensor as passed, by which tied layers' reads compare."""
+        c, own = self.config, self.fp8_state
+        owner, joined = None, False
+        if share is not None and input.numel() > 0:
+            owner = shared_cast.delayed_owner(share, c.cast_config_input, c, input.dtype, self)
+            if owner is not None:
+                joined = state.tie_input(self, owner, input, record)
+        tie = own.tie
+        if tie is None:
+            return None
+        if record and not joined and not is_recomputing():
+            source = shared_cast.read_source(passed)
+            if source is not None:  # an untracked read ends the tie at the next update
+                tie.note(self, shared_cast.read_id(source) if input.numel() > 0 else None)
+        if owner is not None and state.shares_input(self, owner):
+            return owner._buffers[state.scale_name(GemmRole.INPUT)]
+        return None
 
     def extra_repr(self) -> str:
         c = self.config

@@ -35,14 +35,14 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     records and the layers' stale-forward counts. Non-finite records are not folded in
     (see ``scaling.update_amax_history``) and make it warn, naming the layers.
 
+    Every layer updates its own state, tied ones too (``state.Tie``: their records are
+    their own); the ties are settled after the scales are written.
+
     Scales not yet marked set on the host (``LayerState.scales_set``) are checked
     (``>= 0``) and marked by ``_SCALES_SET``; once every scale is marked, nothing is read back
     to the host at all.
     """
-    records, counts = [], []
-    # A tied input state (state.tie_input) is one set of buffers for several layers:
-    # one record, updated once, whose scale-set flag marks every layer of the tie.
-    seen: dict[int, list] = {}
+    records, counts, tied = [], [], []
     for fqn, mod in module.named_modules():
         if not isinstance(mod, Float8Linear):
             continue
@@ -64,10 +64,6 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
             operand = state.OPERAND_NAMES[role]
             scale = buffers[state.scale_name(role)]
             targets = [] if operand in mod.fp8_state.scales_set else [(mod, operand)]
-            if id(scale) in seen:
-                seen[id(scale)] += targets
-                continue
-            seen[id(scale)] = targets
             records.append(
                 (
                     key,
@@ -80,6 +76,8 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
             )
         if has_delayed:
             counts.append(mod.fp8_state.forward_count)
+        if mod.fp8_state.tie is not None:
+            tied.append(mod)
     if not records:
         return []
     # Order the records group by group, so each group is one slice of the stacked amaxes.
@@ -110,6 +108,8 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         torch._foreach_copy_(scales, new_scales)
         unset = torch.full((), scaling.UNSET, device=reduced.device)
         torch._foreach_copy_(pending, [unset] * len(pending))
+        if tied:  # ties whose layers' new scales are known equal stay (host bookkeeping)
+            state.settle_ties(tied)
         torch._foreach_zero_(counts)
         report_flags(REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", names)
         if unmarked:

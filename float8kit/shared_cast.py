@@ -22,19 +22,21 @@ What is stored is only the copy backward keeps (tensorwise: the output gemm's ca
 backward reuses; rowwise: the dim-0 cast of the grad_weight gemm), so the cache never holds
 bytes that autograd does not hold anyway while the forward's tensors live.
 
-A DELAYED cast depends on the tensor and the layer's scale buffer, so it is keyed on that
-buffer too (its identity and version): layers share it only when they share one scale state.
-They come to share one when they are seen reading the same tensor with equal states
-(``delayed_owner`` names the first layer that cast the tensor in this forward,
-``state.tie_input`` compares and ties the next ones to it): from then on their input
-scale states are one set of buffers, so every later cast, record and scale update is the one
-each layer would have made alone. STATIC casts are never shared. Not used under ``torch.compile``
-(there AOTAutograd's common-subexpression elimination merges the identical cast ops of a
-graph) nor without autograd (nothing is kept then).
+A DELAYED cast depends on the tensor and the layer's scale buffer, so it is keyed on a scale
+buffer too (its identity and version): the caster's own, or, for a layer tied to the first
+layer that cast the tensor in this forward (``delayed_owner``; ``state.tie_input`` compares
+their states and ties them where equal, ``state.Tie`` keeps only what stays equal), that
+layer's, whose scale equals its own. A layer that reuses such a cast records into its own
+amax record the amax stored with it, so every cast, record and scale update is the one each
+layer would have made alone. ``read_id`` names the tensors a tied layer records, for the
+tie's bookkeeping. STATIC casts are never shared. Not used under ``torch.compile`` (there
+AOTAutograd's common-subexpression elimination merges the identical cast ops of a graph) nor
+without autograd (nothing is kept then).
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -43,6 +45,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from float8kit.config import CastConfig, Float8LinearConfig, ScalingType
 
 _CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_READ_IDS = itertools.count()
 
 
 def source_for(input: torch.Tensor) -> torch.Tensor | None:
@@ -54,6 +57,22 @@ def source_for(input: torch.Tensor) -> torch.Tensor | None:
     if not plain or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     return input
+
+
+def read_source(input: torch.Tensor) -> torch.Tensor | None:
+    """The tensor whose reads a tied layer notes (``read_id``): its input as passed, also
+    without autograd; None for a tensor subclass or while torch.compile traces (an untracked
+    read, which ends that layer's tie at the next scale update)."""
+    plain = type(input) in (torch.Tensor, torch.nn.Parameter)
+    return input if plain and not torch.compiler.is_compiling() else None
+
+
+def read_id(source: torch.Tensor) -> int:
+    """One id per tensor read (same tensor, version and checkpoint region), never reused."""
+    entry = _entry(source, create=True)
+    if "read" not in entry:
+        entry["read"] = next(_READ_IDS)
+    return entry["read"]
 
 
 def shareable(cast: CastConfig, scale: torch.Tensor | None = None) -> bool:
@@ -75,11 +94,6 @@ def _key(cast, reduce_dim, config, dtype, scale) -> tuple:
     return (cast, reduce_dim, config, dtype, state)
 
 
-def region_state(source: torch.Tensor) -> tuple:
-    """``source``'s version and the checkpoint region it is read in: what an entry is for."""
-    return _state(source)
-
-
 def _state(source: torch.Tensor) -> tuple:
     # The region's pack hook, weakly: an entry must not keep a checkpoint frame alive.
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -95,12 +109,12 @@ def lookup(
     scale: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The float8 copy of ``source`` a layer already made for this cast in this forward
-    (same version, same checkpoint region; DELAYED: the same scale buffer ``scale``), or
-    None."""
+    (same version, same checkpoint region; DELAYED: the same scale buffer ``scale``) and the
+    amax its cast recorded (None if it recorded none), or None."""
     if source is None or not shareable(cast, scale):
         return None
     hit = _entry(source, create=False).get(_key(cast, reduce_dim, config, dtype, scale))
-    return None if hit is None else hit[0]
+    return None if hit is None else (hit[0], hit[2])
 
 
 def _entry(source: torch.Tensor, create: bool) -> dict:
@@ -122,13 +136,16 @@ def store(
     dtype: torch.dtype,
     fp8: torch.Tensor,
     scale: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> None:
     """Remember ``fp8`` as ``source``'s cast for the next layers of this forward (DELAYED:
-    those whose scale buffer is ``scale``). Entries of an older version or another region of
-    the same tensor are dropped."""
+    those whose casts are keyed on the scale buffer ``scale``; ``amax``: the amax the cast
+    recorded, which they record too). Entries of an older version or another region of the
+    same tensor are dropped."""
     if source is None or not shareable(cast, scale):
         return
-    _entry(source, create=True)[_key(cast, reduce_dim, config, dtype, scale)] = (fp8, scale)
+    key = _key(cast, reduce_dim, config, dtype, scale)
+    _entry(source, create=True)[key] = (fp8, scale, amax)
 
 
 def delayed_owner(

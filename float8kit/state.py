@@ -12,12 +12,13 @@ the layer's float8 state is reset to its initial values, as for a fresh layer. T
 model. The buffers stay fp32 through ``model.to(dtype)`` and are reset when they come off
 the meta device (``after_apply``).
 
-Tied input state (``tie_input``): layers that read the same tensor (q/k/v, gate/up) and hold
-bitwise-equal DELAYED input state share one set of input buffers from then on, so that they
-can share one float8 cast of that tensor (float8kit/shared_cast.py). Each layer still has its
-own state_dict entries (same values); ``precompute_scales`` updates a shared buffer once. A
-load or a reset first unties the layer (its own copies), so that it takes the values it is
-given; the next forward ties it again where the states are still equal.
+Tied input state (``tie_input``, ``Tie``): layers that read the same tensor (q/k/v, gate/up)
+with bitwise-equal DELAYED input state are tied, so that they share one float8 cast of that
+tensor (float8kit/shared_cast.py). A tie is host-side bookkeeping only: every layer keeps its
+own buffers (no tensor is shared between state_dict keys, so safetensors and
+``save_pretrained`` take them) and records its own amaxes, so its state is exactly what it
+would be alone, whatever the tied layers read; the tie only says which casts may be shared.
+A load or a reset unties the layer; the next forward ties it again where the states are equal.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ class LayerState:
       forward, so compiled graphs specialize on it. Cleared by init, reset and load.
     - ``tie`` (``Tie``) and ``tie_refused`` (the last comparison that found the states
       unequal: the owner's scale buffer, its version, this scale's version): ``tie_input``.
-    - ``forward_count``: a CPU int64 tensor, never moved (``count_delayed_forward``).
+      Neither is copied or pickled with the layer (a copy starts untied).
+    - ``forward_count``: a CPU int64 tensor, never moved (``count_delayed_forward``): the
+      recording forwards since the last ``precompute_scales``.
     - ``uncalibrated``: operands whose STATIC scale is not set; ``calibration_amax``: the
       input amax ``calibrate`` records meanwhile.
     - ``all_gather_scale`` (a ``fsdp.PrecomputedScale``) and ``shard_mesh`` (FSDP2's).
@@ -114,6 +117,11 @@ class LayerState:
         self.tie_refused = self.calibration_amax = self.all_gather_scale = self.shard_mesh = None
         self.forward_count = torch.zeros((), dtype=torch.int64, device="cpu")
         self.uncalibrated = needs_calibration(config)
+
+    def __getstate__(self) -> dict:
+        # a tie holds weak references to the tied layers (not picklable, and a copy's tie
+        # would name the original's layers): a copy or a loaded pickle starts untied
+        return {**self.__dict__, "tie": None, "tie_refused": None}
 
     def mark_scales_set(self, operand: str) -> None:
         if operand not in self.scales_set:
@@ -135,39 +143,108 @@ class LayerState:
         return scale, amax_record, OPERAND_NAMES[role] in self.scales_set
 
 
+class _Member:
+    """What a ``Tie`` knows of one of its layers: the layer and its input scale buffer (weakly),
+    that buffer's version when the tie last knew it equal to the others', the reads it
+    recorded since (one id per tensor, ``shared_cast.read_id``) and how many recording
+    forwards those account for."""
+
+    def __init__(self, layer: nn.Module, reads: set[int], seen: int):
+        self.layer = weakref.ref(layer)
+        scale = layer._buffers[scale_name(GemmRole.INPUT)]
+        self.scale, self.version = weakref.ref(scale), scale._version
+        self.reads, self.seen = reads, seen
+
+
 class Tie:
-    """The layers that share one input state, and which of them read the current tensor.
+    """Layers whose DELAYED input scales the host knows to be bitwise equal, so that one float8
+    cast of a tensor they all read serves each of them (``shared_cast``); host-side only.
 
-    A tie stays right while its layers keep reading one tensor: each tensor (a "round") is
-    read by all of them before the next one. A layer that reads another tensor while the
-    current one is still alive and not read by every layer breaks that: it would record its
-    amax into the others' state. ``read`` then unties that layer and warns."""
+    Every layer keeps and updates its own buffers, exactly as alone: a layer that reuses
+    another's cast records the amax that cast recorded (``linear._Float8Matmul``). So a tie
+    never changes a value, it only decides which casts may be shared, and it must only
+    claim what holds. Equal scales stay equal until ``precompute_scales`` writes them:
+    ``settle`` then keeps together only the layers whose amax records are equal by
+    construction, those that recorded the same set of tensors since the last update
+    (``note``), every one of their recording forwards accounted for (against
+    ``LayerState.forward_count``: a compiled, tensor-subclass or other untracked forward
+    leaves its layer out). A scale buffer written by anything else (a new buffer or a new
+    version) ends that layer's sharing too (``holds``). No device value is read for any of it.
+    """
 
-    def __init__(self, *layers: nn.Module):
-        self.layers = [weakref.ref(m) for m in layers]
-        self.source, self.state, self.readers = None, None, set()
+    def __init__(self):
+        self.members: dict[int, _Member] = {}
 
-    def read(self, layer: nn.Module, source: torch.Tensor, state: tuple) -> bool:
-        """Note that ``layer`` reads ``source`` (in ``state``: version, checkpoint region);
-        False (and ``layer`` untied, with a warning) where that breaks the tie."""
-        current = None if self.source is None else self.source()
-        if current is source and state == self.state:
-            self.readers.add(id(layer))
-            return True
-        live = {id(m) for ref in self.layers if (m := ref()) is not None}
-        if current is not None and not live <= self.readers:
-            warnings.warn(
-                f"float8kit: a Float8Linear({layer.in_features}, {layer.out_features}) whose "
-                "DELAYED input state was tied to other layers' (they read one tensor at "
-                "its first forward) now reads another tensor: untied from here on; amaxes "
-                "recorded this step may include the other layers' input",
-                UserWarning,
-                stacklevel=3,
-            )
-            untie_input(layer)
+    def add(self, layer: nn.Module, like: nn.Module | None = None) -> None:
+        """Add ``layer``, known equal to ``like`` (a member) now, reads included; or, without
+        ``like``, the first member: its recording forwards so far are where the tie starts."""
+        reads = set() if like is None else set(self.members[id(like)].reads)
+        self.members[id(layer)] = _Member(layer, reads, int(layer.fp8_state.forward_count))
+        layer.fp8_state.tie = self
+
+    def remove(self, layer: nn.Module) -> None:
+        self.members.pop(id(layer), None)
+        live = self.live()
+        if len(live) == 1:  # a tie of one is no tie
+            live[0].fp8_state.tie = None
+            self.members.clear()
+
+    def live(self) -> list[nn.Module]:
+        return [m for member in self.members.values() if (m := member.layer()) is not None]
+
+    def holds(self, layer: nn.Module) -> bool:
+        """Whether ``layer`` is a member whose scale buffer is the one the tie knows equal
+        (same tensor, not written since)."""
+        member = self.members.get(id(layer))
+        if member is None or member.layer() is not layer:
             return False
-        self.source, self.state, self.readers = weakref.ref(source), state, {id(layer)}
-        return True
+        scale = layer._buffers[scale_name(GemmRole.INPUT)]
+        return member.scale() is scale and scale._version == member.version
+
+    def note(self, layer: nn.Module, read: int | None) -> None:
+        """``layer`` ran a recording forward that read the tensor ``read`` (None: an empty
+        input, which records nothing)."""
+        member = self.members[id(layer)]
+        if read is not None:
+            member.reads.add(read)
+        member.seen += 1
+
+    def settle(self, updated: set[int]) -> None:
+        """After ``precompute_scales`` wrote the scales of the layers whose ids are in
+        ``updated``: split this tie into the groups still known equal (see the class)."""
+        groups: dict[tuple, list[tuple[nn.Module, _Member]]] = {}
+        for lid, member in self.members.items():
+            layer = member.layer()
+            if layer is None:
+                continue
+            tracked = member.seen == int(layer.fp8_state.forward_count)
+            key = (lid in updated, frozenset(member.reads)) if tracked else (lid,)
+            groups.setdefault(key, []).append((layer, member))
+        self.members.clear()
+        for key, rows in groups.items():
+            for layer, _ in rows:
+                layer.fp8_state.tie = None
+            if len(rows) < 2:
+                continue
+            tie = Tie()
+            for layer, member in rows:
+                if key[0]:  # updated: equal new scales, records cleared, counts zeroed
+                    member = _Member(layer, set(), 0)
+                tie.members[id(layer)] = member
+                layer.fp8_state.tie = tie
+
+
+def settle_ties(layers: list[nn.Module]) -> None:
+    """Called by ``precompute_scales`` right after it wrote the DELAYED scales of ``layers``
+    (the tied ones among them), before it zeroes their forward counts."""
+    ties: dict[int, Tie] = {}
+    for m in layers:
+        tie = m.fp8_state.tie
+        if tie is not None:
+            ties[id(tie)] = tie
+    updated = {id(m) for m in layers}
+    for tie in ties.values():
+        tie.settle(updated)
 
 
 def _input_names() -> list[str]:
@@ -176,29 +253,35 @@ def _input_names() -> list[str]:
 
 
 @torch.no_grad()
-def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: bool) -> None:
-    """Make ``module``'s DELAYED input state ``owner``'s (the same buffers) if it equals the
-    state ``owner`` had before it cast ``hp`` in this forward, which ``module`` is about to
-    cast with the same cast; otherwise leave both alone.
+def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: bool) -> bool:
+    """Tie ``module``'s DELAYED input state to ``owner``'s (``Tie``) if it equals the state
+    ``owner`` had before it cast ``hp`` in this forward, which ``module`` is about to cast with
+    the same cast; otherwise leave both alone. True if ``module`` was tied now.
 
     Equal means bitwise: the same amax history and scale, and the amax record ``module``
     would have after recording ``hp``'s amax (train mode, ``record``) equal to ``owner``'s now
-    (or, not recording, equal records). Then ``module``'s cast of ``hp`` and every later step
-    are bitwise what ``owner``'s state gives, as long as both keep reading one tensor: the
-    tie is how fan-out layers share one DELAYED cast. One host read per comparison: at the
-    first forward of a pair, and again after a scale update or load only while it differs.
+    (or, not recording, equal records). Then ``owner``'s cast of ``hp`` is bitwise the one
+    ``module`` would make, and so are later ones while the tie holds (``Tie``): the tie is
+    how fan-out layers share one DELAYED cast. One host read per comparison: at the first
+    forward of a pair, and again after a scale update or load only while it differs.
     """
-    names, own = _input_names(), module.fp8_state
+    own, theirs = module.fp8_state, owner.fp8_state
+    for layer in (module, owner):  # a scale written since the tie knew it: that layer leaves
+        tie = layer.fp8_state.tie
+        if tie is not None and not tie.holds(layer):
+            untie_input(layer)
+    if own.tie is not None:
+        return False  # tied to it, or to other layers
+    names = _input_names()
     mine = [module._buffers[n] for n in names]
-    theirs = [owner._buffers[n] for n in names]
-    if mine[2] is theirs[2] or own.tie is not None:
-        return  # tied to it, or to other layers
-    if any(isinstance(t, DTensor) for t in (*mine, *theirs)):
-        return  # tensor parallel: replicated state, not tied
-    memo = (weakref.ref(theirs[2]), theirs[2]._version, mine[2]._version)
+    theirs_buffers = [owner._buffers[n] for n in names]
+    if any(isinstance(t, DTensor) for t in (*mine, *theirs_buffers)):
+        return False  # tensor parallel: replicated state, not tied
+    scale = theirs_buffers[2]
+    memo = (weakref.ref(scale), scale._version, mine[2]._version)
     refused = own.tie_refused
-    if refused is not None and refused[0]() is theirs[2] and refused[1:] == memo[1:]:
-        return
+    if refused is not None and refused[0]() is scale and refused[1:] == memo[1:]:
+        return False
     # Out of sight of dispatch modes: a selective-checkpoint region replays the ops it saw in
     # the first forward, and its recomputation (already tied) makes no comparison.
     with _disable_current_modes():
@@ -206,36 +289,34 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
         if record:
             amax = amax.clamp(min=scaling.recorded_amax(hp).float())
         equal = (
-            torch.equal(mine[0], theirs[0])
-            and torch.equal(mine[2], theirs[2])
-            and torch.equal(amax, theirs[1])
+            torch.equal(mine[0], theirs_buffers[0])
+            and torch.equal(mine[2], theirs_buffers[2])
+            and torch.equal(amax, theirs_buffers[1])
         )
     if not equal:
         own.tie_refused = memo
-        return
-    for name, buf in zip(names, theirs, strict=True):
-        module._buffers[name] = buf
-    theirs = owner.fp8_state
+        return False
     if theirs.tie is None:
-        theirs.tie = Tie(owner)
-    theirs.tie.layers.append(weakref.ref(module))
-    own.tie, own.tie_refused = theirs.tie, None
-    # one scale buffer: set for both where the host knew it set for either
-    op = OPERAND_NAMES[GemmRole.INPUT]
-    for a, b in ((own, theirs), (theirs, own)):
-        if op in b.scales_set:
-            a.mark_scales_set(op)
+        Tie().add(owner)
+    theirs.tie.add(module, like=owner)
+    own.tie_refused = None
+    return True
+
+
+def shares_input(module: nn.Module, owner: nn.Module) -> bool:
+    """Whether ``module`` may use ``owner``'s cast of a tensor both read: tied, and both scale
+    buffers still the ones the tie knows equal."""
+    tie = module.fp8_state.tie
+    return tie is not None and owner.fp8_state.tie is tie and tie.holds(module) and tie.holds(owner)
 
 
 def untie_input(module: nn.Module) -> None:
-    """Give a tied layer its own copies of its input state buffers (same values)."""
+    """Take ``module`` out of its tie (its buffers are its own anyway)."""
     own = module.__dict__.get("fp8_state")
     tie = None if own is None else own.tie
     if tie is not None:
         own.tie = None
-        tie.layers = [ref for ref in tie.layers if ref() not in (None, module)]
-        for name in _input_names():
-            module._buffers[name] = module._buffers[name].clone()
+        tie.remove(module)
 
 
 def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
@@ -467,9 +548,9 @@ def stale_message(count: int) -> str:
 # graphs take it as an input and precompute_scales resets it in place.
 @torch.library.custom_op("float8kit::count_delayed_forward", mutates_args=("count",))
 def count_delayed_forward(count: torch.Tensor, warn_after: int) -> None:
-    """Add one to a layer's forward count; warn when it first exceeds ``warn_after``."""
+    """Add one to a layer's forward count; warn when it first exceeds ``warn_after`` (> 0)."""
     count += 1
-    if int(count) == warn_after + 1:
+    if warn_after and int(count) == warn_after + 1:
         warnings.warn(stale_message(warn_after + 1), UserWarning, stacklevel=2)
 
 

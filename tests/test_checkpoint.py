@@ -1,7 +1,9 @@
-"""Checkpoints of converted models go through torch.save / torch.load(weights_only=True)."""
+"""Checkpoints of converted models: torch.save / torch.load(weights_only=True), and a DELAYED
+fan-out model (tied input states) through torch.save, DCP and safetensors, resumed bitwise."""
 
 import io
 
+import pytest
 import torch
 from torch import nn
 
@@ -78,3 +80,99 @@ def test_config_and_float8_tensor_pickle_under_weights_only():
     x = cast_to_float8(torch.randn(16, 32), config.cast_config_input, GemmRole.INPUT, -1, config)
     y = round_trip(x)
     assert type(y) is type(x) and torch.equal(y.dequantize(), x.dequantize())
+
+
+class _FanOut(nn.Module):
+    """q/k/v read one tensor, gate/up another: the delayed recipe ties their input states."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(32)
+        self.q, self.k, self.v = (nn.Linear(32, 32) for _ in range(3))
+        self.gate, self.up = nn.Linear(32, 64), nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.norm(x)
+        a = self.q(h) * self.k(h) + self.v(h)
+        return self.down(nn.functional.silu(self.gate(a)) * self.up(a))
+
+
+def _fan_out(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return convert_to_float8_training(
+        _FanOut(), config=Float8LinearConfig.from_recipe_name("delayed")
+    )
+
+
+def _save_load(fmt: str, model: nn.Module, path) -> nn.Module:
+    """``model`` through a checkpoint of format ``fmt``, loaded into a freshly built one."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+
+    if fmt == "torch.save(model)":  # the whole module, pickled
+        torch.save(model, path / "model.pt")
+        return torch.load(path / "model.pt", weights_only=False)
+    fresh = _fan_out(123)  # another init: everything must come from the checkpoint
+    if fmt == "torch.save":
+        torch.save(model.state_dict(), path / "sd.pt")
+        fresh.load_state_dict(torch.load(path / "sd.pt", weights_only=True))
+    elif fmt == "safetensors":
+        save_file(model.state_dict(), path / "model.safetensors")
+        fresh.load_state_dict(load_file(path / "model.safetensors"))
+    else:  # DCP
+        dcp.save(model.state_dict(), checkpoint_id=path / "dcp")
+        sd = fresh.state_dict()
+        dcp.load(sd, checkpoint_id=path / "dcp")
+        fresh.load_state_dict(sd)
+    return fresh
+
+
+@pytest.mark.parametrize("fmt", ["torch.save", "torch.save(model)", "DCP", "safetensors"])
+def test_delayed_fan_out_resumes_bitwise_from_every_checkpoint_format(fmt, tmp_path):
+    """Tied DELAYED input states (q/k/v, gate/up) keep one tensor per state_dict key, so every
+    checkpoint format takes them; saved between optimizer.step() and precompute_scales (the
+    pending amax records included), the resumed run's losses and state are bitwise those of
+    the run that was not interrupted, and the layers tie again."""
+    from float8kit import precompute_scales
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 16, 32, generator=g) * (1 + i % 3) for i in range(6)]
+
+    def step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    model = _fan_out(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref = []
+    for x in batches:
+        ref.append(step(model, opt, x))
+        precompute_scales(model)
+
+    first = _fan_out(0)
+    opt1 = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    for i, x in enumerate(batches[:3]):
+        step(first, opt1, x)
+        if i < 2:
+            precompute_scales(first)
+    assert first.q.fp8_state.tie is first.k.fp8_state.tie is first.v.fp8_state.tie is not None
+    torch.save(opt1.state_dict(), tmp_path / "opt.pt")
+    second = _save_load(fmt, first, tmp_path)
+    opt2 = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    precompute_scales(second)
+    losses = []
+    for x in batches[3:]:
+        losses.append(step(second, opt2, x))
+        precompute_scales(second)
+    assert torch.equal(torch.stack(losses), torch.stack(ref[3:]))
+    want, got = model.state_dict(), second.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    assert second.q.fp8_state.tie is second.k.fp8_state.tie is second.v.fp8_state.tie is not None
+    assert second.gate.fp8_state.tie is second.up.fp8_state.tie is not None

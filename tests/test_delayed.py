@@ -461,3 +461,111 @@ def test_partial_float8_state_is_reported_missing():
     del sd["0.fp8_scale_input"]
     with pytest.raises(RuntimeError, match="fp8_scale_input"):
         model.load_state_dict(sd)
+
+
+# ---------------------------------------------------------------------------- tied states
+
+
+def _fan_out_steps(layers, inputs_per_step, share: bool, mode: str = "freed"):
+    """One SGD-free step per entry of ``inputs_per_step`` (a function of the step giving each
+    layer's input scale: q, k, v read ``x * s`` for their ``s``, layers with equal ``s``
+    the same tensor) with precompute_scales after each: outputs, input grads and the float8
+    state per step, and after each update which layers are tied (the index of the first
+    layer of each one's tie, or None). ``share=False``: no shared casts, so no ties (the
+    per-layer reference)."""
+    from float8kit import shared_cast
+
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    out = []
+    with pytest.MonkeyPatch.context() as m:
+        if not share:
+            m.setattr(shared_cast, "source_for", lambda t: None)
+        for step, scales in enumerate(inputs_per_step):
+            xi = x.clone().requires_grad_()
+            ys, kept = [], {}
+            for layer, s in zip(layers, scales, strict=True):
+                # one tensor per distinct scale; "freed": a tensor is dropped as soon as its
+                # layer has read it, unless the next layer reads it too
+                if s not in kept:
+                    kept = {s: xi * s} if mode == "freed" else {**kept, s: xi * s}
+                if mode == "no_grad" and step > 0 and s != scales[1]:
+                    with torch.no_grad():
+                        layer(kept[s])
+                    continue
+                ys.append(layer(kept[s]))
+            sum(y.float().square().sum() for y in ys).backward()
+            states = [
+                {k: v.clone() for k, v in lin.state_dict().items() if "fp8" in k} for lin in layers
+            ]
+            precompute_scales(nn.ModuleList(layers))
+            ties = [lin.fp8_state.tie for lin in layers]
+            groups = [None if t is None else ties.index(t) for t in ties]
+            out.append(([y.detach() for y in ys], xi.grad, states, groups))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["freed", "alive", "no_grad"])
+def test_tied_layers_that_read_different_tensors_keep_their_own_scales(mode):
+    """q/k/v tie at step 0 (one tensor, equal states); from step 1 q reads its input x100
+    (freed before k reads, or still alive, or under no_grad) while k/v read the old one, and
+    at step 4 all read one tensor again. Every layer's outputs, grads and float8 state are
+    bitwise those of per-layer state (no ties) at every step, and each layer's input scale is
+    the one its own inputs give: k's from k's amax, never q's."""
+    config = Float8LinearConfig.from_recipe_name("delayed")
+    torch.manual_seed(0)
+    layers = [Float8Linear(64, 64, config=config) for _ in range(3)]
+    ref_layers = copy.deepcopy(layers)
+    steps = [(1, 1, 1), (100, 1, 1), (100, 1, 1), (1, 100, 1), (1, 1, 1)]
+    got = _fan_out_steps(layers, steps, share=True, mode=mode)
+    want = _fan_out_steps(ref_layers, steps, share=False, mode=mode)
+    for (gy, gx, gs, _), (wy, wx, ws, _) in zip(got, want, strict=True):
+        for a, b in zip(gy, wy, strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(gx, wx)
+        for a, b in zip(gs, ws, strict=True):
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
+    # by hand: after step 2, q's history holds amax(100 x), k's and v's amax(x) only
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    q_state, k_state = got[2][2][0], got[2][2][1]
+    assert float(k_state["fp8_scale_input"]) == pytest.approx(E4M3_MAX / float(x.abs().max()))
+    assert float(q_state["fp8_scale_input"]) == pytest.approx(
+        E4M3_MAX / float((100 * x).abs().max())
+    )
+    # a tie keeps only the layers that read the same tensors: all three after step 0, k and
+    # v after steps 1 and 2, none after step 3; their amax histories then differ, so they do
+    # not tie again at step 4 (they would, once equal again)
+    assert [g[3] for g in got] == [[0, 0, 0], [None, 1, 1], [None, 1, 1], [None] * 3, [None] * 3]
+
+
+class _Untracked(torch.Tensor):
+    """An input the shared-cast cache does not key on (a tensor subclass), like every input
+    of a compiled forward: a tied layer's read of it is not known to its tie."""
+
+
+def test_tie_ends_after_untracked_reads():
+    """q/k/v tie at step 0; at step 1 they read tensors the tie cannot see (q's x100): their
+    recording forwards are not all accounted for, so the tie ends at the update, and at step 2
+    (one plain tensor again) k and v do not reuse q's cast, whose scale is no longer theirs."""
+    config = Float8LinearConfig.from_recipe_name("delayed")
+    torch.manual_seed(0)
+    layers = [Float8Linear(64, 64, config=config) for _ in range(3)]
+    ref_layers = copy.deepcopy(layers)
+    x = torch.randn(128, 64)
+    for lins in (layers, ref_layers):
+        for step, scales in enumerate(((1, 1, 1), (100, 1, 1), (1, 1, 1))):
+            one = x.clone().requires_grad_()
+            for lin, s in zip(lins, scales, strict=True):
+                h = one if s == 1 else one * s
+                if step == 1:
+                    h = h.as_subclass(_Untracked)
+                if lins is ref_layers:
+                    h = h.clone()  # one tensor per layer: never shared, never tied
+                lin(h).sum().backward()
+            if step == 0 and lins is layers:
+                assert layers[0].fp8_state.tie is layers[2].fp8_state.tie is not None
+            precompute_scales(nn.ModuleList(lins))
+        assert all(lin.fp8_state.tie is None for lin in lins)
+    y, y_ref = [lin(x) for lin in layers], [lin(x) for lin in ref_layers]
+    for a, b in zip(y, y_ref, strict=True):
+        assert torch.equal(a, b)

@@ -89,6 +89,43 @@ def test_float8_trains_like_bf16_and_saves_a_plain_checkpoint(tmp_path):
     _check_trains_like_bf16_and_saves_plain(bf16, fp8, cb, tmp_path)
 
 
+def test_delayed_trainer_checkpoints_and_resumes_bitwise(tmp_path):
+    """The delayed recipe (q/k/v and gate/up share their input casts, state.Tie) through
+    Trainer's own checkpoints (save_pretrained: safetensors) and resume_from_checkpoint: the
+    resumed run's losses and final state, float8 state included, are bitwise those of the
+    run that was not interrupted; the plain model loads the checkpoint's parameters."""
+    from safetensors.torch import load_file
+
+    delayed = Float8LinearConfig.from_recipe_name("delayed")
+
+    def run(out, resume=None):
+        cb = Float8Callback(delayed)
+        trainer = _trainer(out, 4, [cb], save_strategy="steps", save_steps=2)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run(tmp_path / "full")
+    ckpt = tmp_path / "full" / "out" / "checkpoint-2"
+    saved = load_file(ckpt / "model.safetensors")
+    assert "model.layers.0.self_attn.k_proj.fp8_amax_history_input" in saved
+    resumed = run(tmp_path / "resumed", resume=str(ckpt))
+
+    def later(trainer):
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h and h["step"] > 2]
+
+    assert len(later(full)) == 2 and later(resumed) == later(full)
+    ours, theirs = full.model.state_dict(), resumed.model.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+    attn = resumed.model.model.layers[0].self_attn
+    assert attn.q_proj.fp8_state.tie is attn.k_proj.fp8_state.tie is not None  # shared again
+
+    plain = LlamaForCausalLM.from_pretrained(str(ckpt))  # the float8 keys: unexpected, ignored
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+
+
 def test_refuses_an_optimizer_it_would_orphan(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters())

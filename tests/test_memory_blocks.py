@@ -7,6 +7,7 @@ those of per-layer casts (no shared cast, the float8 weight kept for backward)."
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -180,6 +181,16 @@ def _assert_steps_equal(got, ref):
             assert torch.equal(gs[k], rs[k]), k
 
 
+def _ties(block) -> int:
+    return len(
+        {
+            id(m.fp8_state.tie)
+            for m in block.modules()
+            if isinstance(m, float8kit.Float8Linear) and m.fp8_state.tie is not None
+        }
+    )
+
+
 def _input_scales(block):
     return [m.fp8_scale_input for m in block.modules() if isinstance(m, float8kit.Float8Linear)]
 
@@ -187,25 +198,33 @@ def _input_scales(block):
 @pytest.mark.parametrize("mode", ["none", "policy", "full"])
 def test_delayed_fan_out_shares_one_state_and_cast_bitwise(mode):
     """q/k/v and gate/up tie their DELAYED input state at the first forward (equal initial
-    states, one tensor read) and then share one float8 cast: over steps with
-    precompute_scales (one record per tied state), under activation checkpointing, every
-    grad and every scale buffer is bitwise that of per-layer state and casts."""
+    states, one tensor read) and then share one float8 cast, step after step: over steps
+    with precompute_scales, under activation checkpointing, every grad and every scale
+    buffer is bitwise that of per-layer state and casts."""
     block, forward, _ = hf_block("delayed")
     ref_block = copy.deepcopy(block)
     got = _delayed_steps(block, forward, mode, 3, seed=2)
     ref = _delayed_steps(ref_block, forward, mode, 3, seed=2, tie=False)
     _assert_steps_equal(got, ref)
     attn, mlp = block.self_attn, block.mlp
-    scales = _input_scales(block)
-    assert attn.q_proj.fp8_scale_input is attn.k_proj.fp8_scale_input is attn.v_proj.fp8_scale_input
-    assert mlp.gate_proj.fp8_scale_input is mlp.up_proj.fp8_scale_input
-    assert len({id(s) for s in scales}) == 4  # qkv, o, gate/up, down
-    assert len({id(s) for s in _input_scales(ref_block)}) == 7
-    # precompute_scales: one amax record per tied state (3 operands x 7 layers - 3)
-    from float8kit.precompute import _delayed_contributions
-
-    ((local, _),) = _delayed_contributions(block)
-    assert local.numel() == 18 and _delayed_contributions(ref_block)[0][0].numel() == 21
+    ties = [m.fp8_state.tie for m in block.modules() if isinstance(m, float8kit.Float8Linear)]
+    assert attn.q_proj.fp8_state.tie is attn.k_proj.fp8_state.tie is attn.v_proj.fp8_state.tie
+    assert mlp.gate_proj.fp8_state.tie is mlp.up_proj.fp8_state.tie
+    assert len({id(t) for t in ties if t is not None}) == 2 and ties.count(None) == 2
+    # each layer keeps its own buffers (no tensor under two state_dict keys)
+    assert len({id(s) for s in _input_scales(block)}) == 7
+    # after 3 updates the tied layers still share one float8 copy of their input: 4 input
+    # copies kept for backward (q/k/v's, o's, gate/up's, down's), where per-layer casts keep 7
+    x = torch.randn(2, 64, DIM, dtype=torch.bfloat16, requires_grad=True)
+    for b, n in ((block, 4), (ref_block, 7)):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda t: None):
+            with pytest.MonkeyPatch.context() as m:
+                if b is ref_block:
+                    m.setattr(shared_cast, "source_for", lambda t: None)
+                forward(b, x)
+        copies = {id(t) for t in saved if isinstance(t, float8kit.Float8TrainingTensor)}
+        assert len(copies) == n
     # state_dict: every layer's keys, tied ones with the same values
     sd, ref_sd = block.state_dict(), ref_block.state_dict()
     assert sd.keys() == ref_sd.keys()
@@ -232,9 +251,9 @@ def test_delayed_tie_survives_checkpoints(tmp_path):
     buf.seek(0)
     fresh, _, _ = hf_block("delayed")
     fresh.load_state_dict(torch.load(buf))
-    assert len({id(s) for s in _input_scales(fresh)}) == 7  # untied until it runs
+    assert _ties(fresh) == 0  # untied until it runs
     _assert_steps_equal(_delayed_steps(fresh, forward, "none", 2, seed=4), ref)
-    assert len({id(s) for s in _input_scales(fresh)}) == 4
+    assert _ties(fresh) == 2
 
     dcp.save(block.state_dict(), checkpoint_id=tmp_path)
     fresh, _, _ = hf_block("delayed")
@@ -248,7 +267,7 @@ def test_delayed_tie_survives_checkpoints(tmp_path):
     sd["self_attn.k_proj.fp8_scale_input"] = torch.tensor(0.5)
     block.load_state_dict(sd)
     attn = block.self_attn
-    assert attn.k_proj.fp8_scale_input is not attn.q_proj.fp8_scale_input
+    assert attn.k_proj.fp8_state.tie is None
     assert float(attn.k_proj.fp8_scale_input) == 0.5 != float(attn.q_proj.fp8_scale_input)
 
 
@@ -268,7 +287,7 @@ def test_delayed_layers_with_unequal_state_do_not_tie():
             lin(h)
     fp8 = [t for t in saved if isinstance(t, float8kit.Float8TrainingTensor)]
     assert len(fp8) == 2 and fp8[0] is not fp8[1]
-    assert lins[0].fp8_scale_input is not lins[1].fp8_scale_input
+    assert lins[0].fp8_state.tie is lins[1].fp8_state.tie is None
     assert lins[1].fp8_state.tie_refused[1:] == (
         lins[0].fp8_scale_input._version,
         lins[1].fp8_scale_input._version,
@@ -321,24 +340,39 @@ def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe)
             assert sqnr(b, a) >= 20, f"gradient {i}"
 
 
-def test_delayed_tied_layer_that_reads_another_tensor_is_untied_with_a_warning():
+def test_delayed_tied_layer_that_reads_another_tensor_casts_with_its_own_state():
+    """A tied layer that reads another tensor than the others (theirs still alive) casts it
+    itself, with its own state, and records into its own state: no warning is needed, the
+    others still share one cast, and at the next update the tie keeps only the layers that
+    read the same tensors."""
     lins = [
         float8kit.Float8Linear(DIM, 64, config=Float8LinearConfig.from_recipe_name("delayed"))
         for _ in range(3)
     ]
     x = torch.randn(128, DIM, requires_grad=True)
-    for _ in range(2):  # tie, then a forward as tied: no warning
+    for _ in range(2):  # tie, then a forward as tied
         h = x * 2
         for lin in lins:
             lin(h)
-    assert lins[0].fp8_scale_input is lins[1].fp8_scale_input is lins[2].fp8_scale_input
-    ref = copy.deepcopy(lins[2])  # its own state, as it is now
+        float8kit.precompute_scales(torch.nn.ModuleList(lins))
+    tie = lins[0].fp8_state.tie
+    assert tie is not None and lins[1].fp8_state.tie is tie and lins[2].fp8_state.tie is tie
+    ref = copy.deepcopy(lins[2])  # its own state, as it is now (a copy starts untied)
+    assert ref.fp8_state.tie is None
     h, other = x * 2, x * 3
-    lins[0](h)
-    with pytest.warns(UserWarning, match="now reads another tensor"):
-        out = lins[2](other)
-    assert lins[2].fp8_scale_input is not lins[0].fp8_scale_input
-    assert lins[1].fp8_scale_input is lins[0].fp8_scale_input  # the others stay tied
-    lins[1](h)
-    # untied before it cast: its output is the one its own state gives
-    assert torch.equal(out, ref(other))
+    saved = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            lins[0](h)
+            out = lins[2](other)
+            lins[1](h)
+    copies = {id(t) for t in saved if isinstance(t, float8kit.Float8TrainingTensor)}
+    assert len(copies) == 2  # h's (lins[0] and lins[1]) and other's
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(shared_cast, "source_for", lambda t: None)  # ref: no shared cast, no tie
+        assert torch.equal(out, ref(other))  # its own state's output, and its own record
+    assert torch.equal(lins[2].fp8_amax_input, ref.fp8_amax_input)
+    float8kit.precompute_scales(torch.nn.ModuleList(lins))
+    assert lins[0].fp8_state.tie is lins[1].fp8_state.tie is not None
+    assert lins[2].fp8_state.tie is None
