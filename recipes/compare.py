@@ -365,11 +365,13 @@ def main(argv: list[str] | None = None) -> dict:
     args, train_argv = p.parse_known_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     bad = [m for m in modes if m not in cli.FLOAT8_MODES]
-    if bad or not modes or len(set(modes)) != len(modes):
+    if bad or not modes:
         p.error(
-            f"--modes: unknown or repeated mode(s) {','.join(bad) or args.modes or '(none)'}; "
+            f"--modes: unknown mode(s) {','.join(bad) or '(none)'}; "
             f"choose from {','.join(cli.FLOAT8_MODES)}"
         )
+    if len(set(modes)) != len(modes):
+        p.error(f"--modes {args.modes}: a mode is repeated")
     for dest in PER_RUN:
         flag = "--" + dest.replace("_", "-")
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):

@@ -49,11 +49,12 @@ DEFAULT_THREADS = torch.get_num_threads()
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def run(*args: str) -> float:
-    """Run ``python ARGS`` from the repository root; return its wall time in s."""
+def run(*args: str, env: dict[str, str] | None = None) -> float:
+    """Run ``python ARGS`` from the repository root (``env`` added to the environment);
+    return its wall time in s."""
     t0 = time.perf_counter()
-    print("+ python", " ".join(args), flush=True)
-    subprocess.run([PY, *args], cwd=REPO, env=ENV, check=True)
+    print("+", *[f"{k}={v}" for k, v in (env or {}).items()], "python", " ".join(args), flush=True)
+    subprocess.run([PY, *args], cwd=REPO, env={**ENV, **(env or {})}, check=True)
     return time.perf_counter() - t0
 
 
@@ -106,41 +107,53 @@ MEASURES = {
 # ---------------------------------------------------------------------------- training runs
 
 
-def compare_runs(name: str, argv: list[str], **extra) -> None:
-    """recipes/compare.py with ``argv``; its per-mode summaries, config and wall time."""
+def compare_data(out: Path, argv: list[str]) -> dict:
+    """What numbers/NAME.json keeps of a compare.py run in ``out``: its summary.json, each
+    run's numbers recomputed from its metrics.jsonl (and checked against the summary), the
+    config of its first run."""
     import compare
 
-    out = RUNS / name
-    rel = str(out.relative_to(REPO))
-    wall = run("recipes/compare.py", *argv, "--out", rel, "--overwrite", "--quiet")
     summary = json.loads((out / "summary.json").read_text())
-    modes = summary["modes"]
     # recomputed from the runs' metrics.jsonl: the report's numbers are what the runs logged
-    summaries = {}
-    for run_name in [*modes, *summary["noise_runs"]]:
+    runs = {}
+    for run_name in summary["runs"]:
         lines = (out / run_name / "metrics.jsonl").read_text().splitlines()
-        summaries[run_name] = compare.summarize([json.loads(line) for line in lines])
-    assert summaries == summary["summaries"], "compare.py's summary.json disagrees with its runs"
-    cfg = json.loads((out / modes[0] / "config.json").read_text())
-    data = {
+        runs[run_name] = compare.summarize([json.loads(line) for line in lines])
+    assert runs == summary["runs"], "compare.py's summary.json disagrees with its runs"
+    modes, seeds = summary["modes"], summary["seeds"]
+    assert summary["stats"] == compare.mode_stats(runs, modes, seeds)
+    cfg = json.loads((out / compare.run_name(modes[0], seeds[0]) / "config.json").read_text())
+    return {
         "compare_argv": argv,
-        "modes": modes,
-        "summaries": {m: summaries[m] for m in modes},
-        "noise_runs": {r: summaries[r] for r in summary["noise_runs"]},
-        "noise_pct": summary["noise_pct"],
+        **summary,
         "device": cfg["device"],
         "n_params": cfg["n_params"],
-        "data": cfg["data"],
         "train_args": {
             k: cfg["args"][k] for k in ("preset", "steps", "batch_size", "seq_len", "seed")
         },
-        **extra,
     }
+
+
+def compare_runs(name: str, argv: list[str], env: dict[str, str] | None = None, **extra) -> None:
+    """recipes/compare.py with ``argv`` (``env`` added to its environment); its summary,
+    config and wall time."""
+    out = RUNS / name
+    rel = str(out.relative_to(REPO))
+    wall = run("recipes/compare.py", *argv, "--out", rel, "--overwrite", "--quiet", env=env)
+    data = {**compare_data(out, argv), **extra, **({"env": env} if env else {})}
     if (out / "loss.png").exists():
         (NUMBERS / f"{name}_loss.png").write_bytes((out / "loss.png").read_bytes())
+    cfg = json.loads((out / next(iter(data["runs"])) / "config.json").read_text())
     write(
         name,
-        ["recipes/compare.py", "recipes/train.py", "recipes/model.py", "recipes/data.py"],
+        [
+            "recipes/compare.py",
+            "recipes/train.py",
+            "recipes/cli.py",
+            "recipes/model.py",
+            "recipes/data.py",
+            "recipes/corpus",
+        ],
         data,
         wall,
         threads=cfg["threads"],
@@ -148,7 +161,8 @@ def compare_runs(name: str, argv: list[str], **extra) -> None:
 
 
 def demo() -> None:
-    """`make demo`'s run: the small preset, bf16 vs float8 tensorwise (train.py defaults)."""
+    """`make demo`'s run: the small preset, hp vs float8 tensorwise, 3 seeds each (the
+    defaults; hp = this CPU's hp dtype, FLOAT8KIT_CPU_HP_DTYPE=float32 forces fp32)."""
     compare_runs("demo", ["--preset", "small"])
 
 
@@ -162,6 +176,17 @@ def demo_busy() -> None:
         for b in busy:
             b.kill()
             b.wait()
+
+
+# An AVX2-only CPU (no AVX512-BF16, no AMX; many cloud VMs and laptops), faithfully: oneDNN
+# and ATen's kernels capped at AVX2, so bf16 matmuls are emulated (~48x slower than fp32) and
+# float8kit.versions.cpu_hp_dtype() picks fp32, as on such a machine.
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def demo_avx2() -> None:
+    """`make demo` as an AVX2-only CPU runs it (AVX2_ONLY): hp is fp32 there."""
+    compare_runs("demo_avx2", ["--preset", "small"], env=AVX2_ONLY)
 
 
 def tiny() -> None:
@@ -886,6 +911,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "moe_tiny": moe_tiny,
     "demo": demo,
     "demo_busy": demo_busy,
+    "demo_avx2": demo_avx2,
     "bench_overhead": bench_overhead,
     "bench_comm": bench_comm,
     "bench_linear": bench_linear,
