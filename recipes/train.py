@@ -279,7 +279,7 @@ def hp_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else cpu_hp_dtype()
 
 
-def autocast(device: torch.device, dtype: torch.dtype):
+def autocast(device: torch.device, dtype: torch.dtype = torch.bfloat16):
     """Autocast to ``dtype`` over the fp32 master weights; fp32 is no autocast at all."""
     if dtype == torch.float32:
         return torch.autocast(device.type, enabled=False)
@@ -745,7 +745,7 @@ def activation_bytes(args: argparse.Namespace) -> int:
     x, y = (torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g) for _ in "xy")
     with (
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-        autocast(torch.device("cpu"), torch.bfloat16),
+        autocast(torch.device("cpu"), torch.bfloat16),  # the bytes of a bf16 step
     ):
         model(x, y).backward()
     return sum(seen.values())

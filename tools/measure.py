@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -599,7 +600,8 @@ def qgz() -> None:
 def qgz_train() -> None:
     """recipes/train.py on 2 gloo processes (torchrun), --float8 tensorwise, with and without
     --float8-reduce-scatter, tiny and small presets (their default steps), plus the default
-    run with --seed 1 for the seed noise. Losses and tokens/s as compare.py summarizes them."""
+    run with --seed 1 for the seed noise. Losses as compare.py summarizes them; tokens/s the
+    median after the first 3 steps."""
     import compare
 
     t0 = time.perf_counter()
@@ -628,8 +630,11 @@ def qgz_train() -> None:
                 str(out.relative_to(REPO)),
                 *flags,
             )
-            lines = (out / "metrics.jsonl").read_text().splitlines()
-            runs[name] = compare.summarize([json.loads(line) for line in lines])
+            recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            # compare.py reports no speed (its runs overlap); these run one at a time: the
+            # median tokens/s after the first 3 steps (warm-up)
+            speed = statistics.median(r["tokens_per_s"] for r in recs[3:])
+            runs[name] = {**compare.summarize(recs), "tokens_per_s": speed}
         ref = runs["default"]
         data[preset] = {
             "runs": runs,
@@ -642,8 +647,8 @@ def qgz_train() -> None:
         }
     write(
         "qgz_train",
-        ["recipes/train.py", "recipes/compare.py", "recipes/model.py", "recipes/data.py"]
-        + ["float8kit/distributed/reduce_scatter.py"],
+        ["recipes/train.py", "recipes/cli.py", "recipes/compare.py", "recipes/model.py"]
+        + ["recipes/data.py", "recipes/corpus", "float8kit/distributed/reduce_scatter.py"],
         data,
         time.perf_counter() - t0,
     )

@@ -106,6 +106,11 @@ def compare_table(name: str) -> str:
     import compare  # recipes/compare.py: the report's own renderer (imports no torch)
 
     d = load(name)["data"]
+    if "stats" not in d:
+        raise KeyError(
+            f"numbers/{name}.json predates compare.py's per-seed report (issue 36): "
+            f"re-measure it, python tools/measure.py {name}"
+        )
     a = d["train_args"]
     env = "".join(f"{k}={v} " for k, v in d.get("env", {}).items())
     return (
