@@ -1,5 +1,5 @@
 # Two commands on a fresh machine:
-#   make demo   set up .venv and run the main job (float8 vs bf16 training on CPU)
+#   make demo   set up .venv and run the main job (float8 vs hp training on CPU, 3 seeds each)
 #   make test   set up .venv and run the test suite
 # and for maintainers:
 #   make lint     ruff (pinned in pyproject's dev extra): lint everything, check formatting

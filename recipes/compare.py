@@ -1,39 +1,55 @@
-"""Train the same model on the same data and seed in bf16 and with float8; report the gap.
+"""Train the same model on the same data and seeds in high precision and with float8.
 
-    python recipes/compare.py --preset small --out runs/compare_small   # bf16 vs tensorwise
+    python recipes/compare.py --preset small --out runs/compare_small   # hp vs tensorwise
     python recipes/compare.py --preset small --modes none,tensorwise,rowwise --out runs/cmp3
 
 Every flag compare.py does not know is passed to train.py unchanged (--preset, --steps,
---batch-size, --seq-len, --lr, --seed, --data, --compile, --device, ...); --float8 and --out
-are set per mode. Each run is a train.py process writing OUT/MODE/ (its own config.json and
-metrics.jsonl); on CPU up to one run per core at a time (--jobs), each with train.py's one
-thread, so two modes on two cores take the time of the slower one. Runs are independent
-and single-threaded, so running them side by side changes no loss; tokens/s of runs that
-overlap share the machine's memory bandwidth. Then OUT/report.md (the table printed
-at the end) and OUT/loss.png (loss curves) are written from those metrics.jsonl files, so
-every number in the report can be recomputed from them (with train.py's --monitor N, also
-OUT/monitor.png: each mode's per-layer SQNR at its last sampled step, from MODE/monitor.jsonl):
+--batch-size, --seq-len, --lr, --seed, --data, --hp-dtype, --compile, --device, ...);
+--float8, --seed and --out are set per run. Each mode trains once per seed (--seeds N: seed,
+seed+1, ..., a different init and batch order each), every mode over the same seeds. Each
+run is a train.py process writing OUT/MODE_seedS/ (its own config.json and metrics.jsonl);
+on CPU up to one run per core at a time (--jobs), each with train.py's one thread. Runs
+are independent and single-threaded, so running them side by side changes no loss. Then
+OUT/report.md (the table printed at the end) and OUT/loss.png (loss curves) are written
+from those metrics.jsonl files, so every number in the report can be recomputed from them
+(with train.py's --monitor N, also OUT/monitor.png: each mode's per-layer SQNR at its last
+sampled step, from MODE_seedS/monitor.jsonl of the first seed):
 
-- train loss: mean of the last 10 logged training losses (one batch is noisy);
-- val loss: the val_loss logged at the last step (fixed validation windows, same for all);
-- gap: (mode - bf16) / bf16 in %;
-- tokens/s: median over the steps after the first 3 (those include warm-up and compile);
-- speedup: tokens/s over the bf16 run's tokens/s;
-- bf16 seed noise: the bf16 run again with --noise-seeds other seeds (seed+1, seed+2, ...: a
-  different init and batch order); the largest |gap| of those runs against the bf16 run is the
-  noise band, and each float8 gap is marked inside or outside it. A gap inside the band is
-  no evidence that the mode learns worse or better than bf16.
+- hp: the high-precision dtype every run computes in outside the float8 gemms (train.py
+  --hp-dtype; auto = bf16 on GPUs and on CPUs with native bf16, fp32 on the others, where
+  emulated bf16 runs ~48x slower); the reference mode `none` is "hp (DTYPE)";
+- per run: train loss = mean of the last 10 logged training losses (one batch is noisy);
+  val loss = the val_loss logged at the last step (fixed validation windows, same for all);
+- per mode: the mean and the sample standard deviation (sd) of those over its seeds;
+- gap: (mode mean - hp mean) / hp mean, in %;
+- seed noise: two standard errors of that difference of means, 2 * sqrt(sd_mode^2 / n +
+  sd_hp^2 / n) / hp mean, in % (n seeds per mode);
+- verdict: "within noise" when |gap| <= seed noise (the seeds alone could make that gap:
+  no evidence that the mode learns worse or better than hp), else "worse" or "better".
+  With one seed (--seeds 1) there is no spread and no verdict;
+- float8 layers: how many Linears (and MoE expert weights) the mode converted, and their
+  share of the gemm FLOPs per token (train.py's config.json).
 
-Every line a run prints is prefixed with its run name ([tensorwise], [none_seed1], ...).
-Losses are deterministic on one machine and thread count, but differ in the last digits
-between CPU models (Intel and AMD kernels round differently), so compare runs made on one
-machine. OUT/summary.json holds the report's numbers.
+No speed column: the runs share the machine with each other and with whatever else runs,
+so their tokens/s (in MODE_seedS/metrics.jsonl) measure the load as much as the mode, and
+on a CPU float8 has no hardware to run on and is only slower (the casts are extra passes).
+The float8 speedup is a GPU measurement: benchmarks/bench_train.py, docs/performance.md.
+
+Every line a run prints is prefixed with its run name ([tensorwise_seed0], ...). The
+default data is the corpus shipped in recipes/corpus/ (its sha256 is in the report), so
+losses agree across machines up to the CPU's kernels: they are deterministic on one machine
+and thread count, but differ in the last digits between CPU models (Intel and AMD kernels
+round differently) and between hp dtypes. OUT/summary.json holds the report's numbers.
+loss.png needs matplotlib (the recipes extra); without it compare.py refuses before the
+first run, or skips the plots with --no-plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -43,113 +59,168 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train  # noqa: E402
+import cli  # noqa: E402  (train.py's flags; no torch: --help and usage errors answer at once)
 
 TRAIN_TAIL = 10  # training losses averaged for the "train loss" column
-WARMUP_STEPS = 3  # steps left out of the tokens/s median
+METRICS = ("train_loss", "val_loss")
 
 
 def summarize(records: list[dict]) -> dict:
     """The report's numbers for one run, from its metrics.jsonl records."""
     losses = [r["loss"] for r in records]
     vals = [r["val_loss"] for r in records if "val_loss" in r]
-    speeds = [r["tokens_per_s"] for r in records]
-    steady = speeds[WARMUP_STEPS:] or speeds
     return {
         "steps": records[-1]["step"],
         "train_loss": statistics.fmean(losses[-TRAIN_TAIL:]),
         "val_loss": vals[-1],
-        "tokens_per_s": statistics.median(steady),
     }
 
 
-def gap(x: float, ref: float) -> str:
-    return f"{100 * (x - ref) / ref:+.2f}%"
+def run_name(mode: str, seed: int) -> str:
+    return f"{mode}_seed{seed}"
 
 
-def noise_band(summaries: dict[str, dict], extra: list[str]) -> dict | None:
-    """The bf16 seed noise: the largest |gap| (in %) of the extra bf16 runs against the bf16
-    run, for the train and the val loss. None without extra runs."""
-    ref = summaries.get("none")
-    if not extra or ref is None:
-        return None
-    band = {}
-    for key in ("train_loss", "val_loss"):
-        band[key] = max(abs(100 * (summaries[r][key] - ref[key]) / ref[key]) for r in extra)
-    return band
-
-
-def inside(x: float, ref: float, band: float) -> bool:
-    return abs(100 * (x - ref) / ref) <= band
-
-
-def report_table(summaries: dict[str, dict], modes: list[str], noise: dict | None) -> str:
-    ref = summaries.get("none")
-    header = "| mode | train loss | val loss | train gap vs bf16 | val gap vs bf16 |"
-    if noise:
-        header += " inside bf16 seed noise (train, val) |"
-    rows = [header + " tokens/s | speedup |", "|---" * (header.count("|") + 1) + "|"]
+def mode_stats(runs: dict[str, dict], modes: list[str], seeds: list[int]) -> dict:
+    """Per mode and metric: the values over the seeds (in seed order), their mean and sample
+    standard deviation (None with one seed)."""
+    stats = {}
     for mode in modes:
-        s = summaries[mode]
-        name = "none (bf16)" if mode == "none" else mode
-        tg = gap(s["train_loss"], ref["train_loss"]) if ref else "n/a"
-        vg = gap(s["val_loss"], ref["val_loss"]) if ref else "n/a"
-        sp = f"{s['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "n/a"
-        row = f"| {name} | {s['train_loss']:.4f} | {s['val_loss']:.4f} | {tg} | {vg} |"
-        if noise:
-            verdict = [
-                "yes" if inside(s[k], ref[k], noise[k]) else "no"
-                for k in ("train_loss", "val_loss")
-            ]
-            row += " - |" if mode == "none" else f" {verdict[0]}, {verdict[1]} |"
-        rows.append(row + f" {s['tokens_per_s']:.0f} | {sp} |")
-    if noise:
-        rows.append("")
-        rows.append(
-            f"bf16 seed noise: train {noise['train_loss']:.2f}%, val {noise['val_loss']:.2f}% "
-            "(largest |gap| of the bf16 runs with other seeds)"
-        )
+        stats[mode] = {}
+        for key in METRICS:
+            xs = [runs[run_name(mode, s)][key] for s in seeds]
+            sd = statistics.stdev(xs) if len(xs) > 1 else None
+            stats[mode][key] = {"values": xs, "mean": statistics.fmean(xs), "sd": sd}
+    return stats
+
+
+def verdicts(stats: dict, n: int, ref: str = "none") -> dict:
+    """Per float8 mode and metric: the gap of its mean to the hp mean (%), the seed noise
+    (two standard errors of the difference of the means, % of the hp mean; None with one
+    seed) and the verdict: "within noise" when |gap| <= noise, else "worse" or "better"."""
+    out = {}
+    for mode, by_key in stats.items():
+        if mode == ref:
+            continue
+        out[mode] = {}
+        for key, x in by_key.items():
+            r = stats[ref][key]
+            gap = 100 * (x["mean"] - r["mean"]) / r["mean"]
+            noise = None
+            if x["sd"] is not None:
+                noise = 200 * math.sqrt((x["sd"] ** 2 + r["sd"] ** 2) / n) / r["mean"]
+            if noise is None:
+                word = "n/a (one seed)"
+            elif abs(gap) <= noise:
+                word = "within noise"
+            else:
+                word = "worse" if gap > 0 else "better"
+            out[mode][key] = {"gap_pct": gap, "noise_pct": noise, "verdict": word}
+    return out
+
+
+def coverage_text(c: dict | None) -> str:
+    """config.json's float8_layers in a table cell."""
+    if not c:
+        return "-"
+    text = f"{c['linears']}/{c['linears_total']} Linears"
+    if c["expert_weights_total"]:
+        text += f", {c['expert_weights']}/{c['expert_weights_total']} expert weights"
+    return text + f" ({100 * c['gemm_flops_share']:.1f}% of gemm FLOPs)"
+
+
+def report_table(summary: dict) -> str:
+    """The report's table from summary.json's numbers (tools/publish.py renders the README's
+    copy with this same function)."""
+    stats, verdict, hp = summary["stats"], summary["verdicts"], summary["hp_dtype"]
+    n = len(summary["seeds"])
+    header = [
+        "mode",
+        f"train loss, mean ± sd ({n} seeds)",
+        f"val loss, mean ± sd ({n} seeds)",
+        "train gap vs hp ± seed noise",
+        "val gap vs hp ± seed noise",
+        "verdict (train, val)",
+        "float8 layers",
+    ]
+    rows = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def pm(x: dict) -> str:
+        return f"{x['mean']:.4f}" + ("" if x["sd"] is None else f" ± {x['sd']:.4f}")
+
+    for mode in summary["modes"]:
+        s = stats[mode]
+        cells = [f"none (hp {hp})" if mode == "none" else mode, pm(s["train_loss"])]
+        cells.append(pm(s["val_loss"]))
+        if mode in verdict:
+            v = verdict[mode]
+            for key in METRICS:
+                noise = v[key]["noise_pct"]
+                cells.append(
+                    f"{v[key]['gap_pct']:+.2f}%" + ("" if noise is None else f" ± {noise:.2f}%")
+                )
+            cells.append(", ".join(v[key]["verdict"] for key in METRICS))
+        else:
+            cells += ["-", "-", "-"]
+        cells.append(coverage_text(summary["float8_layers"].get(mode)))
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
-def plot(runs: dict[str, list[dict]], path: Path, title: str) -> None:
+def _smoothed(records: list[dict]) -> list[float]:
+    # Trailing mean over TRAIN_TAIL steps: the table's "train loss" at every step.
+    losses = [r["loss"] for r in records]
+    return [
+        statistics.fmean(losses[max(0, i + 1 - TRAIN_TAIL) : i + 1]) for i in range(len(losses))
+    ]
+
+
+def plot(
+    runs: dict[str, list[dict]], modes: list[str], seeds: list[int], path: Path, title: str, hp: str
+) -> None:
+    """loss.png: each mode's train loss (mean over its seeds, shaded from their min to their
+    max) and val loss; beside it each float8 mode's gap to the hp mean, over the band the hp
+    seeds spread around their own mean."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
     fig, (ax, axg) = plt.subplots(1, 2, figsize=(12, 4.5))
-    smooth = {}
-    for mode, recs in runs.items():
-        steps = [r["step"] for r in recs]
-        losses = [r["loss"] for r in recs]
-        # Trailing mean over TRAIN_TAIL steps, the table's "train loss" at every step.
-        out = [
-            statistics.fmean(losses[max(0, i + 1 - TRAIN_TAIL) : i + 1]) for i in range(len(losses))
+    curves = {}
+    for mode in modes:
+        recs = [runs[run_name(mode, s)] for s in seeds]
+        steps = [r["step"] for r in recs[0]]
+        per_step = list(zip(*map(_smoothed, recs), strict=True))  # [step][seed]
+        mean = [statistics.fmean(v) for v in per_step]
+        curves[mode] = (steps, mean, per_step)
+        label = f"hp ({hp})" if mode == "none" else mode
+        (line,) = ax.plot(steps, mean, label=f"{label} train, mean of {len(seeds)} seeds")
+        if len(seeds) > 1:
+            lo, hi = [min(v) for v in per_step], [max(v) for v in per_step]
+            ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2)
+        val_steps = [r["step"] for r in recs[0] if "val_loss" in r]
+        vals = [
+            statistics.fmean(r["val_loss"] for rs in recs for r in rs if r["step"] == st)
+            for st in val_steps
         ]
-        smooth[mode] = (steps, out)
-        (line,) = ax.plot(steps, out, label=f"{mode} train (mean of last {TRAIN_TAIL})")
-        vs = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
-        ax.plot(*zip(*vs, strict=True), "o--", color=line.get_color(), label=f"{mode} val")
+        ax.plot(val_steps, vals, "o--", color=line.get_color(), label=f"{label} val, mean")
     # Clip the first 10% of steps' steep drop so the late-training gaps are visible.
-    tops = [y[len(y) // 10] for _, y in smooth.values()]
-    ax.set_ylim(top=max(tops) + 0.05 * (max(tops) - min(min(y) for _, y in smooth.values())))
+    tops = [y[len(y) // 10] for _, y, _ in curves.values()]
+    bottom = min(min(y) for _, y, _ in curves.values())
+    ax.set_ylim(top=max(tops) + 0.05 * (max(tops) - bottom))
     ax.set(xlabel="step", ylabel="loss (nats/byte)", title=title)
     ax.legend()
-    if "none" in smooth:
-        steps, ref = smooth["none"]
-        seeds = [m for m in smooth if m.startswith("none_seed")]
-        if seeds:  # the bf16 runs with other seeds: the band a gap must leave to mean anything
-            gaps = [
-                [100 * (a - b) / b for a, b in zip(smooth[m][1], ref, strict=True)] for m in seeds
-            ]
-            lo, hi = (list(map(fn, zip(*gaps, strict=True))) for fn in (min, max))
-            axg.fill_between(steps, lo, hi, color="gray", alpha=0.3, label="bf16 other seeds")
-        for mode, (s, y) in smooth.items():
-            if mode != "none" and mode not in seeds:
+    if "none" in curves:
+        steps, ref, ref_seeds = curves["none"]
+        if len(seeds) > 1:  # how far the hp seeds alone spread around their mean
+            lo = [100 * (min(v) - m) / m for v, m in zip(ref_seeds, ref, strict=True)]
+            hi = [100 * (max(v) - m) / m for v, m in zip(ref_seeds, ref, strict=True)]
+            axg.fill_between(steps, lo, hi, color="gray", alpha=0.3, label="hp seeds vs their mean")
+        for mode, (s, y, _) in curves.items():
+            if mode != "none":
                 axg.plot(s, [100 * (a - b) / b for a, b in zip(y, ref, strict=True)], label=mode)
         axg.axhline(0, color="gray", lw=0.8)
-        axg.set(xlabel="step", ylabel="train loss gap vs bf16 (%)", title="float8 - bf16")
+        axg.set(xlabel="step", ylabel="train loss gap vs hp mean (%)", title=f"float8 - hp ({hp})")
         axg.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -230,13 +301,13 @@ def run_modes(runs: dict[str, list[str]], out: Path, jobs: int) -> None:
                 sys.exit(f"compare.py: the {name} run failed (exit {proc.returncode})")
 
 
-# train.py's flags that compare.py sets per run
+# train.py's flags that compare.py sets per run (and --seed, passed through: the first seed)
 PER_RUN = ("float8", "out", "resume", "checkpoint_every", "overwrite", "memory")
 
 
 def passthrough_help() -> str:
     """--help text for the train.py flags compare.py passes through."""
-    tp = train.build_parser()
+    tp = cli.build_parser()
     fmt = tp._get_formatter()
     fmt.start_section("passed to train.py unchanged (train.py --help)")
     fmt.add_arguments(
@@ -246,19 +317,32 @@ def passthrough_help() -> str:
     return fmt.format_help()
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict]:
-    p = train._Parser(
+def missing_extras(plots: bool) -> list[str]:
+    """The recipes extra's packages this comparison needs and this Python lacks: tqdm (every
+    train.py run), matplotlib (loss.png, unless --no-plot)."""
+    need = ["tqdm"] + (["matplotlib"] if plots else [])
+    return [m for m in need if importlib.util.find_spec(m) is None]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = cli.Parser(
         prog="compare.py",
         description=__doc__.split("\n")[0],
         epilog=passthrough_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    # rowwise is opt-in: it is the slowest mode on CPU, and every mode is one more full run
-    # of the demo (numbers/tiny.json has the per-mode tokens/s).
+    # rowwise is opt-in: it is the slowest mode on CPU, and every mode is --seeds more runs.
     p.add_argument(
         "--modes",
         default="none,tensorwise",
-        help="comma-separated --float8 modes to run; 'none' is the bf16 reference",
+        help="comma-separated --float8 modes to run; 'none' is the hp reference",
+    )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=3,
+        help="runs per mode, with seeds --seed .. --seed+N-1 (the same for every mode); the "
+        "seed noise and the verdict need >= 2 (default 3)",
     )
     p.add_argument(
         "--out",
@@ -268,97 +352,123 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     )
     p.add_argument("--overwrite", action="store_true", help="replace the comparison in --out")
     p.add_argument(
-        "--noise-seeds",
-        type=int,
-        default=2,
-        help="extra bf16 runs with seeds seed+1 .. seed+N, for the noise band (0 = none)",
-    )
-    p.add_argument(
         "--jobs",
         type=int,
         default=0,
         help="runs at a time (default 0 = one per CPU core on CPU, 1 on a GPU)",
     )
+    p.add_argument(
+        "--no-plot",
+        action="store_true",
+        help="write no loss.png / monitor.png (then matplotlib is not needed)",
+    )
     args, train_argv = p.parse_known_args(argv)
     modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in modes if m not in train.FLOAT8_MODES]
+    bad = [m for m in modes if m not in cli.FLOAT8_MODES]
     if bad or not modes:
         p.error(
             f"--modes: unknown mode(s) {','.join(bad) or '(none)'}; "
-            f"choose from {','.join(train.FLOAT8_MODES)}"
+            f"choose from {','.join(cli.FLOAT8_MODES)}"
         )
+    if len(set(modes)) != len(modes):
+        p.error(f"--modes {args.modes}: a mode is repeated")
     for dest in PER_RUN:
         flag = "--" + dest.replace("_", "-")
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):
             p.error(f"{flag} is set by compare.py per run; leave it out")
-    if args.jobs < 0 or args.noise_seeds < 0:
-        p.error("--jobs and --noise-seeds must be >= 0")
-    base = train.parse_args(train_argv)  # validates the shared flags once, up front
+    if args.jobs < 0 or args.seeds < 1:
+        p.error("--jobs must be >= 0 and --seeds >= 1")
+    base = cli.parse_args(train_argv)  # validates the shared flags once, up front
+    missing = missing_extras(not args.no_plot)
+    if missing:  # before the first run, not after all of them
+        p.error(
+            f"{', '.join(missing)} not installed: the recipes need their extra: "
+            'pip install -e ".[recipes]"'
+            + (" (or pass --no-plot to skip loss.png)" if missing == ["matplotlib"] else "")
+        )
     out = Path(args.out or f"runs/compare_{base.preset}")
     if (out / "summary.json").exists() or (out / "report.md").exists():
         if not args.overwrite:
             p.error(f"--out {out} already holds a comparison: pass --overwrite, or another --out")
-    out.mkdir(parents=True, exist_ok=True)
 
-    on_gpu = base.device == "cuda" or (base.device == "auto" and train.torch.cuda.is_available())
+    import torch  # only now: --help and usage errors above never wait for it
+
+    on_gpu = base.device == "cuda" or (base.device == "auto" and torch.cuda.is_available())
     jobs = args.jobs or (1 if on_gpu else os.cpu_count() or 1)
-    # the seed flag goes last: argparse keeps the last value given
-    extra = (
-        [f"none_seed{base.seed + i}" for i in range(1, args.noise_seeds + 1)]
-        if "none" in modes
-        else []
-    )
-    runs_argv = {m: [*train_argv, "--float8", m] for m in modes}
-    for name in extra:
-        runs_argv[name] = [
-            *train_argv,
-            "--float8",
-            "none",
-            "--seed",
-            name.removeprefix("none_seed"),
-        ]
-
+    seeds = [base.seed + i for i in range(args.seeds)]
+    # Seed-major, float8 modes before hp within a seed: the runs that overlap on the machine
+    # are the modes of one seed, and the slower float8 runs start first (on 2 cores the last
+    # run left alone is then a short hp one).
+    order = sorted(modes, key=lambda m: m == "none")
+    runs_argv = {
+        run_name(m, s): [*train_argv, "--float8", m, "--seed", str(s)] for s in seeds for m in order
+    }
+    out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     run_modes(runs_argv, out, jobs)
     wall = time.perf_counter() - t0
-    runs = {}
+    records, configs = {}, {}
     for name in runs_argv:
         path = out / name / "metrics.jsonl"
-        runs[name] = [json.loads(line) for line in path.read_text().splitlines()]
-
-    summaries = {m: summarize(r) for m, r in runs.items()}
-    noise = noise_band(summaries, extra)
-    cfg = json.loads((out / modes[0] / "config.json").read_text())
-    table = report_table(summaries, modes, noise)
+        records[name] = [json.loads(line) for line in path.read_text().splitlines()]
+        configs[name] = json.loads((out / name / "config.json").read_text())
+    cfg = configs[run_name(modes[0], seeds[0])]
+    runs = {name: summarize(r) for name, r in records.items()}
+    stats = mode_stats(runs, modes, seeds)
+    summary = {
+        "modes": modes,
+        "seeds": seeds,
+        "hp_dtype": cfg["hp_dtype"],
+        "runs": runs,
+        "stats": stats,
+        "verdicts": verdicts(stats, len(seeds)) if "none" in modes else {},
+        "float8_layers": {
+            m: configs[run_name(m, seeds[0])]["float8_layers"] for m in modes if m != "none"
+        },
+        "data": cfg["data"],
+    }
+    table = report_table(summary)
     cmd = argv if argv is not None else sys.argv[1:]
     title = f"{base.preset}: {base.steps} steps, batch {base.batch_size} x {base.seq_len} bytes"
     data = cfg["data"]
     text = "\n".join(
         [
-            f"# float8 vs bf16: {title}",
+            f"# float8 vs hp ({cfg['hp_dtype']}): {title}",
             "",
             table,
             "",
             f"- command: `python recipes/compare.py {' '.join(cmd)}`",
-            f"- device: {cfg['device']}, torch {cfg['torch']}, float8kit {cfg['float8kit']}, "
-            f"{cfg['n_params']:,} params, seed {base.seed}",
-            f"- data: {data['source']} ({data['files']} files, {data['bytes']:,} bytes, "
-            f"sha256 {data['sha256'][:16]})",
-            f"- train loss = mean of the last {TRAIN_TAIL} steps; val loss = at the last step; "
-            f"tokens/s = median after the first {WARMUP_STEPS} steps; wall time {wall:.0f} s",
-            "- per-step numbers: MODE/metrics.jsonl; curves: loss.png",
+            f"- device: {cfg['device']}, hp dtype {cfg['hp_dtype']}, torch {cfg['torch']}, "
+            f"float8kit {cfg['float8kit']}, {cfg['n_params']:,} params, seeds "
+            f"{', '.join(map(str, seeds))} for every mode",
+            f"- data: {data['source']} ({data['files']} files, {data['bytes']:,} bytes), "
+            f"sha256 {data['sha256']}",
+            f"- train loss = mean of the last {TRAIN_TAIL} steps of a run; val loss = at its "
+            "last step; mean ± sd over the seeds; seed noise = 2 standard errors of the "
+            "difference of the means; verdict: within noise when |gap| <= seed noise, else "
+            "worse or better (compare.py's docstring)",
+            "- speed: not compared (runs overlap and meet different load; on a CPU float8 has "
+            "no hardware and is only slower): benchmarks/bench_train.py measures it on a GPU",
+            f"- wall time {wall:.0f} s; per-step numbers: MODE_seedS/metrics.jsonl"
+            + ("" if args.no_plot else "; curves: loss.png"),
             "",
         ]
     )
     (out / "report.md").write_text(text)
-    summary = {"modes": modes, "summaries": summaries, "noise_runs": extra, "noise_pct": noise}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot(runs, out / "loss.png", title)
-    if plot_monitor(out, modes, out / "monitor.png"):  # train.py --monitor N was passed
-        with (out / "report.md").open("a") as f:
-            f.write("- per-layer SQNR (--monitor): MODE/monitor.jsonl; plot: monitor.png\n")
-    print(f"\n{table}\n\nwrote {out / 'report.md'} and {out / 'loss.png'} ({wall:.0f} s)")
-    return summaries
+    wrote = [out / "report.md"]
+    if not args.no_plot:
+        plot(records, modes, seeds, out / "loss.png", title, cfg["hp_dtype"])
+        wrote.append(out / "loss.png")
+        first = [run_name(m, seeds[0]) for m in modes]
+        if plot_monitor(out, first, out / "monitor.png"):  # train.py --monitor N was passed
+            with (out / "report.md").open("a") as f:
+                f.write(
+                    "- per-layer SQNR (--monitor): MODE_seedS/monitor.jsonl; plot: monitor.png\n"
+                )
+            wrote.append(out / "monitor.png")
+    print(f"\n{table}\n\nwrote {' and '.join(map(str, wrote))} ({wall:.0f} s)")
+    return summary
 
 
 if __name__ == "__main__":

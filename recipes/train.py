@@ -1,4 +1,4 @@
-"""Train a small Llama-style byte-level model in bf16, or with float8 linears via float8kit.
+"""Train a small Llama-style byte-level model in high precision, or with float8 linears.
 
 One process (CPU or one GPU):
 
@@ -35,11 +35,14 @@ and never changes the training losses. On CPU each process uses --threads intra-
 
 The float8 part of this file is three statements tagged with a "float8" comment (import,
 convert, precompute_scales), plus the optional monitor: without them what is left is the
-bf16 baseline. Under FSDP2, --float8-reduce-scatter adds a fourth, opt-in one: the
+hp baseline. Under FSDP2, --float8-reduce-scatter adds a fourth, opt-in one: the
 gradients' reduce-scatter in float8.
-Everything else runs the same in both modes: bf16 autocast over fp32 master weights; the
-lm head (`output`), MoE routers, norms, attention and the loss stay in hp; only the Linear
-gemms inside the blocks (and the MoE experts' grouped gemms) change.
+Everything else runs the same in both modes: autocast to the hp dtype over fp32 master
+weights (--hp-dtype: bf16 on GPUs and on CPUs with native bf16, fp32 elsewhere; said on the
+console and in config.json); the lm head (`output`), MoE routers, norms, attention and the
+loss stay in hp; only the Linear gemms inside the blocks (and the MoE experts' grouped gemms)
+change. A float8 run says how many layers went float8 and which share of the gemm FLOPs
+they carry (console, config.json), and refuses to run with none.
 """
 
 from __future__ import annotations
@@ -56,231 +59,36 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+# Run from a checkout without `pip install`: float8kit sits next to recipes/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli import FLOAT8_MODES, PRESET_DEFAULTS, build_parser, parse_args  # noqa: E402, F401
+
+if __name__ == "__main__":
+    # --help and usage errors answer before torch is imported (seconds, tens of them on a
+    # busy machine); main() parses again, which costs nothing.
+    parse_args()
 
 try:
     from tqdm import tqdm
 except ImportError:  # `pip install -e .` installs the library (torch only), not the recipes' needs
     sys.exit("train.py: error: the recipes need their extra: pip install -e '.[recipes]'")
 
-# Run from a checkout without `pip install`: float8kit sits next to recipes/.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from data import get_batch, load_corpus  # noqa: E402
-from model import PRESETS, ModelArgs, Transformer, tp_plan  # noqa: E402
+from model import ModelArgs, Transformer, tp_plan  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 import float8kit  # noqa: E402  # float8
+from float8kit.versions import CPU_HP_DTYPE_ENV, cpu_hp_dtype  # noqa: E402
 
-FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"]
-# Per-preset defaults for the flags left unset: tiny steps in ~0.1 s on one CPU core, small
-# makes compare.py a few-minute demo on 2 cores; 1b and llama3-8b-4l are for GPUs.
-PRESET_DEFAULTS = {
-    "tiny": dict(batch_size=8, seq_len=128, lr=3e-3, steps=60),
-    "small": dict(batch_size=16, seq_len=128, lr=2e-3, steps=150),
-    "moe-tiny": dict(batch_size=8, seq_len=128, lr=3e-3, steps=40),
-    "1b": dict(batch_size=8, seq_len=2048, lr=3e-4, steps=100),
-    "llama3-8b-4l": dict(batch_size=8, seq_len=4096, lr=3e-4, steps=50),
-}
 VAL_SEED = 1234  # the validation windows are the same for every run, whatever --seed says
 
 
 class UsageError(Exception):
     """Bad input: main() prints it as one line and exits 2, without a traceback."""
-
-
-# ----------------------------------------------------------------------------
-# command line
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line instead of argparse's usage block
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _preset_default(key: str) -> str:
-    """``--help`` text of a flag whose default depends on the preset."""
-    return "default: " + ", ".join(f"{name} {d[key]}" for name, d in PRESET_DEFAULTS.items())
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--preset",
-        default="tiny",
-        choices=list(PRESETS),
-        help="model size (recipes/model.py); also picks the defaults below",
-    )
-    p.add_argument(
-        "--float8",
-        default="none",
-        choices=FLOAT8_MODES,
-        help="float8kit recipe for the block Linears (MoE experts: rowwise grouped gemms in "
-        "every float8 mode); none = the bf16 baseline",
-    )
-    p.add_argument("--steps", type=int, help=f"optimizer steps ({_preset_default('steps')})")
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        help="global batch in sequences, split evenly over ranks "
-        f"({_preset_default('batch_size')})",
-    )
-    p.add_argument(
-        "--seq-len", type=int, help=f"tokens (bytes) per sequence ({_preset_default('seq_len')})"
-    )
-    p.add_argument("--lr", type=float, help=f"peak learning rate ({_preset_default('lr')})")
-    p.add_argument("--warmup", type=int, help="linear warmup steps (default: 10%% of --steps)")
-    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument(
-        "--float8-reduce-scatter",
-        action="store_true",
-        help="FSDP2 only: send the gradient reduce-scatter as blockwise e4m3 over one "
-        "all-to-all, summed in fp32 on arrival (qgZ: one byte per gradient plus one fp32 "
-        "scale per 128, instead of four bytes)",
-    )
-    p.add_argument(
-        "--tp",
-        type=int,
-        default=1,
-        help="tensor-parallel degree (with sequence parallel; model.tp_plan); FSDP2 shards "
-        "over the remaining WORLD_SIZE / TP ranks",
-    )
-    p.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="auto = cuda when available, else cpu",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="CPU intra-op threads per process (0 = torch's default, one per core). "
-        "1 by default: these models are too small to gain from more, and "
-        "threads that wait on busy cores slow a step down many times",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seeds the init and the batch sampler")
-    p.add_argument("--out", help="output folder (default runs/PRESET_FLOAT8)")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the run already in --out (its metrics, config and checkpoints); "
-        "without it such an --out is refused",
-    )
-    p.add_argument(
-        "--filter-fqns",
-        default="output,router",
-        metavar="A,B",
-        help="comma-separated module-name substrings kept in hp (torchtitan's "
-        "filter_fqns); every other Linear goes through float8kit's default filter for the "
-        "recipe (dims multiples of 16, of 128 for blockwise). Default: output,router",
-    )
-    p.add_argument(
-        "--filter",
-        choices=["default", "auto"],
-        default="default",
-        help="which Linears (after --filter-fqns) go float8: default = float8kit's default "
-        "filter (aligned dims); auto = float8kit.auto_module_filter, only those the roofline "
-        "model predicts faster in float8 on --filter-device at this run's tokens per step "
-        "and data-parallel rank (docs/performance.md)",
-    )
-    p.add_argument(
-        "--filter-device",
-        default="h100",
-        choices=["h100", "h200", "b200"],
-        help="the GPU --filter auto predicts for (default h100)",
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        help="save a dcp checkpoint every N steps and at the end (0 = never)",
-    )
-    p.add_argument(
-        "--resume",
-        metavar="DIR",
-        help="continue from a checkpoint folder, or a run's --out (its latest "
-        "complete one); its manifest must verify",
-    )
-    p.add_argument(
-        "--data",
-        metavar="PATH",
-        help="a text file or folder to train on (default: the stdlib's .py files)",
-    )
-    p.add_argument(
-        "--eval-every",
-        type=int,
-        default=50,
-        help="log val_loss every N steps and at the last step (0 = only the last)",
-    )
-    p.add_argument(
-        "--eval-batches",
-        type=int,
-        default=8,
-        help="validation batches of --batch-size sequences per evaluation",
-    )
-    p.add_argument(
-        "--log-every",
-        type=int,
-        default=10,
-        help="when stderr is not a terminal: print a progress line every N steps "
-        "(a terminal gets a progress bar)",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bar or progress lines")
-    p.add_argument(
-        "--monitor",
-        "--monitor-every",  # under torchrun: its own parser takes --monitor for --monitor-interval
-        dest="monitor",
-        type=int,
-        default=0,
-        metavar="N",
-        help="float8kit.Float8Monitor: every N steps, each float8 layer's SQNR against fp32, "
-        "saturation and underflow, into OUT/monitor.jsonl (docs/monitor.md); 0 = off. "
-        "FSDP2 then all-gathers weights in bf16 (the monitor needs the hp weight). Under "
-        "torchrun spell it --monitor-every (torchrun reads --monitor as its --monitor-interval)",
-    )
-    p.add_argument(
-        "--recompute-norms",
-        action="store_true",
-        help="recompute the RMSNorms in backward (float8kit.recompute_norms): less activation "
-        "memory, bitwise the same gradients",
-    )
-    p.add_argument(
-        "--memory",
-        action="store_true",
-        help="print the activation bytes one forward of this model and batch keeps for "
-        "backward, in bf16 and in the chosen float8 recipe (every recipe when none), with "
-        "and without recomputed norms, and exit",
-    )
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
-    args = p.parse_args(argv)
-    for k, v in PRESET_DEFAULTS[args.preset].items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
-    if args.warmup is None:
-        args.warmup = max(1, args.steps // 10)
-    if args.out is None:
-        args.out = f"runs/{args.preset}_{args.float8}"
-    for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every", "tp"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("warmup", "eval_every", "checkpoint_every", "threads", "monitor"):
-        if getattr(args, flag) < 0:
-            p.error(f"--{flag.replace('_', '-')} must be >= 0")
-    if args.lr <= 0:
-        p.error("--lr must be > 0")
-    if args.monitor and args.tp > 1:
-        p.error("--monitor does not support --tp > 1 (tensor-parallel weights are sharded)")
-    return args
 
 
 # ----------------------------------------------------------------------------
@@ -404,9 +212,9 @@ def build_model(
             # torch's styles.
             float8_styles = args.float8 not in ("none", "delayed", "blockwise")
             parallelize_module(model, mesh["tp"], tp_plan(model, float8_styles))
-        # bf16 compute weights, fp32 gradient reduction: the same dtypes autocast gives the
+        # hp compute weights, fp32 gradient reduction: the same dtypes autocast gives the
         # single-process run, so 1 and N processes train the same model.
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=hp_dtype(args, device), reduce_dtype=torch.float32)
         if dp > 1:
             for block in model.layers:
                 fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
@@ -414,6 +222,44 @@ def build_model(
             if args.float8_reduce_scatter:  # opt-in: float8 gradient reduce-scatter (qgZ)
                 float8kit.enable_float8_reduce_scatter(model)
     return model
+
+
+def float8_coverage(model: torch.nn.Module) -> dict:
+    """How much of the model runs float8: the Linears converted out of all of them (the lm
+    head included), the MoE expert weights converted, and the share of the gemm FLOPs per
+    token they carry (a Linear in x out multiply-adds; an expert weight top_k x in x out, as
+    each token visits top_k experts). Attention's SDPA and the loss are not counted."""
+    linears = fp8_linears = experts = fp8_experts = 0
+    flops = fp8_flops = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            is_fp8 = isinstance(mod, float8kit.Float8Linear)
+            linears, fp8_linears = linears + 1, fp8_linears + is_fp8
+            flops += mod.in_features * mod.out_features
+            fp8_flops += is_fp8 * mod.in_features * mod.out_features
+        elif hasattr(mod, "top_k") and hasattr(mod, "w1"):  # model.MoEFeedForward
+            for w in (mod.w1, mod.w2, mod.w3):
+                local = getattr(w, "_local_tensor", w)  # under FSDP2 a DTensor
+                is_fp8 = isinstance(w, float8kit.Float8ExpertWeight) or isinstance(
+                    local, float8kit.Float8ExpertWeight
+                )
+                experts, fp8_experts = experts + 1, fp8_experts + is_fp8
+                n = mod.top_k * w.shape[-2] * w.shape[-1]
+                flops, fp8_flops = flops + n, fp8_flops + is_fp8 * n
+    return {
+        "linears": fp8_linears,
+        "linears_total": linears,
+        "expert_weights": fp8_experts,
+        "expert_weights_total": experts,
+        "gemm_flops_share": fp8_flops / flops if flops else 0.0,
+    }
+
+
+def describe_coverage(c: dict) -> str:
+    text = f"{c['linears']} of {c['linears_total']} Linears"
+    if c["expert_weights_total"]:
+        text += f", {c['expert_weights']} of {c['expert_weights_total']} expert weights"
+    return text + f", {100 * c['gemm_flops_share']:.1f}% of the gemm FLOPs"
 
 
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
@@ -424,8 +270,20 @@ def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 
-def autocast(device: torch.device):
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+def hp_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
+    """The dtype the hp parts compute in (--hp-dtype). auto: bf16 on a GPU; on a CPU
+    float8kit.versions.cpu_hp_dtype(), bf16 where the CPU has it natively, else fp32 (an
+    emulated bf16 matmul runs ~48x slower than fp32; FLOAT8KIT_CPU_HP_DTYPE overrides)."""
+    if args.hp_dtype != "auto":
+        return getattr(torch, args.hp_dtype)
+    return torch.bfloat16 if device.type == "cuda" else cpu_hp_dtype()
+
+
+def autocast(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Autocast to ``dtype`` over the fp32 master weights; fp32 is no autocast at all."""
+    if dtype == torch.float32:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -606,7 +464,7 @@ def evaluate(model, fwd, val: torch.Tensor, args, device, rank: int, world_size:
     try:
         for _ in range(args.eval_batches):
             x, y = get_batch(val, args.batch_size, args.seq_len, gen, *data_shard(rank, args))
-            with autocast(device):
+            with autocast(device, hp_dtype(args, device)):
                 total += fwd(x.to(device), y.to(device)).float()
     finally:
         model.train()
@@ -678,12 +536,39 @@ def train(args: argparse.Namespace) -> list[dict]:
             f"of {corpus.source} has {shortest} bytes"
         )
     print0(corpus.describe())
+    dtype = hp_dtype(args, device)
+    if args.hp_dtype != "auto":
+        how = "--hp-dtype"
+    elif device.type == "cuda":
+        how = "auto: a GPU"
+    elif os.environ.get(CPU_HP_DTYPE_ENV):
+        how = f"auto: {CPU_HP_DTYPE_ENV}={os.environ[CPU_HP_DTYPE_ENV]}"
+    else:
+        native = dtype == torch.bfloat16
+        how = f"auto: this CPU {'has' if native else 'has no'} native bf16"
+    print0(f"hp dtype: {str(dtype).removeprefix('torch.')} ({how})")
     try:
         model, fp8_all_gather = setup_model(args, device, world_size)
     except (ValueError, KeyError, NotImplementedError) as e:
         if args.float8 == "none":
             raise
         raise UsageError(f"--float8 {args.float8}: {e}") from None  # e.g. a recipe not built yet
+    coverage = float8_coverage(model)
+    if args.float8 != "none":
+        if not coverage["linears"] and not coverage["expert_weights"]:
+            # a run labelled float8 that is the hp baseline would mislead every comparison
+            why = (
+                "--filter auto predicts none of them faster in float8 on "
+                f"--filter-device {args.filter_device} at this run's tokens per step"
+                if args.filter == "auto"
+                else "the filter (--filter-fqns, float8kit's default dims check) keeps all in hp"
+            )
+            raise UsageError(
+                f"--float8 {args.float8}: no layer runs float8 ({describe_coverage(coverage)}"
+                f"): {why}. Use --filter default, fewer --filter-fqns, a preset with larger "
+                "layers (or more tokens per step for --filter auto), or --float8 none"
+            )
+        print0(f"float8 ({args.float8}): {describe_coverage(coverage)}")
     # Decay matrices only: norms' gains (and nothing else here) are left alone, as in nanoGPT.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
@@ -697,7 +582,10 @@ def train(args: argparse.Namespace) -> list[dict]:
     )
     gen = torch.Generator().manual_seed(args.seed)  # the whole data state of a run
     # Not world_size: batches are drawn globally, so a run may resume on more or fewer ranks.
-    meta = {k: getattr(args, k) for k in RESUME_KEYS} | {"data_sha256": corpus.sha256}
+    meta = {k: getattr(args, k) for k in RESUME_KEYS} | {
+        "data_sha256": corpus.sha256,
+        "hp_dtype": str(dtype).removeprefix("torch."),
+    }
     start = 0
     if args.resume:
         ckpt = find_checkpoint(args.resume)
@@ -728,6 +616,8 @@ def train(args: argparse.Namespace) -> list[dict]:
             "model": asdict(model.args),
             "world_size": world_size,
             "fsdp_float8_all_gather": fp8_all_gather,
+            "hp_dtype": str(dtype).removeprefix("torch."),
+            "float8_layers": coverage,
             "device": str(device),
             "torch": torch.__version__,
             "float8kit": getattr(float8kit, "__version__", "?"),
@@ -771,7 +661,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         for group in optimizer.param_groups:
             group["lr"] = lr
         x, y = get_batch(corpus.train, args.batch_size, args.seq_len, gen, *data_shard(rank, args))
-        with autocast(device):
+        with autocast(device, dtype):
             loss = fwd(x.to(device), y.to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -853,7 +743,10 @@ def activation_bytes(args: argparse.Namespace) -> int:
 
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, 256, (args.batch_size, args.seq_len), generator=g) for _ in "xy")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(torch.device("cpu")):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        autocast(torch.device("cpu"), torch.bfloat16),  # the bytes of a bf16 step
+    ):
         model(x, y).backward()
     return sum(seen.values())
 

@@ -70,9 +70,10 @@ def test_demo_on_a_busy_machine_learns_the_same():
         json.loads((REPO / "numbers" / f"{n}.json").read_text()) for n in ("demo", "demo_busy")
     )
     assert busy["data"]["busy_processes"] == 2 and busy["threads"] == idle["threads"]
-    for mode, s in idle["data"]["summaries"].items():
-        got = busy["data"]["summaries"][mode]
-        assert (got["train_loss"], got["val_loss"]) == (s["train_loss"], s["val_loss"]), mode
+    assert busy["data"]["hp_dtype"] == idle["data"]["hp_dtype"]
+    for run, s in idle["data"]["runs"].items():  # every mode, every seed
+        got = busy["data"]["runs"][run]
+        assert (got["train_loss"], got["val_loss"]) == (s["train_loss"], s["val_loss"]), run
 
 
 @needs_git

@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 sys.path.insert(0, str(RECIPES))
+import data  # noqa: E402
 import train  # noqa: E402
 
 from tests.helpers import run_train  # noqa: E402
@@ -316,77 +317,122 @@ def test_torchrun_usage_error_is_said_once(tmp_path):
 # compare.py: report.md and loss.png, numbers recomputable from metrics.jsonl
 
 
-def test_compare_report_matches_metrics(tmp_path):
+def tiny_gemm_flops_share() -> float:
+    """The tiny preset's float8 share of the Linear gemm FLOPs per token, from its shapes:
+    every block Linear converts, the lm head (dim x vocab) stays hp."""
+    from model import ModelArgs
+
+    a = ModelArgs.from_name("tiny")
+    kv = a.n_kv_heads * a.dim // a.n_heads
+    block = 2 * a.dim * a.dim + 2 * a.dim * kv + 3 * a.dim * a.ffn_hidden
+    head = a.dim * a.vocab_size
+    return a.n_layers * block / (a.n_layers * block + head)
+
+
+def test_compare_report_matches_metrics(tmp_path, monkeypatch):
+    # fp32 hp (what a CPU without native bf16 runs), every mode over the same 2 seeds
     out = tmp_path / "cmp"
-    r = run_script(
-        str(RECIPES / "compare.py"),
-        "--preset",
-        "tiny",
-        "--steps",
-        "14",
-        "--eval-every",
-        "7",
-        "--modes",
-        "none,tensorwise",
-        "--noise-seeds",
-        "2",
-        "--out",
-        str(out),
-        "--quiet",
+    argv = ["--preset", "tiny", "--steps", "14", "--eval-every", "7", "--seeds", "2"]
+    r = subprocess.run(
+        [sys.executable, str(RECIPES / "compare.py"), *argv, "--out", str(out), "--quiet"],
+        cwd=ROOT,
+        env={**ENV, "FLOAT8KIT_CPU_HP_DTYPE": "float32"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    # every line of a run carries its name; the extra bf16 seeds ran
-    assert "[tensorwise] wrote" in r.stdout and "[none_seed2] wrote" in r.stdout
+    # every line of a run carries its name; every mode ran every seed
+    for run in ("none_seed0", "none_seed1", "tensorwise_seed0", "tensorwise_seed1"):
+        assert f"[{run}] wrote" in r.stdout, run
+        cfg = json.loads((out / run / "config.json").read_text())
+        assert cfg["hp_dtype"] == "float32" and cfg["args"]["seed"] == int(run[-1])
+    assert "[tensorwise_seed0] hp dtype: float32 (auto: FLOAT8KIT_CPU_HP_DTYPE=float32)" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["noise_runs"] == ["none_seed1", "none_seed2"]
+    assert summary["seeds"] == [0, 1] and summary["hp_dtype"] == "float32"
     png = (out / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     report = (out / "report.md").read_text()
     assert "| tensorwise |" in r.stdout  # the table is printed at the end
+    assert "# float8 vs hp (float32)" in report and "hp dtype float32" in report
+    assert f"sha256 {data.DEFAULT_SHA256}" in report  # the corpus, in full
+    assert "tokens/s" not in report and "speedup" not in report  # no unpaired speed figure
     rows = {}
     for line in report.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if cells[0] in ("none (bf16)", "tensorwise"):
+        if cells[0] in ("none (hp float32)", "tensorwise"):
             rows[cells[0].split()[0]] = cells
     assert rows.keys() == {"none", "tensorwise"}
-    ref = {}
-    for mode, cells in rows.items():
-        recs = [json.loads(x) for x in (out / mode / "metrics.jsonl").read_text().splitlines()]
-        assert len(recs) == 14
-        want = {
-            "train": statistics.fmean(r["loss"] for r in recs[-10:]),
-            "val": recs[-1]["val_loss"],
-            "tok": statistics.median(r["tokens_per_s"] for r in recs[3:]),
-        }
-        ref.setdefault("bf16", want)
-        assert float(cells[1]) == pytest.approx(want["train"], abs=5.1e-5)
-        assert float(cells[2]) == pytest.approx(want["val"], abs=5.1e-5)
-        for cell, key in ((cells[3], "train"), (cells[4], "val")):
-            pct = 100 * (want[key] - ref["bf16"][key]) / ref["bf16"][key]
-            assert float(cell.rstrip("%")) == pytest.approx(pct, abs=5.1e-3)
-        assert float(cells[6]) == pytest.approx(want["tok"], abs=0.51)  # [5]: the noise verdict
-        speedup = want["tok"] / ref["bf16"]["tok"]
-        assert float(cells[7].rstrip("x")) == pytest.approx(speedup, abs=5.1e-3)
-    assert abs(float(rows["tensorwise"][4].rstrip("%"))) < 3.0  # float8 within 3% of bf16
-    # the noise band: the largest |gap| of the other-seed bf16 runs, recomputed here
-    for key, col in (("train", 3), ("val", 4)):
-        others = []
-        for run in ("none_seed1", "none_seed2"):
-            recs = [json.loads(x) for x in (out / run / "metrics.jsonl").read_text().splitlines()]
-            x = (
-                statistics.fmean(r["loss"] for r in recs[-10:])
-                if key == "train"
-                else recs[-1]["val_loss"]
+    # recomputed here from the runs' metrics.jsonl
+    per_seed = {}
+    for mode in rows:
+        for seed in (0, 1):
+            path = out / f"{mode}_seed{seed}" / "metrics.jsonl"
+            recs = [json.loads(x) for x in path.read_text().splitlines()]
+            assert len(recs) == 14
+            per_seed.setdefault(mode, []).append(
+                (statistics.fmean(r["loss"] for r in recs[-10:]), recs[-1]["val_loss"])
             )
-            others.append(abs(100 * (x - ref["bf16"][key]) / ref["bf16"][key]))
-        band = summary["noise_pct"][f"{key}_loss"]
-        assert band == pytest.approx(max(others), rel=1e-12) and band > 0
-        verdict = "yes" if abs(float(rows["tensorwise"][col].rstrip("%"))) <= band else "no"
-        assert rows["tensorwise"][5].split(", ")[0 if key == "train" else 1] == verdict
-    assert f"bf16 seed noise: train {summary['noise_pct']['train_loss']:.2f}%" in report
+    want = {
+        mode: [
+            (statistics.fmean(xs), statistics.stdev(xs)) for xs in zip(*per_seed[mode], strict=True)
+        ]
+        for mode in rows
+    }
+    for mode, cells in rows.items():
+        for col, (mean, sd) in zip(cells[1:3], want[mode], strict=True):
+            m, s = (float(x) for x in col.split(" ± "))
+            assert m == pytest.approx(mean, abs=5.1e-5) and s == pytest.approx(sd, abs=5.1e-5)
+    verdict = rows["tensorwise"][5].split(", ")
+    for i, col in enumerate(rows["tensorwise"][3:5]):
+        (mean, sd), (ref, ref_sd) = want["tensorwise"][i], want["none"][i]
+        gap, noise = (float(x.rstrip("%")) for x in col.split(" ± "))
+        assert gap == pytest.approx(100 * (mean - ref) / ref, abs=5.1e-3)
+        assert noise == pytest.approx(200 * math.sqrt((sd**2 + ref_sd**2) / 2) / ref, abs=5.1e-3)
+        assert noise > 0 and abs(gap) < 3.0  # float8 within 3% of hp
+        g = 100 * (mean - ref) / ref
+        n = 200 * math.sqrt((sd**2 + ref_sd**2) / 2) / ref
+        assert verdict[i] == ("within noise" if abs(g) <= n else "worse" if g > 0 else "better")
+    share = tiny_gemm_flops_share()
+    assert rows["tensorwise"][6] == f"14/15 Linears ({100 * share:.1f}% of gemm FLOPs)"
+    assert rows["none"][3:] == ["-"] * 4
+    # the README's copy of the table: tools/measure.py keeps the summary, tools/publish.py
+    # renders it; the same table as report.md
+    sys.path.insert(0, str(ROOT / "tools"))
+    import measure
+    import publish
+
+    d = measure.compare_data(out, argv)
+    info = {"command": "python tools/measure.py x", "device": "CPU", "torch": "t", "wall_s": 1}
+    info |= {"torchao": "a", "git_commit": "0" * 40, "date": "2026-01-01", "data": d}
+    (tmp_path / "x.json").write_text(json.dumps(info))
+    monkeypatch.setattr(publish, "NUMBERS", tmp_path)
+    publish.load.cache_clear()
+    try:
+        published = publish.compare_table("x")
+    finally:
+        publish.load.cache_clear()
+        publish.LOADED.discard("x")
+    table = report.split("\n\n")[1]
+    assert table in published and table.startswith("| mode |")
+    assert "hp dtype float32" in published and "seeds 0, 1 for every mode" in published
     # a second comparison into the same folder is refused
     again = run_script(str(RECIPES / "compare.py"), "--preset", "tiny", "--out", str(out))
     assert again.returncode == 2 and "already holds a comparison: pass --overwrite" in again.stderr
+
+
+def test_compare_checks_its_dependencies_before_the_first_run(tmp_path):
+    # without the recipes extra's matplotlib, compare.py used to train every run, then crash
+    code = (
+        "import sys, runpy; sys.modules['matplotlib'] = None; sys.argv[0] = sys.argv[1]; "
+        "del sys.argv[1]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    out = tmp_path / "cmp"
+    r = run_script("-c", code, str(RECIPES / "compare.py"), "--preset", "tiny", "--out", str(out))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "matplotlib not installed" in r.stderr and 'pip install -e ".[recipes]"' in r.stderr
+    assert "--no-plot" in r.stderr
+    assert not out.exists()  # nothing ran
 
 
 def test_compare_help_lists_the_train_flags_it_passes_through():
@@ -438,8 +484,8 @@ def test_filter_fqns_and_the_default_filter_per_recipe():
 
 def test_recipes_without_their_extra_say_how_to_install_it():
     code = (
-        "import sys, runpy; sys.modules['tqdm'] = None; "
-        "runpy.run_path(sys.argv[1], run_name='__main__')"
+        "import sys, runpy; sys.modules['tqdm'] = None; sys.argv[0] = sys.argv[1]; "
+        "del sys.argv[1]; runpy.run_path(sys.argv[0], run_name='__main__')"
     )
     r = run_script("-c", code, str(RECIPES / "train.py"))
     assert r.returncode == 1 and "pip install -e '.[recipes]'" in r.stderr
@@ -524,3 +570,173 @@ def test_moe_tiny_float8_rowwise_tracks_bf16(tmp_path):
     gap = fp8[-1]["loss"] / bf16[-1]["loss"] - 1
     assert abs(gap) < 0.03, gap  # observed: 3.2134 (bf16) vs 3.2201 (float8), +0.2%
     assert fp8[-1]["loss"] != bf16[-1]["loss"]  # float8 really ran: the gemms differ
+
+
+# ----------------------------------------------------------------------------
+# the command lines answer before torch is imported (seconds; tens of them on a busy machine)
+
+# Runs SCRIPT ARGS as __main__; when it exits, prints whether torch had been imported.
+NO_TORCH_PROBE = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print("TORCH_IMPORTED", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    "script, flags, rc, expect",
+    [
+        ("train.py", ["--help"], 0, "--hp-dtype"),
+        ("train.py", ["--preset", "huge"], 2, "argument --preset: invalid choice: 'huge'"),
+        ("train.py", ["--steps", "0"], 2, "--steps must be >= 1"),
+        ("train.py", ["--data", "/nonexistent/x"], 2, "--data /nonexistent/x: no such file"),
+        ("compare.py", ["--help"], 0, "passed to train.py unchanged"),
+        ("compare.py", ["--modes", "none,fp4"], 2, "--modes: unknown mode(s) fp4"),
+        ("compare.py", ["--seeds", "0"], 2, "--seeds >= 1"),
+        ("compare.py", ["--lr", "-1"], 2, "--lr must be > 0"),
+        ("quickstart.py", ["--help"], 0, "--recipe"),
+        ("quickstart.py", ["--recipe", "fp4"], 2, "invalid choice: 'fp4'"),
+        ("quickstart.py", ["--dim", "100"], 2, "--dim 100 must be a multiple of 16"),
+    ],
+)
+def test_usage_answers_before_torch_is_imported(script, flags, rc, expect):
+    r = run_script("-c", NO_TORCH_PROBE, str(RECIPES / script), *flags)
+    assert r.returncode == rc, r.stderr[-2000:]
+    assert expect in r.stdout + r.stderr
+    assert "TORCH_IMPORTED False" in r.stderr, r.stderr[-2000:]
+
+
+def test_quickstart_choices_are_the_float8_recipes():
+    import cli
+
+    r = run_script(str(RECIPES / "quickstart.py"), "--help")
+    assert "{" + ",".join(cli.FLOAT8_MODES[1:]) + "}" in r.stdout
+
+
+def test_cli_presets_are_the_models():
+    from model import PRESETS
+
+    assert list(train.PRESET_DEFAULTS) == list(PRESETS)
+
+
+# ----------------------------------------------------------------------------
+# the default corpus: the same bytes on every machine
+
+
+def test_default_corpus_is_the_shipped_bytes():
+    import hashlib
+
+    sha = "2010028bb26c0809b4658dcf65abf39b0886542fddea51701f263c26844d99f5"
+    path = RECIPES / "corpus" / "cpython-3.11.7-stdlib.txt"
+    raw = path.read_bytes()
+    assert (len(raw), hashlib.sha256(raw).hexdigest()) == (620_697, sha)
+    assert data.DEFAULT_SHA256 == sha and data.DEFAULT_CORPUS == path
+    corpus = data.load_corpus()
+    assert corpus.sha256 == sha and corpus.n_bytes == len(raw)
+    assert bytes(corpus.train.tolist()) + bytes(corpus.val.tolist()) == raw
+    # said where a user compares runs: the README, recipes/README.md, the corpus's README
+    for doc in ("README.md", "recipes/README.md", "recipes/corpus/README.md"):
+        assert sha in " ".join((ROOT / doc).read_text().split()).replace("` `", ""), doc
+    assert "recipes/corpus/*.txt -text" in (ROOT / ".gitattributes").read_text()
+
+
+def test_a_changed_default_corpus_is_refused(tmp_path, monkeypatch):
+    changed = tmp_path / "c.txt"
+    changed.write_bytes(data.DEFAULT_CORPUS.read_bytes().replace(b"argparse", b"argparsE", 1))
+    monkeypatch.setattr(data, "DEFAULT_CORPUS", changed)
+    data.load_corpus.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="the default corpus was changed"):
+            data.load_corpus()
+    finally:
+        data.load_corpus.cache_clear()
+
+
+# ----------------------------------------------------------------------------
+# the hp dtype: what the CPU runs well, said in config.json
+
+
+def test_hp_dtype_fp32_trains_in_fp32(tmp_path, monkeypatch, capsys):
+    # FLOAT8KIT_CPU_HP_DTYPE=float32 stands for a CPU without native bf16: no autocast, so the
+    # first step's loss is the fp32 model's loss on the first batch, bitwise.
+    monkeypatch.setenv("FLOAT8KIT_CPU_HP_DTYPE", "float32")
+    recs = run_train(tmp_path / "a", "--steps", "2", "--eval-every", "0")
+    assert "hp dtype: float32 (auto: FLOAT8KIT_CPU_HP_DTYPE=float32)" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["hp_dtype"] == "float32" and cfg["float8_layers"]["linears"] == 0
+    args = train.parse_args(["--preset", "tiny"])
+    model = train.build_model(args, torch.device("cpu"), 1, False)
+    gen = torch.Generator().manual_seed(args.seed)
+    x, y = data.get_batch(data.load_corpus().train, args.batch_size, args.seq_len, gen)
+    with torch.no_grad():
+        assert recs[0]["loss"] == model(x, y).item()
+    explicit = run_train(
+        tmp_path / "b", "--steps", "2", "--eval-every", "0", "--hp-dtype", "float32"
+    )
+    assert [r["loss"] for r in explicit] == [r["loss"] for r in recs]
+    bf16 = run_train(tmp_path / "c", "--steps", "2", "--eval-every", "0", "--hp-dtype", "bfloat16")
+    assert bf16[0]["loss"] != recs[0]["loss"]  # bf16 autocast really is another dtype
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["hp_dtype"] == "bfloat16"
+
+
+def test_quickstart_computes_in_the_cpus_hp_dtype():
+    r = subprocess.run(
+        [sys.executable, str(RECIPES / "quickstart.py"), "--steps", "3", "--dim", "32"],
+        cwd=ROOT,
+        env={**ENV, "FLOAT8KIT_CPU_HP_DTYPE": "float32"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "hp dtype: float32" in r.stdout and "float8 vs hp (float32)" in r.stdout
+    assert "bf16" not in r.stdout
+
+
+# ----------------------------------------------------------------------------
+# a float8 run says how much of the model runs float8, and refuses to run with none of it
+
+
+def test_float8_run_reports_its_float8_layers(tmp_path, capsys):
+    run_train(tmp_path / "a", "--steps", "1", "--float8", "tensorwise")
+    cov = json.loads((tmp_path / "a" / "config.json").read_text())["float8_layers"]
+    share = tiny_gemm_flops_share()
+    assert cov == {
+        "linears": 14,
+        "linears_total": 15,
+        "expert_weights": 0,
+        "expert_weights_total": 0,
+        "gemm_flops_share": pytest.approx(share, rel=1e-12),
+    }
+    out = capsys.readouterr().out
+    assert f"float8 (tensorwise): 14 of 15 Linears, {100 * share:.1f}% of the gemm FLOPs" in out
+
+
+def test_moe_float8_layers_count_the_experts():
+    args = train.parse_args(["--preset", "moe-tiny", "--float8", "rowwise"])
+    cov = train.float8_coverage(train.build_model(args, torch.device("cpu"), 1, False))
+    # 2 layers x (q, k, v, o) float8, router and head hp; 2 layers x 3 expert weights
+    assert (cov["linears"], cov["linears_total"]) == (8, 8 + 2 + 1)
+    assert (cov["expert_weights"], cov["expert_weights_total"]) == (6, 6)
+    d, kv, h, e = 64, 32, 64, 8
+    fp8 = 2 * (2 * d * d + 2 * d * kv + 3 * 2 * d * h)  # experts: top_k=2 per token
+    total = fp8 + 2 * d * e + d * 256
+    assert cov["gemm_flops_share"] == pytest.approx(fp8 / total, rel=1e-12)
+
+
+def test_float8_run_with_no_float8_layer_is_refused(tmp_path):
+    # --filter auto on tiny: the roofline model predicts every layer slower in float8
+    r = run_script(
+        str(RECIPES / "train.py"),
+        *("--preset", "tiny", "--float8", "tensorwise", "--filter", "auto"),
+        *("--out", str(tmp_path / "out")),
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("train.py: error: --float8 tensorwise: no layer runs float8 (0 of 15")
+    assert "--filter default" in err and "--float8 none" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ sys.path.insert(0, str(REPO / "recipes"))
 
 import common  # noqa: E402  (benchmarks/common.py: run info, git commit and dirty flag)
 import torch  # noqa: E402
+from measures.cpu_dtype import AVX2_ONLY  # noqa: E402  (an AVX2-only CPU, emulated)
 
 PY = sys.executable
 # What a training subprocess gets: torch's default (OMP_NUM_THREADS when set), read before
@@ -50,23 +52,21 @@ DEFAULT_THREADS = torch.get_num_threads()
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
-def run(*args: str, env: dict | None = None) -> float:
-    """Run ``python ARGS`` from the repository root (in ``env``, default ENV); return its wall
-    time in s."""
+def run(*args: str, env: dict[str, str] | None = None) -> float:
+    """Run ``python ARGS`` from the repository root (``env`` added to the environment);
+    return its wall time in s."""
     t0 = time.perf_counter()
-    print("+ python", " ".join(args), flush=True)
-    subprocess.run([PY, *args], cwd=REPO, env=env or ENV, check=True)
+    print("+", *[f"{k}={v}" for k, v in (env or {}).items()], "python", " ".join(args), flush=True)
+    subprocess.run([PY, *args], cwd=REPO, env={**ENV, **(env or {})}, check=True)
     return time.perf_counter() - t0
 
 
 @contextlib.contextmanager
-def no_bf16_env():
-    """ENV for a process that runs as on an AVX2-only CPU (benchmarks/measures/cpu_dtype.py's
-    NO_BF16_ENV), with the fresh inductor cache such a process needs."""
-    from measures.cpu_dtype import NO_BF16_ENV
-
+def avx2_env():
+    """What a process needs added to run as on an AVX2-only CPU: AVX2_ONLY and the fresh
+    inductor cache such a process needs (benchmarks/measures/cpu_dtype.py)."""
     with tempfile.TemporaryDirectory() as cache:
-        yield {**ENV, **NO_BF16_ENV, "TORCHINDUCTOR_CACHE_DIR": cache}
+        yield {**AVX2_ONLY, "TORCHINDUCTOR_CACHE_DIR": cache}
 
 
 def write(name: str, sources: list[str], data: dict, wall_s: float, threads: int = 1) -> Path:
@@ -118,41 +118,53 @@ MEASURES = {
 # ---------------------------------------------------------------------------- training runs
 
 
-def compare_runs(name: str, argv: list[str], **extra) -> None:
-    """recipes/compare.py with ``argv``; its per-mode summaries, config and wall time."""
+def compare_data(out: Path, argv: list[str]) -> dict:
+    """What numbers/NAME.json keeps of a compare.py run in ``out``: its summary.json, each
+    run's numbers recomputed from its metrics.jsonl (and checked against the summary), the
+    config of its first run."""
     import compare
 
-    out = RUNS / name
-    rel = str(out.relative_to(REPO))
-    wall = run("recipes/compare.py", *argv, "--out", rel, "--overwrite", "--quiet")
     summary = json.loads((out / "summary.json").read_text())
-    modes = summary["modes"]
     # recomputed from the runs' metrics.jsonl: the report's numbers are what the runs logged
-    summaries = {}
-    for run_name in [*modes, *summary["noise_runs"]]:
+    runs = {}
+    for run_name in summary["runs"]:
         lines = (out / run_name / "metrics.jsonl").read_text().splitlines()
-        summaries[run_name] = compare.summarize([json.loads(line) for line in lines])
-    assert summaries == summary["summaries"], "compare.py's summary.json disagrees with its runs"
-    cfg = json.loads((out / modes[0] / "config.json").read_text())
-    data = {
+        runs[run_name] = compare.summarize([json.loads(line) for line in lines])
+    assert runs == summary["runs"], "compare.py's summary.json disagrees with its runs"
+    modes, seeds = summary["modes"], summary["seeds"]
+    assert summary["stats"] == compare.mode_stats(runs, modes, seeds)
+    cfg = json.loads((out / compare.run_name(modes[0], seeds[0]) / "config.json").read_text())
+    return {
         "compare_argv": argv,
-        "modes": modes,
-        "summaries": {m: summaries[m] for m in modes},
-        "noise_runs": {r: summaries[r] for r in summary["noise_runs"]},
-        "noise_pct": summary["noise_pct"],
+        **summary,
         "device": cfg["device"],
         "n_params": cfg["n_params"],
-        "data": cfg["data"],
         "train_args": {
             k: cfg["args"][k] for k in ("preset", "steps", "batch_size", "seq_len", "seed")
         },
-        **extra,
     }
+
+
+def compare_runs(name: str, argv: list[str], env: dict[str, str] | None = None, **extra) -> None:
+    """recipes/compare.py with ``argv`` (``env`` added to its environment); its summary,
+    config and wall time."""
+    out = RUNS / name
+    rel = str(out.relative_to(REPO))
+    wall = run("recipes/compare.py", *argv, "--out", rel, "--overwrite", "--quiet", env=env)
+    data = {**compare_data(out, argv), **extra, **({"env": env} if env else {})}
     if (out / "loss.png").exists():
         (NUMBERS / f"{name}_loss.png").write_bytes((out / "loss.png").read_bytes())
+    cfg = json.loads((out / next(iter(data["runs"])) / "config.json").read_text())
     write(
         name,
-        ["recipes/compare.py", "recipes/train.py", "recipes/model.py", "recipes/data.py"],
+        [
+            "recipes/compare.py",
+            "recipes/train.py",
+            "recipes/cli.py",
+            "recipes/model.py",
+            "recipes/data.py",
+            "recipes/corpus",
+        ],
         data,
         wall,
         threads=cfg["threads"],
@@ -160,7 +172,8 @@ def compare_runs(name: str, argv: list[str], **extra) -> None:
 
 
 def demo() -> None:
-    """`make demo`'s run: the small preset, bf16 vs float8 tensorwise (train.py defaults)."""
+    """`make demo`'s run: the small preset, hp vs float8 tensorwise, 3 seeds each (the
+    defaults; hp = this CPU's hp dtype, FLOAT8KIT_CPU_HP_DTYPE=float32 forces fp32)."""
     compare_runs("demo", ["--preset", "small"])
 
 
@@ -174,6 +187,11 @@ def demo_busy() -> None:
         for b in busy:
             b.kill()
             b.wait()
+
+
+def demo_avx2() -> None:
+    """`make demo` as an AVX2-only CPU runs it (AVX2_ONLY): hp is fp32 there."""
+    compare_runs("demo_avx2", ["--preset", "small"], env=AVX2_ONLY)
 
 
 def tiny() -> None:
@@ -586,7 +604,8 @@ def qgz() -> None:
 def qgz_train() -> None:
     """recipes/train.py on 2 gloo processes (torchrun), --float8 tensorwise, with and without
     --float8-reduce-scatter, tiny and small presets (their default steps), plus the default
-    run with --seed 1 for the seed noise. Losses and tokens/s as compare.py summarizes them."""
+    run with --seed 1 for the seed noise. Losses as compare.py summarizes them; tokens/s the
+    median after the first 3 steps."""
     import compare
 
     t0 = time.perf_counter()
@@ -615,8 +634,11 @@ def qgz_train() -> None:
                 str(out.relative_to(REPO)),
                 *flags,
             )
-            lines = (out / "metrics.jsonl").read_text().splitlines()
-            runs[name] = compare.summarize([json.loads(line) for line in lines])
+            recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            # compare.py reports no speed (its runs overlap); these run one at a time: the
+            # median tokens/s after the first 3 steps (warm-up)
+            speed = statistics.median(r["tokens_per_s"] for r in recs[3:])
+            runs[name] = {**compare.summarize(recs), "tokens_per_s": speed}
         ref = runs["default"]
         data[preset] = {
             "runs": runs,
@@ -629,8 +651,8 @@ def qgz_train() -> None:
         }
     write(
         "qgz_train",
-        ["recipes/train.py", "recipes/compare.py", "recipes/model.py", "recipes/data.py"]
-        + ["float8kit/distributed/reduce_scatter.py"],
+        ["recipes/train.py", "recipes/cli.py", "recipes/compare.py", "recipes/model.py"]
+        + ["recipes/data.py", "recipes/corpus", "float8kit/distributed/reduce_scatter.py"],
         data,
         time.perf_counter() - t0,
     )
@@ -861,8 +883,8 @@ def cpu_dtype() -> None:
     capped): why CPU runs compute in fp32 where bf16 is not native."""
     script = "benchmarks/measures/cpu_dtype.py"
     data, wall = {}, 0.0
-    with no_bf16_env() as capped:
-        for kind, env in (("native", ENV), ("no_bf16", capped)):
+    with avx2_env() as capped:
+        for kind, env in (("native", ENV), ("avx2", {**ENV, **capped})):
             t0 = time.perf_counter()
             out = subprocess.run(
                 [PY, script], cwd=REPO, env=env, check=True, capture_output=True, text=True
@@ -875,12 +897,12 @@ def cpu_dtype() -> None:
 # The two suite timings cannot pass their own freshness test while they are measured: each
 # deselects both files' (the later one's file is stale while the first runs), and every later
 # suite run checks them.
-SUITE_FILES = ("suite.json", "suite_no_bf16.json")
+SUITE_FILES = ("suite.json", "suite_avx2.json")
 
 
-def _suite(name: str, env: dict, **extra) -> None:
-    """Run the suite in ``env``; publish its wall time and counts as ``name``, never for a red
-    suite."""
+def _suite(name: str, env: dict[str, str] | None = None, **extra) -> None:
+    """Run the suite (``env`` added to its environment); publish its wall time and counts as
+    ``name``, never for a red suite."""
     import xml.etree.ElementTree as ET
 
     own = "tests/test_docs.py::test_number_file_names_a_clean_commit_that_has_its_scripts"
@@ -902,16 +924,14 @@ def suite() -> None:
     re-rendering the docs from the files just written (tests/test_docs.py checks them), and
     refuses to publish a time for a suite that failed."""
     run("tools/publish.py")
-    _suite("suite", ENV)
+    _suite("suite")
 
 
-def suite_no_bf16() -> None:
-    """`make test`'s suite as on an AVX2-only CPU (no native bf16; emulated here, see
-    cpu_dtype): its wall time and counts."""
-    from measures.cpu_dtype import NO_BF16_ENV
-
-    with no_bf16_env() as env:
-        _suite("suite_no_bf16", env, emulated_with=NO_BF16_ENV)
+def suite_avx2() -> None:
+    """`make test`'s suite as an AVX2-only CPU runs it (emulated here, see cpu_dtype): its
+    wall time and counts."""
+    with avx2_env() as env:
+        _suite("suite_avx2", env, emulated_with=AVX2_ONLY)
 
 
 NAMES: dict[str, Callable[[], None]] = {
@@ -934,6 +954,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "moe_tiny": moe_tiny,
     "demo": demo,
     "demo_busy": demo_busy,
+    "demo_avx2": demo_avx2,
     "bench_overhead": bench_overhead,
     "bench_comm": bench_comm,
     "bench_linear": bench_linear,
@@ -943,7 +964,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "bench_train": bench_train,
     "cpu_dtype": cpu_dtype,
     "suite": suite,
-    "suite_no_bf16": suite_no_bf16,
+    "suite_avx2": suite_avx2,
 }
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 NUMBERS = REPO / "numbers"
+sys.path.insert(0, str(REPO / "recipes"))
 DOCS = [
     "README.md",
     "docs/api.md",
@@ -99,51 +100,25 @@ def rel(x: float) -> str:
 
 
 def compare_table(name: str) -> str:
-    """recipes/compare.py's report table, from the summaries the run wrote: with the bf16
-    seed-noise band (the largest |gap| of bf16 runs with other seeds) and, per float8 mode,
-    whether its train/val gaps are inside it."""
+    """recipes/compare.py's report table (compare.report_table: every mode over the same
+    seeds, mean ± sd, the gap to hp against the seed noise, the verdict, the float8 layers),
+    from the summary the run wrote, under a caption naming the run."""
+    import compare  # recipes/compare.py: the report's own renderer (imports no torch)
+
     d = load(name)["data"]
-    s, ref, noise = d["summaries"], d["summaries"]["none"], d["noise_pct"]
-
-    def inside(x: dict) -> str:
-        return ", ".join(
-            "yes" if abs(100 * (x[k] - ref[k]) / ref[k]) <= noise[k] else "no"
-            for k in ("train_loss", "val_loss")
+    if "stats" not in d:
+        raise KeyError(
+            f"numbers/{name}.json predates compare.py's per-seed report (issue 36): "
+            f"re-measure it, python tools/measure.py {name}"
         )
-
-    rows = [
-        [
-            "none (bf16)" if m == "none" else m,
-            f(x["train_loss"], ".4f"),
-            f(x["val_loss"], ".4f"),
-            gap(x["train_loss"], ref["train_loss"]),
-            gap(x["val_loss"], ref["val_loss"]),
-            "-" if m == "none" else inside(x),
-            f(x["tokens_per_s"], ".0f"),
-            f"{x['tokens_per_s'] / ref['tokens_per_s']:.2f}x",
-        ]
-        for m, x in s.items()
-    ]
     a = d["train_args"]
-    seeds = ", ".join(r.removeprefix("none_seed") for r in d["noise_runs"])
+    env = "".join(f"{k}={v} " for k, v in d.get("env", {}).items())
     return (
-        f"{caption(name)}; {a['preset']} preset, {a['steps']} steps, batch "
-        f"{a['batch_size']} x {a['seq_len']} bytes, {d['n_params']:,} params, seed "
-        f"{a['seed']}; wall time {load(name)['wall_s']:.0f} s; bf16 seed noise (seeds "
-        f"{seeds}): train {noise['train_loss']:.2f}%, val {noise['val_loss']:.2f}%\n\n"
-        + table(
-            [
-                "mode",
-                "train loss",
-                "val loss",
-                "train gap vs bf16",
-                "val gap vs bf16",
-                "inside bf16 seed noise (train, val)",
-                "tokens/s",
-                "speedup",
-            ],
-            rows,
-        )
+        f"{caption(name)}; {env}hp dtype {d['hp_dtype']}; {a['preset']} preset, {a['steps']} "
+        f"steps, batch {a['batch_size']} x {a['seq_len']} bytes, {d['n_params']:,} params, "
+        f"seeds {', '.join(map(str, d['seeds']))} for every mode; data {d['data']['source']} "
+        f"(sha256 {d['data']['sha256'][:16]}); wall time {load(name)['wall_s']:.0f} s\n\n"
+        + compare.report_table(d)
     )
 
 
@@ -1204,6 +1179,7 @@ def qgz_train_table() -> str:
 
 TABLES: dict[str, Callable[[], str]] = {
     "demo": lambda: compare_table("demo"),
+    "demo_avx2": lambda: compare_table("demo_avx2"),
     "tiny": lambda: compare_table("tiny"),
     "moe_tiny": lambda: compare_table("moe_tiny"),
     "experts": experts_table,
@@ -1310,7 +1286,8 @@ INLINE: dict[str, Callable[[], str]] = {
     "memory_blocks.hf_tensorwise_norms": lambda: _block_ratio("tensorwise", "recompute_norms"),
     "demo.wall_min": lambda: f"{load('demo')['wall_s'] / 60:.1f} min",
     "demo_busy.wall_min": lambda: f"{load('demo_busy')['wall_s'] / 60:.1f} min",
-    **{f"{name}.load": _load_avg(name) for name in ("demo", "demo_busy", "suite")},
+    "demo_avx2.wall_min": lambda: f"{load('demo_avx2')['wall_s'] / 60:.1f} min",
+    **{f"{name}.load": _load_avg(name) for name in ("demo", "demo_busy", "demo_avx2", "suite")},
     **{f"{name}.cpu": _cpu(name) for name in ("demo", "suite")},
     "suite.wall_min": lambda: f"{load('suite')['wall_s'] / 60:.1f} min",
     "suite.passed": lambda: str(load("suite")["data"]["passed"]),

@@ -1,7 +1,7 @@
 """Which hp dtype this CPU runs well: a bf16 and an fp32 matmul timed in one process, the two
 interleaved (each pair of calls under the same load), and the dtype float8kit picks for CPU
 runs (``float8kit.versions.cpu_hp_dtype``). Run it with oneDNN capped at AVX2
-(``NO_BF16_ENV``) to see what an AVX2-only CPU does: its bf16 matmul is emulated there.
+(``AVX2_ONLY``) to see what an AVX2-only CPU does: its bf16 matmul is emulated there.
 
     python benchmarks/measures/cpu_dtype.py   # prints one JSON line
 """
@@ -14,10 +14,12 @@ import torch
 
 from float8kit.versions import cpu_has_native_bf16, cpu_hp_dtype
 
-# An AVX2-only CPU, emulated on one with AVX512-BF16: oneDNN (the matmuls) and ATen (the
-# elementwise kernels) capped at AVX2. Give such a process a fresh TORCHINDUCTOR_CACHE_DIR:
-# torch 2.13 reuses kernels the cache holds for the uncapped ISA, and they crash.
-NO_BF16_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+# An AVX2-only CPU (no AVX512-BF16, no AMX: many cloud VMs and laptops), emulated on one that
+# has them: oneDNN (the matmuls) and ATen (the elementwise kernels) capped at AVX2, so bf16
+# matmuls are emulated and float8kit.versions.cpu_hp_dtype() picks fp32, as on such a CPU.
+# Give such a process a fresh TORCHINDUCTOR_CACHE_DIR: torch 2.13 reuses kernels its cache
+# holds for the uncapped ISA, and they crash.
+AVX2_ONLY = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
 SHAPE = (2048, 256, 1024)  # M, K, N
 
 
