@@ -1252,6 +1252,19 @@ def _cpu(name: str) -> Callable[[], str]:
     return render
 
 
+def _wall_min(name: str) -> str:
+    return f"{load(name)['wall_s'] / 60:.1f} min"
+
+
+def _passed(name: str) -> str:
+    return str(load(name)["data"]["passed"])
+
+
+def _bf16_ratio(kind: str) -> str:
+    """A bf16 matmul's time over fp32's (numbers/cpu_dtype.json), as "0.26x"."""
+    return "{:.2f}x".format(load("cpu_dtype")["data"][kind]["bf16_over_fp32"])
+
+
 INLINE: dict[str, Callable[[], str]] = {
     "fsdp.ag_ratio": lambda: "{:.3f}x".format(
         load("fsdp")["data"]["all_gather_bytes_fp8"] / load("fsdp")["data"]["all_gather_bytes_bf16"]
@@ -1289,8 +1302,11 @@ INLINE: dict[str, Callable[[], str]] = {
     "demo_avx2.wall_min": lambda: f"{load('demo_avx2')['wall_s'] / 60:.1f} min",
     **{f"{name}.load": _load_avg(name) for name in ("demo", "demo_busy", "demo_avx2", "suite")},
     **{f"{name}.cpu": _cpu(name) for name in ("demo", "suite")},
-    "suite.wall_min": lambda: f"{load('suite')['wall_s'] / 60:.1f} min",
-    "suite.passed": lambda: str(load("suite")["data"]["passed"]),
+    **{f"{n}.wall_min": functools.partial(_wall_min, n) for n in ("suite", "suite_avx2")},
+    **{f"{n}.passed": functools.partial(_passed, n) for n in ("suite", "suite_avx2")},
+    "suite_avx2.load": _load_avg("suite_avx2"),
+    "cpu_dtype.native_ratio": lambda: _bf16_ratio("native"),
+    "cpu_dtype.avx2_ratio": lambda: _bf16_ratio("avx2"),
     "numbers.total_min": lambda: "{} min".format(
         math.ceil(
             sum(json.loads(p.read_text()).get("wall_s", 0) for p in NUMBERS.glob("*.json")) / 60
