@@ -59,7 +59,8 @@ _HP_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU runs torch's bf16 matmul natively (AVX512-BF16 or AMX, and oneDNN not
     capped below them by ``ONEDNN_MAX_CPU_ISA``). Without it (AVX2-only CPUs, many cloud VMs
-    and laptops) torch 2.13 emulates bf16 matmuls ~48x slower than fp32."""
+    and laptops) torch 2.13 emulates bf16 matmuls many times slower than fp32
+    (numbers/cpu_dtype.json)."""
     if not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
         return False
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "ALL"

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=HP_DTYPES,
         help="the high-precision compute dtype (autocast; FSDP2's param dtype): auto = "
         "bfloat16 on a GPU, and on a CPU bfloat16 where it has native bf16 (AVX512-BF16 or "
-        "AMX), else float32 (emulated bf16 matmuls run ~48x slower than fp32); "
+        "AMX), else float32 (emulated bf16 matmuls run many times slower than fp32); "
         "float32 = no autocast",
     )
     p.add_argument("--steps", type=int, help=f"optimizer steps ({_preset_default('steps')})")

@@ -17,7 +17,7 @@ sampled step, from MODE_seedS/monitor.jsonl of the first seed):
 
 - hp: the high-precision dtype every run computes in outside the float8 gemms (train.py
   --hp-dtype; auto = bf16 on GPUs and on CPUs with native bf16, fp32 on the others, where
-  emulated bf16 runs ~48x slower); the reference mode `none` is "hp (DTYPE)";
+  emulated bf16 runs many times slower); the reference mode `none` is "hp (DTYPE)";
 - per run: train loss = mean of the last 10 logged training losses (one batch is noisy);
   val loss = the val_loss logged at the last step (fixed validation windows, same for all);
 - per mode: the mean and the sample standard deviation (sd) of those over its seeds;

@@ -6,7 +6,7 @@
 A teacher network makes the targets, so the task is learnable and both runs see the same
 data; the loss columns should track each other closely. The hp dtype is the one this CPU
 runs well (float8kit.versions.cpu_hp_dtype: bf16 where the CPU has native bf16, fp32
-otherwise, where emulated bf16 is ~48x slower; FLOAT8KIT_CPU_HP_DTYPE overrides).
+otherwise, where emulated bf16 is many times slower; FLOAT8KIT_CPU_HP_DTYPE overrides).
 """
 
 import argparse

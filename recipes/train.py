@@ -273,7 +273,7 @@ def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
 def hp_dtype(args: argparse.Namespace, device: torch.device) -> torch.dtype:
     """The dtype the hp parts compute in (--hp-dtype). auto: bf16 on a GPU; on a CPU
     float8kit.versions.cpu_hp_dtype(), bf16 where the CPU has it natively, else fp32 (an
-    emulated bf16 matmul runs ~48x slower than fp32; FLOAT8KIT_CPU_HP_DTYPE overrides)."""
+    emulated bf16 matmul runs many times slower than fp32; FLOAT8KIT_CPU_HP_DTYPE overrides)."""
     if args.hp_dtype != "auto":
         return getattr(torch, args.hp_dtype)
     return torch.bfloat16 if device.type == "cuda" else cpu_hp_dtype()
