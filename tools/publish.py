@@ -108,7 +108,7 @@ def compare_table(name: str) -> str:
     d = load(name)["data"]
     if "stats" not in d:
         raise KeyError(
-            f"numbers/{name}.json predates compare.py's per-seed report (issue 36): "
+            f"numbers/{name}.json predates compare.py's per-seed report: "
             f"re-measure it, python tools/measure.py {name}"
         )
     a = d["train_args"]
