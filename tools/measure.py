@@ -910,6 +910,8 @@ def _suite(name: str, env: dict[str, str] | None = None, **extra) -> None:
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "junit.xml"
         args = ("-q", "-p", "no:cacheprovider", f"--junitxml={report}", *deselect)
+        # a cold inductor cache, as on a fresh machine (avx2_env brings its own)
+        env = {"TORCHINDUCTOR_CACHE_DIR": str(Path(d) / "inductor"), **(env or {})}
         wall = run("-m", "pytest", *args, env=env)
         s = ET.parse(report).getroot().find("testsuite")
     tests, skipped = int(s.get("tests")), int(s.get("skipped"))
