@@ -18,11 +18,12 @@ DESCRIPTION = (
     "float8 linears via float8kit."
 )
 # Per-preset defaults for the flags left unset (keys: recipes/model.py's PRESETS): tiny steps
-# in ~0.1 s on one CPU core, small makes compare.py a few-minute demo on 2 cores; 1b and
+# in ~0.1 s on one CPU core, small makes compare.py a demo of minutes on 2 cores, also in fp32
+# (100 steps: 3 seeds x 2 modes within 3 min on a slow AVX2-only CPU); 1b and
 # llama3-8b-4l are for GPUs.
 PRESET_DEFAULTS = {
     "tiny": dict(batch_size=8, seq_len=128, lr=3e-3, steps=60),
-    "small": dict(batch_size=16, seq_len=128, lr=2e-3, steps=150),
+    "small": dict(batch_size=16, seq_len=128, lr=2e-3, steps=100),
     "moe-tiny": dict(batch_size=8, seq_len=128, lr=3e-3, steps=40),
     "1b": dict(batch_size=8, seq_len=2048, lr=3e-4, steps=100),
     "llama3-8b-4l": dict(batch_size=8, seq_len=4096, lr=3e-4, steps=50),
