@@ -1331,7 +1331,11 @@ def render(text: str) -> str:
         key = m.group(2)
         if key not in INLINE:
             raise KeyError(f"<!-- n:{key} -->: no such number (known: {', '.join(INLINE)})")
-        return f"{m.group(1)}{INLINE[key]()}{m.group(4)}"
+        try:
+            value = INLINE[key]()
+        except FileNotFoundError:  # a new number, before its first measurement
+            value = f"(not measured yet: python tools/measure.py {key.split('.')[0]})"
+        return f"{m.group(1)}{value}{m.group(4)}"
 
     return INLINE_RE.sub(inline, TABLE_RE.sub(block, text))
 
