@@ -58,9 +58,15 @@ def test_every_table_and_number_file_is_published():
     assert tables == set(publish.TABLES), "renderers without a block, or blocks without one"
     assert inline == set(publish.INLINE)
     # each JSON under numbers/ backs something: no orphan measurement
+    missing = set()
     for fn in [*publish.TABLES.values(), *publish.INLINE.values()]:
-        fn()
-    assert {p.stem for p in NUMBER_FILES} == publish.LOADED
+        try:
+            fn()
+        except FileNotFoundError as e:
+            # a suite timing's first measurement runs this test before its own file exists
+            assert Path(e.filename).name in ("suite.json", "suite_avx2.json"), e
+            missing.add(Path(e.filename).stem)
+    assert {p.stem for p in NUMBER_FILES} == publish.LOADED - missing
 
 
 def test_demo_on_a_busy_machine_learns_the_same():
