@@ -1252,6 +1252,10 @@ def _cpu(name: str) -> Callable[[], str]:
     return render
 
 
+# the runs whose wall time and load the README states
+TIMED_RUNS = ("demo", "demo_busy", "demo_avx2", "suite", "suite_avx2")
+
+
 def _wall_min(name: str) -> str:
     return f"{load(name)['wall_s'] / 60:.1f} min"
 
@@ -1297,14 +1301,10 @@ INLINE: dict[str, Callable[[], str]] = {
     ),
     "memory_blocks.hf_tensorwise": lambda: _block_ratio("tensorwise", "none"),
     "memory_blocks.hf_tensorwise_norms": lambda: _block_ratio("tensorwise", "recompute_norms"),
-    "demo.wall_min": lambda: f"{load('demo')['wall_s'] / 60:.1f} min",
-    "demo_busy.wall_min": lambda: f"{load('demo_busy')['wall_s'] / 60:.1f} min",
-    "demo_avx2.wall_min": lambda: f"{load('demo_avx2')['wall_s'] / 60:.1f} min",
-    **{f"{name}.load": _load_avg(name) for name in ("demo", "demo_busy", "demo_avx2", "suite")},
+    **{f"{n}.wall_min": functools.partial(_wall_min, n) for n in TIMED_RUNS},
+    **{f"{n}.load": _load_avg(n) for n in TIMED_RUNS},
     **{f"{name}.cpu": _cpu(name) for name in ("demo", "suite")},
-    **{f"{n}.wall_min": functools.partial(_wall_min, n) for n in ("suite", "suite_avx2")},
     **{f"{n}.passed": functools.partial(_passed, n) for n in ("suite", "suite_avx2")},
-    "suite_avx2.load": _load_avg("suite_avx2"),
     "cpu_dtype.native_ratio": lambda: _bf16_ratio("native"),
     "cpu_dtype.avx2_ratio": lambda: _bf16_ratio("avx2"),
     "numbers.total_min": lambda: "{} min".format(
