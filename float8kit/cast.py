@@ -18,6 +18,7 @@ Internal.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
@@ -81,6 +82,43 @@ def to_fp8_blocks(
     return data
 
 
+def to_mx(
+    hp: torch.Tensor, dim: int, fp8_dtype: torch.dtype = E4M3, rounding: str = "rceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MX cast (OCP MXFP8): ``(fp8 data, e8m0 scale)`` with one power-of-two scale per
+    32 elements of ``hp`` along ``dim`` (a partial last block is a block of fewer elements).
+
+    The scale byte comes from each block's amax (``scaling.mx_scale_bits``; ``rounding``
+    "rceil" or "floor"); the data is ``saturate(hp * 2 ** (127 - byte))`` in fp32, rounded
+    to ``fp8_dtype``. Returns data of ``hp``'s shape whose memory is ``dim``-major (for
+    ``dim`` 0 of a 2-D tensor: column-major, the layout the gemm that reduces that dim
+    takes), and the e8m0 scale bytes (uint8: the bits of ``torch.float8_e8m0fnu``, which
+    inductor's CPU backend cannot hold) of ``hp``'s shape with ``dim`` reduced to
+    ceil(n / 32), laid out the same way.
+
+    Non-finite values stay visible: a block with a NaN gets scale byte 255 and, with
+    "rceil", all-NaN data (with "floor", the NaN itself); an inf becomes NaN (e4m3fn has no
+    inf; e5m2 keeps inf) where torchao's ``to_mx`` saturates it to fp8_max.
+    """
+    dim = dim % hp.dim()
+    n = hp.shape[dim]
+    amax = scaling.mx_block_amax(hp, dim)
+    byte = scaling.mx_scale_bits(amax, fp8_dtype, rounding)
+    blocks = scaling.mx_blocks(hp, dim)  # (..., nb, 32), dim moved last
+    mult = scaling.mx_multiplier(byte, rounding).movedim(dim, -1).unsqueeze(-1)
+    scaled = blocks.to(torch.float32) * mult
+    limit = scaling.fp8_max(fp8_dtype)
+    clamped = torch.clamp(scaled, min=-limit, max=limit)  # keeps NaN
+    # an inf in a finite block's scale stays inf after the multiply: NaN (e4m3fn) or inf
+    # (e5m2) instead of fp8_max, so that an overflow is never saturated away
+    fill = math.nan if fp8_dtype == E4M3 else scaled
+    data = torch.where(torch.isinf(scaled), fill, clamped).to(fp8_dtype)
+    data = data.reshape(*data.shape[:-2], -1)
+    if data.shape[-1] != n:
+        data = data[..., :n]
+    return data.movedim(-1, dim), byte
+
+
 # ---------------------------------------------------------------------------- operands
 
 
@@ -98,6 +136,8 @@ def hp_to_float8(
     says, and wrap it. ``guard_non_finite``: see ``to_fp8_saturated``."""
     if gran.block is not None:
         data = to_fp8_blocks(hp, scale, gran.block, fp8_dtype, guard_non_finite=guard_non_finite)
+    elif gran.mx_dim is not None:  # e8m0 bytes: their multiplier 2 ** (127 - byte)
+        data = to_fp8_saturated(hp, gran.multiplier(scale, hp.shape), fp8_dtype)
     else:
         data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard_non_finite)
     return Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
@@ -201,6 +241,9 @@ def cast_to_float8(
             hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
         )
     gran = granularity.of(cast, role, reduce_dim, hp.dim())
+    if gran.mx_dim is not None:  # MX is DYNAMIC only (CastConfig)
+        data, scale = to_mx(hp, gran.mx_dim, cast.dtype_for(role), cast.mx_scale_rounding)
+        return Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
     amax = None
     if gran.block is not None:
         amax = gran.amax(hp)  # blockwise is DYNAMIC only (CastConfig)
@@ -245,7 +288,7 @@ def _cast_dtensor(
             placements=[Replicate() if p.is_partial() else p for p in hp.placements]
         )
     gran = granularity.of(cast, role, reduce_dim, hp.dim())
-    if gran.block is not None:
+    if gran.block is not None or gran.mx_dim is not None:
         # Every block's scale is its own: each rank casts its shard in blocks of its own
         # (a partial block at a shard edge is zero-padded, as at a tensor edge), which is a
         # blockwise cast of the local operand the local gemm uses. No collective.

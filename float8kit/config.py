@@ -41,6 +41,19 @@ class ScalingGranularity(enum.Enum):
     # DeepSeek-V3 style: the weight in block_size x block_size blocks, input and grad_output
     # in 1 x block_size tiles along the inner dim of each gemm
     BLOCKWISE = "blockwise"
+    # OCP MX (MXFP8): one power-of-two scale, stored as an e8m0 byte, per 32 consecutive
+    # elements along the dim each gemm reduces (every operand of every gemm: the weight
+    # and the activations alike are cast once per gemm that uses them)
+    MX = "mx"
+
+
+# OCP MX: elements per e8m0 scale (the spec's and the Blackwell kernel's only block)
+MX_BLOCK = 32
+# How an MX scale is rounded from amax / fp8_max (``CastConfig.mx_scale_rounding``):
+# "rceil" = up to the next power of two (nothing saturates; torchao's, torchtitan's and
+# Transformer Engine's training recipes, cuBLAS's rule); "floor" = the OCP spec's
+# reference (floor of amax's exponent minus fp8_max's: the largest values may saturate)
+MX_ROUNDINGS = ("rceil", "floor")
 
 
 class GemmRole(enum.Enum):
@@ -155,6 +168,8 @@ class CastConfig:
             None = set per layer by ``float8kit.calibrate``. Required for grad_output.
         block_size: BLOCKWISE only: the side of a weight block and the length of an
             input/grad_output tile (the CUDA kernel takes 128 only).
+        mx_scale_rounding: MX only: ``"rceil"`` (default: the power of two at or above
+            amax / fp8_max) or ``"floor"`` (the OCP spec's rounding); see ``MX_ROUNDINGS``.
     """
 
     # where the scale comes from
@@ -171,6 +186,8 @@ class CastConfig:
     static_scale: float | None = None
     # BLOCKWISE: weight blocks are block_size x block_size, activation tiles 1 x block_size
     block_size: int = 128
+    # MX: how the e8m0 scale of a 32-element block is rounded ("rceil" or "floor")
+    mx_scale_rounding: str = "rceil"
 
     def __post_init__(self):
         _coerce_enum(self, "scaling_type", ScalingType)
@@ -234,6 +251,23 @@ class CastConfig:
                 f"but scaling_granularity={self.scaling_granularity.value!r}: set "
                 "scaling_granularity=ScalingGranularity.BLOCKWISE or drop block_size"
             )
+        if self.mx_scale_rounding not in MX_ROUNDINGS:
+            raise ValueError(
+                f"CastConfig.mx_scale_rounding={self.mx_scale_rounding!r} is not valid: use "
+                "'rceil' (the power of two at or above amax / fp8_max) or 'floor'"
+            )
+        if self.mx_scale_rounding != "rceil" and not self.is_mx:
+            raise ValueError(
+                f"CastConfig.mx_scale_rounding={self.mx_scale_rounding!r} is only used with "
+                f"ScalingGranularity.MX, but scaling_granularity="
+                f"{self.scaling_granularity.value!r}: set scaling_granularity="
+                "ScalingGranularity.MX or drop mx_scale_rounding"
+            )
+
+    @property
+    def is_mx(self) -> bool:
+        """Whether this cast makes MX blocks (one e8m0 scale per 32 elements)."""
+        return self.scaling_granularity is ScalingGranularity.MX
 
     @property
     def enabled(self) -> bool:
@@ -258,6 +292,7 @@ class CastConfig:
             ScalingGranularity.TENSORWISE: "tensor",
             ScalingGranularity.AXISWISE: "axis",
             ScalingGranularity.BLOCKWISE: f"block{self.block_size}",
+            ScalingGranularity.MX: f"mx{MX_BLOCK}{self.mx_scale_rounding}",
         }[self.scaling_granularity]
         return f"{self.scaling_type.value[:3]}_{gran}_{dtype}"
 
@@ -383,6 +418,14 @@ class Float8LinearConfig:
                     f"{'enabled' if rcfg.enabled else 'DISABLED'}; set both to "
                     "ScalingType.DISABLED or neither"
                 )
+            # An MX kernel multiplies MX operands only (e8m0 scales per 32 along K).
+            if lcfg.enabled and lcfg.is_mx != rcfg.is_mx:
+                raise ValueError(
+                    f"Float8LinearConfig: the {gemm} gemm has {left} "
+                    f"{lcfg.scaling_granularity.value} but {right} "
+                    f"{rcfg.scaling_granularity.value}; an MX gemm needs both operands "
+                    "ScalingGranularity.MX, or neither"
+                )
             # A block-scaled kernel multiplies block-scaled operands only, with one block
             # length along the inner dim K.
             block = ScalingGranularity.BLOCKWISE
@@ -424,6 +467,12 @@ class Float8LinearConfig:
             raise ValueError(
                 "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 weight, "
                 "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
+            )
+        if w.is_mx or gi.is_mx:
+            raise ValueError(
+                "Float8LinearConfig.enable_fsdp_float8_all_gather=True is not supported with "
+                "MX weights yet: set enable_fsdp_float8_all_gather=False (FSDP2 gathers the "
+                "hp weight and each gemm casts it)"
             )
         if w.scaling_granularity is not ScalingGranularity.AXISWISE:
             if gi != w:
@@ -471,8 +520,8 @@ class Float8LinearConfig:
 
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8LinearConfig:
-        """A named preset: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``delayed``
-        or ``blockwise``."""
+        """A named preset: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``delayed``,
+        ``blockwise`` or ``mxfp8``."""
         if isinstance(name, str):
             try:
                 name = Float8Recipe(name)
@@ -599,6 +648,7 @@ class Float8Recipe(enum.Enum):
     ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"  # rowwise, but the grad_weight gemm in hp
     DELAYED = "delayed"  # tensorwise delayed scaling everywhere (call precompute_scales)
     BLOCKWISE = "blockwise"  # DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks
+    MXFP8 = "mxfp8"  # OCP MXFP8 (Blackwell): e4m3, one e8m0 scale per 32 along each gemm's K
 
 
 def _tensorwise() -> Float8LinearConfig:
@@ -656,10 +706,24 @@ def _blockwise() -> Float8LinearConfig:
     )
 
 
+def _mxfp8() -> Float8LinearConfig:
+    # Every operand of every gemm is cast from hp along the dim that gemm reduces (an MX
+    # block is not its own transpose), e4m3 everywhere, RCEIL scales. The MX kernel scales
+    # every 32 products in its accumulator: there is no fast-accumulation mode to choose.
+    mx = CastConfig(scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3)
+    return Float8LinearConfig(
+        cast_config_input=mx,
+        cast_config_weight=mx,
+        cast_config_grad_output=mx,
+        gemm_config_output=GemmConfig(),
+    )
+
+
 _RECIPES = {
     Float8Recipe.TENSORWISE: _tensorwise,
     Float8Recipe.ROWWISE: _rowwise,
     Float8Recipe.ROWWISE_WITH_GW_HP: _rowwise_with_gw_hp,
     Float8Recipe.DELAYED: _delayed,
     Float8Recipe.BLOCKWISE: _blockwise,
+    Float8Recipe.MXFP8: _mxfp8,
 }

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from float8kit.config import CastConfig, Float8LinearConfig, ScalingGranularity
+from float8kit.config import MX_BLOCK, CastConfig, Float8LinearConfig, ScalingGranularity
 from float8kit.linear import Float8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -21,17 +21,51 @@ def default_module_filter(
     """Convert a Linear only when both its dims are multiples of 16: the CUDA float8 gemm
     needs that, and layers that small gain nothing from float8 anyway. With a ``config``
     that casts blockwise (the ``blockwise`` recipe), multiples of its block size (128): the
-    block-scaled kernel tiles both dims of the weight in whole blocks."""
-    multiple = 16
-    if config is not None:
-        for field in dataclasses.fields(config):
-            cast = getattr(config, field.name)
-            if (
-                isinstance(cast, CastConfig)
-                and cast.scaling_granularity is ScalingGranularity.BLOCKWISE
-            ):
-                multiple = math.lcm(multiple, cast.block_size)
+    block-scaled kernel tiles both dims of the weight in whole blocks; with MX casts (the
+    ``mxfp8`` recipe), multiples of 32 (``required_multiple``)."""
+    multiple = required_multiple(config) if config is not None else 16
     return module.in_features % multiple == 0 and module.out_features % multiple == 0
+
+
+def required_multiple(config: Float8LinearConfig) -> int:
+    """What both dims of a layer with ``config`` must be multiples of: 16 (CUDA's float8
+    gemms), the block size of blockwise casts (128), 32 for MX casts (one e8m0 scale per 32
+    elements along each layer dim: in_features is the output gemm's K, out_features the
+    grad_input gemm's)."""
+    multiple = 16
+    for field in dataclasses.fields(config):
+        cast = getattr(config, field.name)
+        if not isinstance(cast, CastConfig) or not cast.enabled:
+            continue
+        if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+            multiple = math.lcm(multiple, cast.block_size)
+        elif cast.is_mx:
+            multiple = math.lcm(multiple, MX_BLOCK)
+    return multiple
+
+
+def check_layer_dims(linear: nn.Module, config: Float8LinearConfig, fqn: str = "") -> None:
+    """Raise naming the layer when ``config`` casts MX blocks along a dim of ``linear`` that
+    is not a multiple of 32 (a block would straddle two rows of the weight's scale grid
+    only in part, which no MX kernel takes). Other recipes run any shape on CPU and say
+    what CUDA needs at the gemm (``float8kit.gemm.kernel_plan``)."""
+    if not any(
+        isinstance(c := getattr(config, f.name), CastConfig) and c.enabled and c.is_mx
+        for f in dataclasses.fields(config)
+    ):
+        return
+    bad = [
+        f"{name}={getattr(linear, name)}"
+        for name in ("in_features", "out_features")
+        if getattr(linear, name) % MX_BLOCK
+    ]
+    if bad:
+        raise ValueError(
+            f"float8kit: {fqn or '<root>'} ({', '.join(bad)}) cannot run MX gemms: MX casts "
+            f"need in_features and out_features to be multiples of {MX_BLOCK} (one e8m0 "
+            "scale per 32 elements along each); keep it in hp with module_filter_fn (the "
+            "default filter does: default_module_filter(mod, fqn, config))"
+        )
 
 
 def _refuse_sharded(linear: nn.Module, fqn: str) -> None:
@@ -99,6 +133,7 @@ def convert_to_float8_training(
         if isinstance(mod, nn.Linear) and keep(mod, fqn):
             if not isinstance(mod, Float8Linear):
                 _refuse_sharded(mod, fqn)
+                check_layer_dims(mod, config, fqn)
                 plan.append((parent, name, mod))
             elif mod.config != config:
                 raise ValueError(

@@ -14,6 +14,10 @@ on CUDA the cuBLAS block-scaled fp8 gemm that ``torch.nn.functional.scaled_mm`` 
 on CPU takes no block scales) its definition in fp32: for every 128-long block of the inner
 dim, the fp32 sum of the fp8 products, times both operands' block scales, summed.
 
+MX operands (OCP MXFP8: e8m0 scales per 32 along K) go to ``mx_scaled_mm``: on CUDA
+``torch._scaled_mm`` with the scales in cuBLAS's blocked layout (``to_blocked``, SM100);
+elsewhere both operands dequantized to fp32 (exact) and multiplied in fp32.
+
 ``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups.
 """
 
@@ -291,6 +295,90 @@ def _kernel_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b, gemm) -> to
     return out[:m]
 
 
+# ---------------------------------------------------------------------------- MX
+
+
+def to_blocked(scale: torch.Tensor) -> torch.Tensor:
+    """An (H, W) MX scale (one byte per row and 32-block of K) in cuBLAS's blocked layout:
+    zero-padded to (ceil(H / 128) * 128, ceil(W / 4) * 4), then cut in 128 x 4 tiles, row
+    tiles first; inside a tile, element (r, c) sits at ``(r % 32) * 16 + (r // 32) * 4 + c``
+    (the "32_4_4" swizzle). Flat, contiguous, uint8 bytes (moved, never converted)."""
+    h, w = scale.shape
+    pad_h, pad_w = -h % 128, -w % 4
+    x = scale
+    if pad_h or pad_w:
+        x = F.pad(x, (0, pad_w, 0, pad_h))
+    hb, wb = (h + pad_h) // 128, (w + pad_w) // 4
+    # index [r // 128, (r % 128) // 32, r % 32, c // 4, c % 4]
+    #    to [r // 128, c // 4, r % 32, (r % 128) // 32, c % 4]
+    tiles = x.reshape(hb, 4, 32, wb, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().reshape(-1)
+
+
+def _check_mx(a: Float8TrainingTensor, b: Float8TrainingTensor) -> None:
+    """Both operands MX, blocked along the inner dim K (the left's dim 1, the right's dim 0)."""
+    if a._gran.mx_dim != 1 or b._gran.mx_dim != 0:
+        raise ValueError(
+            f"scaled_mm: an MX gemm needs both operands in MX blocks along the inner dim K; got "
+            f"{a._role.value} {a._gran.short()} @ {b._role.value} {b._gran.short()} "
+            "(CastConfig.scaling_granularity of both operands of a gemm must be MX, and each "
+            "is cast along the dim its gemm reduces)"
+        )
+
+
+def mx_scaled_mm(
+    a: Float8TrainingTensor,
+    b: Float8TrainingTensor,
+    *,
+    emulate: bool = False,
+    out_dtype: torch.dtype,
+    gemm: str | None = None,
+) -> torch.Tensor:
+    """``a @ b`` for MX operands (use ``scaled_mm``). CUDA: ``torch._scaled_mm`` with e8m0
+    scales in cuBLAS's blocked layout (``to_blocked``), bf16 out (SM100). Elsewhere, and with
+    ``emulate``: both operands dequantized to fp32 (exact: float8 values times powers of two)
+    and multiplied in fp32, the kernel's math up to the order of its fp32 sums."""
+    _check_mx(a, b)
+    if emulate or not a._data.is_cuda:
+        out = a._gran.dequantize(a._data, a._scale) @ b._gran.dequantize(b._data, b._scale)
+        return out.to(out_dtype)
+    k, n = a.shape[1], b.shape[1]
+    plan = mx_kernel_plan(k, n, gemm)
+    a_data, b_data = a._data, b._data
+    if not _is_row_major(a_data):
+        a_data = a_data.contiguous()
+    if not _is_col_major(b_data):
+        b_data = b_data.t().contiguous().t()
+    if plan.pad_inner:  # a partial last 32-block of K (a token count): zero bytes, exact
+        a_data = _pad_to(a_data, 1, 32)
+        b_data = _pad_to(b_data.t(), 1, 32).t()
+    e8m0 = torch.float8_e8m0fnu  # the bytes, as the kernel's dtype
+    scale_a = to_blocked(a._scale).view(e8m0)  # (M, K / 32)
+    scale_b = to_blocked(b._scale.t()).view(e8m0)  # (N, K / 32)
+    out = _kernel(a_data, b_data, scale_a, scale_b, plan.kernel_out_dtype, False)
+    return out.to(out_dtype)
+
+
+def mx_kernel_plan(k: int, n: int, gemm: str | None = None) -> KernelPlan:
+    """How the CUDA MX gemm runs an (M, K) @ (K, N) gemm: K zero-padded to whole 32-blocks
+    (a token count in the grad_weight gemm), bf16 out; raises when N is not a multiple of
+    16 (cuBLAS's rule) or K is not a multiple of 32 outside the grad_weight gemm (a layer
+    dim: the default module filter keeps such layers in hp)."""
+    inner_name, out_name = _GEMM_DIMS.get(gemm, ("the inner dim K", "the output dim N"))
+    where = f" in the {gemm} gemm" if gemm else ""
+    if n % _CUDA_ALIGN:
+        raise ValueError(
+            f"MX float8 gemm on CUDA needs {out_name} (here {n}) to be a multiple of 16{where}: "
+            "keep this layer in hp (the default module filter does)"
+        )
+    if k % 32 and gemm != "grad_weight":
+        raise ValueError(
+            f"MX float8 gemm needs {inner_name} (here {k}) to be a multiple of 32{where}: "
+            "keep this layer in hp (the default module filter does)"
+        )
+    return KernelPlan(-k % 32, torch.bfloat16)
+
+
 def _check_axes(a: Float8TrainingTensor, b: Float8TrainingTensor) -> None:
     """Axiswise scales must span the inner dim K: one per row of ``a``, per column of ``b``.
     Scales along the other dim have the same shape when M == K or K == N and would be
@@ -335,6 +423,10 @@ def scaled_mm(
             f"scaled_mm needs (M, K) @ (K, N); got {tuple(a.shape)} @ {tuple(b.shape)}"
         )
     out_dtype = out_dtype or a._orig_dtype
+    if a._gran.mx_dim is not None or b._gran.mx_dim is not None:
+        if 0 in (a.shape[0], a.shape[1], b.shape[1]):
+            return torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a._data.device)
+        return mx_scaled_mm(a, b, emulate=emulate, out_dtype=out_dtype, gemm=gemm)
     blockwise = a._block is not None or b._block is not None
     if not blockwise:
         _check_axes(a, b)

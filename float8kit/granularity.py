@@ -11,8 +11,11 @@ on the scale layout asks it, instead of branching on the kind: the scale's shape
 - ``Blockwise(rows, cols)``: one scale per ``rows`` x ``cols`` block of 2-D data, shape
   (ceil(R / rows), ceil(C / cols)): 1x128 / 128x1 activation tiles, 128x128 weight blocks.
 
+- ``MX(dim)``: OCP MX, one e8m0 power-of-two scale per 32 elements along ``dim`` (each
+  gemm's inner dim), shape the data's with ``dim`` reduced to ceil(n / 32).
+
 ``of(cast, role, reduce_dim, ndim)`` maps a ``CastConfig`` to its object: where a new
-format's scale layout (MX blocks) plugs in. Objects are frozen and hashable: compiled graphs
+format's scale layout plugs in. Objects are frozen and hashable: compiled graphs
 guard on them.
 
 Shard layout (the FSDP2 float8 all-gather, float8kit.distributed.fsdp). A weight's *scaling
@@ -45,6 +48,8 @@ class Granularity:
     # block-scaled operand (None where it does not apply)
     axiswise_dim: int | None = None
     block: tuple[int, int] | None = None
+    # the dim an MX operand's 32-element blocks run along (None: not MX)
+    mx_dim: int | None = None
 
     def short(self) -> str:
         raise NotImplementedError
@@ -56,6 +61,14 @@ class Granularity:
     def expand(self, scale: torch.Tensor, shape) -> torch.Tensor:
         """``scale`` broadcastable to one scale per element of data of ``shape``."""
         return scale
+
+    def dequantize(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The fp32 values float8 ``data`` with ``scale`` stands for."""
+        return data.to(torch.float32) / self.expand(scale, data.shape)
+
+    def multiplier(self, scale: torch.Tensor, shape) -> torch.Tensor:
+        """The fp32 factor per element that took hp to float8 (``fp8 ~ hp * factor``)."""
+        return self.expand(scale, shape)
 
     def transpose(self, scale: torch.Tensor, d0: int, d1: int):
         """(granularity, scale) of the data transposed along ``d0``, ``d1`` (non-negative)."""
@@ -262,6 +275,81 @@ class Blockwise(Granularity):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class MX(Granularity):
+    """OCP MX blocks: one e8m0 scale byte (uint8 holding ``torch.float8_e8m0fnu``'s bits:
+    ``2 ** (byte - 127)``,
+    which *divides*: ``hp ~ fp8 * 2 ** (byte - 127)``) per 32 consecutive elements along
+    ``dim``; the scale has the data's shape with ``dim`` reduced to ceil(n / 32). A partial
+    last block (a token count) is a block of fewer elements. The cast is
+    ``float8kit.cast.to_mx``; the gemm ``float8kit.gemm.mx_scaled_mm``."""
+
+    dim: int
+
+    @property
+    def mx_dim(self) -> int:
+        return self.dim
+
+    def short(self) -> str:
+        return f"mx(dim={self.dim}, 1x32)"
+
+    def amax(self, hp):
+        return scaling.mx_block_amax(hp, self.dim)
+
+    def expand(self, scale, shape):
+        full = scale.repeat_interleave(32, dim=self.dim)
+        return full.narrow(self.dim, 0, shape[self.dim])
+
+    def dequantize(self, data, scale):
+        descale = scaling.mx_descale(scale)
+        return data.to(torch.float32) * self.expand(descale, data.shape)
+
+    def multiplier(self, scale, shape):
+        return self.expand(scaling.mx_descale(scale).reciprocal(), shape)
+
+    def transpose(self, scale, d0, d1):
+        dim = {d0: d1, d1: d0}.get(self.dim, self.dim)
+        return MX(dim), scale.transpose(d0, d1)
+
+    def view(self, scale, old, new, func):
+        # flattening / unflattening the leading dims of data blocked along its last dim
+        if self.dim == len(old) - 1 and new[-1] == old[-1]:
+            return MX(len(new) - 1), scale.reshape(*new[:-1], scale.shape[-1])
+        if tuple(new) == tuple(old):
+            return self, scale
+        raise NotImplementedError(
+            f"float8kit: {func} from {tuple(old)} to {tuple(new)} would cut through the 32-"
+            f"element MX blocks of a Float8TrainingTensor (blocked along dim {self.dim}); call "
+            ".dequantize() first if hp math is really meant"
+        )
+
+    def strided(self, scale, rows, ndim):
+        # the first whole rows of data blocked along its last dim keep their rows' scales
+        return scale[:rows] if rows is not None and self.dim == ndim - 1 else None
+
+    def sliced(self, scale, dim, fn, func):
+        if dim == self.dim:
+            self._refuse(func)
+        return fn(scale)
+
+    def split(self, scale, dim, n, fn, func):
+        if dim == self.dim:
+            self._refuse(func)
+        return fn(scale)
+
+    def cat(self, scales, dim, fn, func):
+        if dim == self.dim:
+            self._refuse(func)
+        return fn(scales)
+
+    def _refuse(self, func):
+        raise NotImplementedError(
+            f"float8kit: {func} along the blocked dim {self.dim} of an MX Float8TrainingTensor "
+            "would cut through its 32-element scale blocks; call .dequantize() first if hp "
+            "math is really meant"
+        )
+
+
 TENSORWISE = Tensorwise()
 
 
@@ -271,6 +359,8 @@ def of(cast: CastConfig, role: GemmRole, reduce_dim: int, ndim: int) -> Granular
     activations in 1 x block_size tiles along ``reduce_dim`` (block_size x 1 when that is
     dim 0); axiswise scales along ``reduce_dim``."""
     gran = cast.scaling_granularity
+    if gran is ScalingGranularity.MX:
+        return MX(reduce_dim % ndim)
     if gran is ScalingGranularity.AXISWISE:
         return Axiswise(reduce_dim % ndim)
     if gran is ScalingGranularity.BLOCKWISE:

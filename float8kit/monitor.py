@@ -135,7 +135,7 @@ def _operand_sums(
         return hp.new_zeros(_OPERAND_SUMS, dtype=torch.float64)
     state_scale, _, scale_set = mod.fp8_state.operand(mod, role, record=False)
     fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
-    scale = fp8._gran.expand(fp8._scale, fp8._data.shape)
+    scale = fp8._gran.multiplier(fp8._scale, fp8._data.shape)
     scaled = hp.to(torch.float32) * scale
     data = fp8._data
     # above the max by more than fp32 rounding: a DYNAMIC scale maps the amax element to
@@ -149,7 +149,7 @@ def _operand_sums(
             torch.tensor(float(hp.numel()), dtype=torch.float64, device=hp.device),
             underflow.double(),
             nonzero.sum().double(),
-            fp8._scale.amin().double(),
+            scale.amin().double(),
         ]
     )
 

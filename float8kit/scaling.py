@@ -257,3 +257,95 @@ def row_block_amax(shard: torch.Tensor, block_size: int, start: int) -> torch.Te
     out = rows.new_zeros(((start + n - 1) // b - first + 1, rows.shape[1]))
     out.scatter_reduce_(0, block[:, None].expand_as(rows), rows, "amax")
     return nan_to_inf(out)
+
+
+# ---------------------------------------------------------------------------- MX blocks
+#
+# OCP MX (``ScalingGranularity.MX``): one power-of-two scale per 32 consecutive elements
+# along one dim, stored as an e8m0 byte (the biased exponent: 2 ** (byte - 127); 255 is
+# NaN). Here the scale *decision* (amax -> byte) and the byte's two readings: the
+# multiplier a cast applies, and the factor that dequantizes.
+
+_MX_BYTE_NAN = 255
+# the exponent of fp8_max: 448 = 1.75 * 2**8, 57344 = 1.75 * 2**15
+_FP8_MAX_EXPONENT = {E4M3: 8, E5M2: 15}
+
+
+def mx_blocks(hp: torch.Tensor, dim: int) -> torch.Tensor:
+    """``hp`` with ``dim`` moved last, zero-padded to a multiple of 32 and split in blocks:
+    shape (..., ceil(n / 32), 32). A partial last block (a token count that is not a
+    multiple of 32) is padded with zeros, which change neither its amax nor a gemm's sums."""
+    x = hp.movedim(dim, -1)
+    n = x.shape[-1]
+    pad = -n % 32
+    if pad:
+        x = F.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], (n + pad) // 32, 32)
+
+
+def mx_block_amax(hp: torch.Tensor, dim: int) -> torch.Tensor:
+    """max(|hp|) in fp32 per 32 elements along ``dim`` (computed in ``hp``'s dtype, exact):
+    ``hp``'s shape with ``dim`` reduced to ceil(n / 32). NaN propagates."""
+    if hp.numel() == 0:
+        shape = list(hp.shape)
+        shape[dim] = -(-shape[dim] // 32)
+        return torch.zeros(shape, dtype=torch.float32, device=hp.device)
+    amax = torch.amax(torch.abs(mx_blocks(hp, dim)), dim=-1).to(torch.float32)
+    return amax.movedim(-1, dim)
+
+
+def mx_scale_bits(amax: torch.Tensor, fp8_dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """The e8m0 byte (uint8) of each block's scale from its fp32 ``amax``.
+
+    ``"rceil"``: ``ceil(log2(amax / fp8_max))``, the quotient correctly rounded to fp32 and
+    its log2 taken exactly from its bits (what cuBLAS's and Transformer Engine's
+    ``cvt.rp.satfinite.ue8m0x2.f32`` does: round up, saturate at 2^127); NaN -> 255, inf ->
+    254, a zero or tiny block -> 0. No element saturates. ``"floor"``: amax's exponent minus
+    fp8_max's (the OCP spec's rounding), clamped to [0, 255]; NaN -> 255. Values above
+    ``fp8_max * 2 ** e`` saturate."""
+    amax = amax.to(torch.float32)
+    if rounding == "floor":
+        exp_bits = (amax.view(torch.int32) >> 23) & 0xFF
+        byte = torch.clamp(exp_bits - _FP8_MAX_EXPONENT[fp8_dtype], 0, 255)
+    else:
+        descale = amax / fp8_max(fp8_dtype)
+        bits = descale.view(torch.int32)
+        exp_bits, mantissa = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        # normal: 2^(exp - 127) * 1.m, whose ceil(log2) adds 1 unless m == 0; subnormal
+        # (exp 0): m * 2^-149 < 2^-126, whose ceil(log2) is -126 above 2^-127, else <= -127
+        normal = exp_bits - 127 + (mantissa != 0).to(torch.int32)
+        subnormal = -127 + (mantissa > 1 << 22).to(torch.int32)
+        ceil_log2 = torch.where(exp_bits > 0, normal, subnormal)
+        byte = torch.clamp(ceil_log2, -127, 127) + 127
+    byte = torch.where(torch.isnan(amax), _MX_BYTE_NAN, byte)
+    return byte.to(torch.uint8)
+
+
+def _pow2_from_biased(biased: torch.Tensor) -> torch.Tensor:
+    """2 ** (biased - 127) in fp32 for int32 ``biased`` in [1, 254] (built from the bits)."""
+    return (biased << 23).view(torch.float32)
+
+
+def mx_multiplier(byte: torch.Tensor, rounding: str) -> torch.Tensor:
+    """The fp32 factor a cast multiplies a block by: ``2 ** (127 - byte)``.
+
+    ``"rceil"`` (Transformer Engine's and torchao's reading): byte 255 (NaN) -> NaN, 254 ->
+    2^-127, 0 -> 1 (a block that small casts to zeros either way). ``"floor"`` (torchao's
+    division by the scale, clamped at fp32's smallest normal 2^-126): byte 255 -> 0 (the
+    block's NaN stays NaN, inf becomes NaN), 0 -> 2^126."""
+    b = byte.to(torch.int32)
+    if rounding == "floor":
+        mult = _pow2_from_biased(254 - torch.clamp(b, 1, 253))
+        return torch.where(b == _MX_BYTE_NAN, 0.0, mult)
+    mult = _pow2_from_biased(254 - torch.clamp(b, 1, 253))
+    mult = torch.where(b == 254, 2.0**-127, mult)
+    mult = torch.where(b == 0, 1.0, mult)
+    return torch.where(b == _MX_BYTE_NAN, math.nan, mult)
+
+
+def mx_descale(byte: torch.Tensor) -> torch.Tensor:
+    """The fp32 factor that dequantizes a block: ``2 ** (byte - 127)``; 255 -> NaN."""
+    b = byte.to(torch.int32)
+    d = _pow2_from_biased(torch.clamp(b, 1, 254))
+    d = torch.where(b == 0, 2.0**-127, d)
+    return torch.where(b == _MX_BYTE_NAN, math.nan, d)

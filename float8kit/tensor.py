@@ -25,7 +25,8 @@ class Float8TrainingTensor(torch.Tensor):
           (the hp dtype it stands for), so autograd and FSDP2 see an hp tensor.
         - ``_scale`` is fp32 and multiplies: ``_data ~ saturate(hp * _scale)``, laid out as
           ``_gran`` says (float8kit.granularity: tensorwise shape ``()``, axiswise the data's
-          shape with the scaled-along dim reduced to 1, blockwise one scale per block).
+          shape with the scaled-along dim reduced to 1, blockwise one scale per block); MX
+          blocks (``granularity.MX``) carry e8m0 exponent bytes (uint8) instead, which divide.
         - ``_role`` says which linear operand it is; ``_config`` carries the gemm settings
           (fast accumulation, emulate, padding) that ``mm`` on it uses (None = defaults).
         - Every aten op on it goes through ``OP_TABLE`` (float8kit/ops.py); an op not in it
@@ -106,9 +107,9 @@ class Float8TrainingTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The hp tensor this stands for: ``_data / _scale`` in ``dtype`` (default: hp)."""
-        scale = self._gran.expand(self._scale, self._data.shape)
-        return (self._data.to(torch.float32) / scale).to(dtype or self._orig_dtype)
+        """The hp tensor this stands for: ``_data / _scale`` (MX: ``_data * 2 ** (e - 127)``)
+        in ``dtype`` (default: hp)."""
+        return self._gran.dequantize(self._data, self._scale).to(dtype or self._orig_dtype)
 
     def with_data(
         self,
