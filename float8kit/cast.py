@@ -112,7 +112,10 @@ def to_mx(
     # an inf in a finite block's scale stays inf after the multiply: NaN (e4m3fn) or inf
     # (e5m2) instead of fp8_max, so that an overflow is never saturated away
     fill = math.nan if fp8_dtype == E4M3 else scaled
-    data = torch.where(torch.isinf(scaled), fill, clamped).to(fp8_dtype)
+    # contiguous in the blocked order: dim-major, as the gemm that reduces ``dim`` takes it
+    data = torch.where(torch.isinf(scaled), fill, clamped).to(
+        fp8_dtype, memory_format=torch.contiguous_format
+    )
     data = data.reshape(*data.shape[:-2], -1)
     if data.shape[-1] != n:
         data = data[..., :n]
