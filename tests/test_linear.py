@@ -21,6 +21,7 @@ THRESHOLDS = {
     "tensorwise": (25, 20, 20),
     "rowwise": (25, 25, 25),
     "rowwise_with_gw_hp": (25, 25, 25),
+    "mxfp8": (25, 25, 25),
 }
 
 
@@ -133,7 +134,7 @@ def test_extra_repr():
 
 # ---------------------------------------------------------------------------- edge inputs
 
-EDGE_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"]
+EDGE_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8"]
 
 
 @pytest.mark.parametrize("recipe", EDGE_RECIPES)
@@ -211,7 +212,7 @@ class _Bf16CopiesOfShape(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
 def test_autocast_casts_fp32_weight_to_float8_without_a_bf16_copy(recipe):
     # 0.1.0 made a bf16 copy of every fp32 weight per forward before the float8 cast
     hp, f8 = layer(recipe, dtype=torch.float32)
