@@ -447,3 +447,23 @@ def test_train_monitor_flag_writes_the_table_and_changes_no_loss(tmp_path):
 
 
 # ---------------------------------------------------------------------------- overhead
+
+
+def test_mxfp8_layers_report_independent_sqnr_and_rceil_saturates_nothing():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("mxfp8"))
+    monitor = Float8Monitor(model, every=1)
+    x = torch.randn(96, 64) * torch.logspace(-2, 2, 64)  # six decades of column scales
+    out = model(x)
+    out.square().mean().backward()
+    rows = {(r["layer"], r["gemm"]): r for r in monitor.report()}
+    assert len(rows) == 6
+    first = model[0]
+    ref = F.linear(x.double(), first.weight.double(), first.bias.double())
+    want = sqnr(ref, first(x).detach())
+    assert 20 < want < 40
+    assert abs(rows[("0", "output")]["sqnr_db"] - want) < 1
+    for r in rows.values():
+        assert r["saturated"] == 0, r  # RCEIL rounds every block's scale up: nothing clamps
+        assert 20 < r["sqnr_db"] < 40, r
