@@ -113,7 +113,7 @@ def to_mx(
     # (e5m2) instead of fp8_max, so that an overflow is never saturated away
     fill = math.nan if fp8_dtype == E4M3 else scaled
     data = torch.where(torch.isinf(scaled), fill, clamped).to(fp8_dtype)
-    data = data.reshape(*data.shape[:-2], -1)
+    data = data.flatten(-2)  # (not reshape(..., -1): ambiguous for an empty tensor)
     if data.shape[-1] != n:
         data = data[..., :n]
     return data.movedim(-1, dim), byte
