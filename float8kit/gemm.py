@@ -18,7 +18,9 @@ MX operands (OCP MXFP8: e8m0 scales per 32 along K) go to ``mx_scaled_mm``: on C
 ``torch._scaled_mm`` with the scales in cuBLAS's blocked layout (``to_blocked``, SM100);
 elsewhere both operands dequantized to fp32 (exact) and multiplied in fp32.
 
-``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups.
+``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups;
+``mx_scaled_grouped_mm`` its MX form (``torch._scaled_grouped_mm`` with e8m0 scales in the
+kernel's per-group blocked layouts, computed without a host sync).
 """
 
 from __future__ import annotations

@@ -669,3 +669,26 @@ def test_mx_compiled_fullgraph_is_bitwise_eager():
     names = ("output", "grad_input", "grad_w1", "grad_w2")
     for name, e, c in zip(names, eager, compiled, strict=True):
         assert_compiled_matches_eager(e, c, name)
+
+
+def test_mx_one_rank_fsdp2_hp_all_gather_equals_unsharded():
+    # FSDP2 gathers the hp expert weights (an MX config refuses the float8 all-gather);
+    # each gemm casts them to MX as on one device: bitwise, over two steps
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = convert_experts_to_float8_training(Experts(), config=MX_CONFIG)
+    model = convert_experts_to_float8_training(Experts(), config=MX_CONFIG)
+    model.load_state_dict(ref.state_dict())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        for step in range(2):
+            x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+            want, got = run(ref, x, grad), run(model, x, grad)
+            for w, g in zip(want, got, strict=True):
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                assert torch.equal(w, g), step
+    finally:
+        dist.destroy_process_group()
