@@ -116,7 +116,7 @@ def to_mx(
     data = torch.where(torch.isinf(scaled), fill, clamped).to(
         fp8_dtype, memory_format=torch.contiguous_format
     )
-    data = data.reshape(*data.shape[:-2], -1)
+    data = data.flatten(-2)  # (not reshape(..., -1): ambiguous for an empty tensor)
     if data.shape[-1] != n:
         data = data[..., :n]
     return data.movedim(-1, dim), byte

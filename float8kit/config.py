@@ -536,18 +536,23 @@ class Float8ExpertsConfig:
     """How ``convert_experts_to_float8_training`` runs MoE expert weights' grouped gemms.
 
     Composes the cast and gemm settings of a linear layer: ``cast_config`` casts every operand
-    of the three grouped gemms (DYNAMIC AXISWISE e4m3, the one float8 grouped kernel torch
-    has: scales per token and per expert column in the output and grad_input gemms, per
-    expert group in the weight-gradient gemm), ``gemm_config_output`` sets the output gemm.
+    of the three grouped gemms, DYNAMIC e4m3 in one of torch's two float8 grouped kernels:
+    AXISWISE (scales per token and per expert column in the output and grad_input gemms, per
+    expert group in the weight-gradient gemm) or MX (MXFP8, Blackwell: one e8m0 scale per 32
+    elements along each gemm's inner dim; token groups padded to 32 rows for the
+    weight-gradient gemm, whose blocks run along tokens). ``gemm_config_output`` sets the
+    output gemm. Named presets: ``from_recipe_name("rowwise")`` (the default) and
+    ``from_recipe_name("mxfp8")``.
     """
 
-    # the cast of every grouped-gemm operand (DYNAMIC AXISWISE e4m3 only)
+    # the cast of every grouped-gemm operand (DYNAMIC, e4m3, AXISWISE or MX)
     cast_config: CastConfig = CastConfig(
         scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3
     )
     # the output gemm (fast accumulation on CUDA); the backward gemms run without it
     gemm_config_output: GemmConfig = GemmConfig()
-    # floor every scale to a power of two (exact rescaling, as the rowwise linear recipe)
+    # floor every scale to a power of two (exact rescaling, as the rowwise linear recipe;
+    # AXISWISE only: MX scales are powers of two by definition)
     round_scales_to_power_of_2: bool = True
     # run the float8 math in fp32 instead of torch._scaled_grouped_mm (CPU always does:
     # torch has no CPU kernel)
@@ -563,17 +568,43 @@ class Float8ExpertsConfig:
     # Only the float8 all-gather reads it; a gathered weight used the other way than set raises.
     weight_layout: str | None = None
 
+    @staticmethod
+    def from_recipe_name(name: str | Float8Recipe) -> Float8ExpertsConfig:
+        """A named preset: ``rowwise`` (the default config) or ``mxfp8`` (MX e4m3 operands,
+        RCEIL scales, no fast accumulation: the MX kernel has none)."""
+        recipes = {Float8Recipe.ROWWISE: _experts_rowwise, Float8Recipe.MXFP8: _experts_mxfp8}
+        try:
+            return recipes[Float8Recipe(name)]()
+        except (ValueError, KeyError):
+            valid = ", ".join(repr(r.value) for r in recipes)
+            raise ValueError(
+                f"unknown Float8ExpertsConfig recipe {name!r}: use one of {valid}"
+            ) from None
+
     def __post_init__(self):
         c = self.cast_config
         if not isinstance(c, CastConfig) or (
             c.scaling_type is not ScalingType.DYNAMIC
-            or c.scaling_granularity is not ScalingGranularity.AXISWISE
+            or c.scaling_granularity not in (ScalingGranularity.AXISWISE, ScalingGranularity.MX)
             or c.dtype_for(GemmRole.INPUT) != E4M3
         ):
             raise ValueError(
                 f"Float8ExpertsConfig.cast_config={c!r} is not supported: the float8 grouped "
-                "gemm takes DYNAMIC AXISWISE e4m3 operands only; use CastConfig("
-                "scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3), the default"
+                "gemms take DYNAMIC e4m3 operands, AXISWISE or MX; use CastConfig("
+                "scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3), the "
+                'default, or Float8ExpertsConfig.from_recipe_name("mxfp8")'
+            )
+        if c.is_mx and self.enable_fsdp_float8_all_gather:
+            raise ValueError(
+                "Float8ExpertsConfig.enable_fsdp_float8_all_gather=True is not supported with "
+                "an MX cast_config yet: set enable_fsdp_float8_all_gather=False (FSDP2 gathers "
+                "the hp expert weights, each gemm casts them to MX)"
+            )
+        if c.is_mx and self.gemm_config_output.use_fast_accum:
+            raise ValueError(
+                "Float8ExpertsConfig.gemm_config_output.use_fast_accum=True does not apply to "
+                "MX: the MX kernel scales every 32 products in fp32 and has no fast "
+                "accumulation; use gemm_config_output=GemmConfig()"
             )
         if not isinstance(self.gemm_config_output, GemmConfig):
             raise ValueError(
@@ -717,6 +748,16 @@ def _mxfp8() -> Float8LinearConfig:
         cast_config_grad_output=mx,
         gemm_config_output=GemmConfig(),
     )
+
+
+def _experts_rowwise() -> Float8ExpertsConfig:
+    return Float8ExpertsConfig()
+
+
+def _experts_mxfp8() -> Float8ExpertsConfig:
+    # every operand of the three grouped gemms cast from hp along the dim its gemm reduces
+    mx = CastConfig(scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3)
+    return Float8ExpertsConfig(cast_config=mx, gemm_config_output=GemmConfig())
 
 
 _RECIPES = {

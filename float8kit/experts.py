@@ -16,6 +16,12 @@ cumulative ends, as torch wants). Rowwise scales along the inner dim come from
 dim is the jagged token dim, so its scales are per group (``scaling.group_amax``), and an expert
 that got no tokens gets an exactly zero gradient.
 
+With an MX ``Float8ExpertsConfig`` (``from_recipe_name("mxfp8")``) ``_MXGroupedMM`` runs the
+same three gemms in MXFP8 (``gemm.mx_scaled_grouped_mm``): every operand cast from hp by
+``cast.to_mx`` along the dim its gemm reduces (one e8m0 scale per 32 elements), token groups
+zero-padded to multiples of 32 rows for the grad_weight gemm, whose 32-blocks run along
+tokens and so must not straddle two experts.
+
 A converted weight runs in float8 or raises, never in hp silently. Float8 forms: that
 grouped call (with ``w`` or ``w.transpose(-2, -1)``); transformers' own
 ``transformers::grouped_mm_fallback`` (its "grouped_mm" experts under ``torch.compile`` with
@@ -53,7 +59,7 @@ from torch import nn
 from float8kit import cast
 from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.distributed.fsdp import local_scale_inputs, local_scale_outputs
-from float8kit.gemm import scaled_grouped_mm
+from float8kit.gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
 
 aten = torch.ops.aten
@@ -276,6 +282,79 @@ class _Float8GroupedMM(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
+class _MXGroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(x, weight, offs=offs)`` with all three gemms in MXFP8 (a
+    ``Float8ExpertsConfig`` with an MX ``cast_config``); internal.
+
+    Invariants: ``x`` is 2-D (M, K) hp, sorted by group; ``weight`` is the hp (G, K, N)
+    tensor (an MX config refuses the float8 all-gather). Every operand is cast from hp by
+    ``cast.to_mx`` along the dim its gemm reduces, never a quantized tensor transposed:
+    output = x along K @ weight along K; grad_input = grad_out along N @ weight along N;
+    grad_weight = x.T @ grad_out along the tokens, per group, after every token group is
+    zero-padded to a multiple of 32 rows in hp (``gemm.pad_token_groups``, no host sync) so
+    that no 32-block straddles two experts (an expert without tokens sums 32 zero rows:
+    an exactly zero gradient). Saves hp ``x`` and the hp weight. Results come out of the
+    kernel (or its emulation) as bf16 and are cast to ``x``'s / the weight's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
+        w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
+        if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
+            raise ValueError(  # the config refuses this; a hand-made weight could reach it
+                "float8kit: an MX expert weight cannot come from a float8 all-gather: set "
+                "Float8ExpertsConfig.enable_fsdp_float8_all_gather=False"
+            )
+        rounding = config.cast_config.mx_scale_rounding
+        x_data, x_scale = cast.to_mx(x, 1, E4M3, rounding)
+        w_data, w_scale = cast.to_mx(w_hp, 1, E4M3, rounding)
+        ctx.save_for_backward(x, offs, w_hp)
+        ctx.config, ctx.w_dtype = config, weight.dtype
+        return mx_scaled_grouped_mm(
+            x_data, x_scale, w_data, w_scale, offs, out_dtype=x.dtype, emulate=config.emulate
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        c = ctx.config
+        rounding = c.cast_config.mx_scale_rounding
+        x, offs, w_hp = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            go_data, go_scale = cast.to_mx(grad_output, 1, E4M3, rounding)
+            w_data, w_scale = cast.to_mx(w_hp, 2, E4M3, rounding)  # along N
+            grad_input = mx_scaled_grouped_mm(
+                go_data,
+                go_scale,
+                w_data.transpose(-2, -1),
+                w_scale.transpose(-2, -1),
+                offs,
+                out_dtype=x.dtype,
+                emulate=c.emulate,
+            )
+        if ctx.needs_input_grad[1]:
+            x_pad, offs_pad, _ = pad_token_groups(x, offs, 32)
+            go_pad, _, _ = pad_token_groups(grad_output, offs, 32)
+            x_data, x_scale = cast.to_mx(x_pad, 0, E4M3, rounding)
+            go_data, go_scale = cast.to_mx(go_pad, 0, E4M3, rounding)
+            grad_weight = mx_scaled_grouped_mm(
+                x_data.t(),
+                x_scale.t(),
+                go_data,
+                go_scale,
+                offs_pad,
+                out_dtype=ctx.w_dtype,
+                emulate=c.emulate,
+            )
+        return grad_input, grad_weight, None, None
+
+
+def _grouped_function(config: Float8ExpertsConfig):
+    """The autograd Function that runs a converted weight's grouped gemms."""
+    return _MXGroupedMM if config.cast_config.is_mx else _Float8GroupedMM
+
+
 def _cast_gathered_the_other_way(weight) -> tuple[torch.Tensor, torch.Tensor]:
     """A float8-gathered weight reached the gemm transposed from how it was gathered: record
     the layout its use shows and cast it as this gemm needs, from the hp shards; or raise
@@ -330,7 +409,7 @@ def float8_grouped_mm(
         and bias is None
         and out_dtype in (None, mat_a.dtype)
     ):
-        return _Float8GroupedMM.apply(mat_a, mat_b, offs, mat_b._config)
+        return _grouped_function(mat_b._config).apply(mat_a, mat_b, offs, mat_b._config)
     raise NotImplementedError(
         "float8kit: a float8 expert weight supports torch._grouped_mm(x, w, offs=offs) with "
         "x 2-D (tokens, in), w the 3-D weight (experts, in, out), no bias and no out_dtype; "
@@ -347,7 +426,7 @@ def _float8_expert_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.size(-1))
     offs = torch.full((1,), x2.size(0), dtype=torch.int32, device=x.device)
-    out = _Float8GroupedMM.apply(x2, w.unsqueeze(0), offs, w._config)
+    out = _grouped_function(w._config).apply(x2, w.unsqueeze(0), offs, w._config)
     return out.reshape(*lead, out.size(-1))
 
 
@@ -594,6 +673,12 @@ def default_expert_filter(param: nn.Parameter, fqn: str) -> bool:
     return param.dim() == 3 and param.shape[-2] % 16 == 0 and param.shape[-1] % 16 == 0
 
 
+def mx_expert_filter(param: nn.Parameter, fqn: str) -> bool:
+    """The default filter with an MX config: 3-D with ``in`` and ``out`` multiples of 32 (each
+    is the inner dim of one grouped gemm, cut in 32-element MX blocks)."""
+    return param.dim() == 3 and param.shape[-2] % 32 == 0 and param.shape[-1] % 32 == 0
+
+
 def _store_plain_experts(module, state_dict, prefix, local_metadata) -> None:
     """state_dict post hook: expert weights as plain hp tensors (DTensors of them under
     FSDP2), sharing storage with the parameters."""
@@ -623,7 +708,8 @@ def convert_experts_to_float8_training(
         module: any module.
         config: how the grouped gemms cast; default ``Float8ExpertsConfig()``.
         param_filter_fn: ``fn(param, fqn) -> bool``; True converts that parameter. Default:
-            ``default_expert_filter`` (3-D, last two dims multiples of 16).
+            ``default_expert_filter`` (3-D, last two dims multiples of 16), with an MX config
+            ``mx_expert_filter`` (multiples of 32).
 
     Returns:
         ``module``, converted.
@@ -638,7 +724,8 @@ def convert_experts_to_float8_training(
     config = config if config is not None else Float8ExpertsConfig()
     if not isinstance(config, Float8ExpertsConfig):
         raise ValueError(f"config must be a Float8ExpertsConfig, got {type(config).__name__}")
-    keep = param_filter_fn if param_filter_fn is not None else default_expert_filter
+    default = mx_expert_filter if config.cast_config.is_mx else default_expert_filter
+    keep = param_filter_fn if param_filter_fn is not None else default
     wrapped: dict[int, nn.Parameter] = {}  # id(original) -> its wrapped parameter (ties)
     plan = []
     for fqn, mod in module.named_modules(remove_duplicate=False):

@@ -18,7 +18,9 @@ MX operands (OCP MXFP8: e8m0 scales per 32 along K) go to ``mx_scaled_mm``: on C
 ``torch._scaled_mm`` with the scales in cuBLAS's blocked layout (``to_blocked``, SM100);
 elsewhere both operands dequantized to fp32 (exact) and multiplied in fp32.
 
-``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups.
+``scaled_grouped_mm`` is the grouped (MoE experts) counterpart, over jagged groups;
+``mx_scaled_grouped_mm`` its MX form (``torch._scaled_grouped_mm`` with e8m0 scales in the
+kernel's per-group blocked layouts, computed without a host sync).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from float8kit import versions
+from float8kit import scaling, versions
 from float8kit.config import GEMMS
 from float8kit.tensor import Float8TrainingTensor
 
@@ -722,6 +724,157 @@ def _emulated_grouped_mm(
 
 @_emulated_grouped_mm.register_fake
 def _(a, inv_a, b, inv_b, offs):
+    if b.dim() == 3:
+        return a.new_empty((a.size(0), b.size(-1)), dtype=torch.bfloat16)
+    return a.new_empty((offs.size(0), a.size(0), b.size(1)), dtype=torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------- MX grouped
+
+
+def pad_token_groups(
+    t: torch.Tensor, offs: torch.Tensor, align: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t``'s rows (sorted by group, ``offs`` the cumulative group ends) with every group
+    zero-padded to a multiple of ``align`` rows (``token_group_padding``, no host sync).
+
+    Returns:
+        The padded rows, the padded ``offs``, and ``dest`` (each row's index in the padded
+        tensor: ``padded[dest]`` gives ``t`` back).
+    """
+    dest, padded_offs, rows = token_group_padding(offs, t.size(0), align)
+    return _scatter_rows(t, dest, rows), padded_offs, dest
+
+
+def _blocked_m_groups(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """An (M, KB) MX scale of token groups along M (each a multiple of 32 rows) in the
+    kernel's per-group blocked layout: each group's rows padded to a multiple of 128 and
+    laid out by ``to_blocked``, the groups one after another (torchao's
+    ``torch_to_blocked_2d_M_groups``). Groups of whole 128-row tiles make that one
+    ``to_blocked`` of the scattered rows; no host sync. Returns (rows, round_up(KB, 4))."""
+    padded, _, _ = pad_token_groups(scale, offs, 128)
+    return to_blocked(padded).view(padded.size(0), -1)
+
+
+def _blocked_k_groups(scale: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """An (M, TB) MX scale whose 32-blocks run along the jagged token dim (T / 32 blocks,
+    groups along it: ``offs`` // 32) in the kernel's layout for the 2-D x 2-D gemm: each
+    group's columns padded to a multiple of 4 and laid out by ``to_blocked`` (row tiles
+    first within the group), the groups one after another (torchao's
+    ``torch_to_blocked_2d_K_groups``). The 128 x 4 tiles are moved by computed indices, no
+    host sync. Returns (round_up(M, 128), padded columns)."""
+    col_offs = offs // 32
+    cols, padded_offs, _ = pad_token_groups(scale.t(), col_offs, 4)
+    x = cols.t()  # (M, TBp): each group's columns start at a multiple of 4
+    m, width = x.shape
+    hb, wb = -(-m // 128), width // 4
+    tiles = to_blocked(x).view(hb, wb, 512)  # row tiles first, over the whole width
+    # tile (r, c) of group g (its column tiles [s, e)) goes to s * hb + r * (e - s) + (c - s);
+    # the columns past the last group are one more group
+    ends = torch.cat([padded_offs.to(torch.int64) // 4, padded_offs.new_full((1,), wb)])
+    starts = F.pad(ends[:-1], (1, 0))
+    c = torch.arange(wb, device=x.device)
+    g = torch.searchsorted(ends, c, right=True).clamp(max=ends.numel() - 1)
+    s, e = starts[g], ends[g]
+    r = torch.arange(hb, device=x.device).unsqueeze(1)
+    dest = s * hb + r * (e - s) + (c - s)
+    out = torch.empty_like(tiles.view(-1, 512)).index_copy(0, dest.reshape(-1), tiles.view(-1, 512))
+    return out.view(hb * 128, width)
+
+
+def mx_scaled_grouped_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    out_dtype: torch.dtype,
+    emulate: bool = False,
+) -> torch.Tensor:
+    """The MXFP8 grouped gemm (MoE experts): e4m3 operands with one e8m0 scale byte per 32
+    elements along the inner dim (``cast.to_mx``'s uint8 scales, shaped like the data with
+    that dim reduced to ceil(n / 32)).
+
+    Shapes (G groups, ``offs`` the int32 cumulative group ends):
+
+    - 2-D x 3-D (output and grad_input): ``a`` (M, K) split along M, ``a_scale`` (M, K / 32);
+      ``b`` (G, K, N), ``b_scale`` (G, K / 32, N); result (M, N). K a multiple of 32.
+    - 2-D x 2-D (grad_weight): ``a`` (M, T) and ``b`` (T, N) split along the token dim T,
+      ``a_scale`` (M, T / 32), ``b_scale`` (T / 32, N); every group a multiple of 32 tokens
+      (``pad_token_groups``: a 32-block must not straddle two experts); result (G, M, N).
+
+    CUDA (SM100): ``torch._scaled_grouped_mm`` with the scales as ``torch.float8_e8m0fnu`` in
+    the kernel's blocked layouts (per group for the 2-D operands, per expert for the 3-D
+    one), token groups of the 2-D x 3-D gemm padded to 32 rows (zeros, no host sync), bf16
+    out. Elsewhere, and with ``emulate``: both operands dequantized to fp32 (exact), the fp32
+    grouped gemm, written as bf16 like the kernel (``float8kit::emulated_mx_grouped_mm``);
+    rows of ``a`` past ``offs[-1]`` come out as zeros.
+    """
+    if not (a.is_cuda and not emulate):
+        return _emulated_mx_grouped_mm(a, a_scale, b, b_scale, offs).to(out_dtype)
+    e8m0 = torch.float8_e8m0fnu
+    if b.dim() == 3:
+        groups, k, n = b.shape
+        if k % 32 or n % _CUDA_ALIGN:
+            raise ValueError(
+                f"MX grouped gemm on CUDA needs the expert weight's inner dim (here {k}) to be "
+                f"a multiple of 32 and its output dim (here {n}) of 16: keep this weight in hp "
+                "(param_filter_fn of convert_experts_to_float8_training)"
+            )
+        a_pad, offs_pad, dest = pad_token_groups(a, offs, 32)
+        scale_pad, _, _ = pad_token_groups(a_scale, offs, 32)
+        scale_a = _blocked_m_groups(scale_pad, offs_pad)
+        # per expert: its (N, K / 32) scales blocked, N padded to whole 128-row tiles
+        per_expert = F.pad(b_scale.transpose(1, 2), (0, 0, 0, -n % 128))
+        scale_b = to_blocked(per_expert.reshape(-1, per_expert.size(-1))).view(groups, -1)
+        if not (b.stride(-2) == 1 and b.stride(-1) >= k):
+            b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
+        out = torch._scaled_grouped_mm(
+            a_pad, b, scale_a.view(e8m0), scale_b.view(e8m0), offs=offs_pad,
+            out_dtype=torch.bfloat16,
+        )  # fmt: skip
+        return out[dest].to(out_dtype)
+    if not _is_row_major(a):
+        a = a.contiguous()
+    if not _is_col_major(b):
+        b = b.t().contiguous().t()
+    scale_a = _blocked_k_groups(a_scale, offs)
+    scale_b = _blocked_k_groups(b_scale.t(), offs)
+    out = torch._scaled_grouped_mm(
+        a, b, scale_a.view(e8m0), scale_b.view(e8m0), offs=offs, out_dtype=torch.bfloat16
+    )
+    return out.to(out_dtype)
+
+
+def _mx_dequantize(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """fp32 ``data`` times its blocks' ``2 ** (byte - 127)`` along ``dim`` (exact)."""
+    descale = scaling.mx_descale(scale).repeat_interleave(32, dim=dim)
+    return data.to(torch.float32) * descale.narrow(dim, 0, data.size(dim))
+
+
+@torch.library.custom_op("float8kit::emulated_mx_grouped_mm", mutates_args=())
+def _emulated_mx_grouped_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    offs: torch.Tensor,
+) -> torch.Tensor:
+    """The MX grouped kernel's numerics in fp32 (see ``mx_scaled_grouped_mm``), bf16 out; an
+    opaque op to ``torch.compile`` (and one that counts as an MX expert gemm)."""
+    if b.dim() == 3:
+        a32, b32 = _mx_dequantize(a, a_scale, 1), _mx_dequantize(b, b_scale, 1)
+        acc = _grouped_mm_fp32(a32, b32, offs)
+        rows = torch.arange(a.size(0), device=a.device, dtype=offs.dtype)
+        inside = torch.searchsorted(offs, rows, right=True) < offs.numel()
+        return torch.where(inside.unsqueeze(1), acc, 0.0).to(torch.bfloat16)
+    a32, b32 = _mx_dequantize(a, a_scale, 1), _mx_dequantize(b, b_scale, 0)
+    return _grouped_mm_fp32(a32, b32, offs).to(torch.bfloat16)
+
+
+@_emulated_mx_grouped_mm.register_fake
+def _(a, a_scale, b, b_scale, offs):
     if b.dim() == 3:
         return a.new_empty((a.size(0), b.size(-1)), dtype=torch.bfloat16)
     return a.new_empty((offs.size(0), a.size(0), b.size(1)), dtype=torch.bfloat16)

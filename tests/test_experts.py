@@ -3,6 +3,7 @@ two grouped gemms with SiLU between, an expert with no tokens, the emulated kern
 per-group torch._scaled_mm, compiled vs eager bitwise, plain state_dicts and checkpoints."""
 
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -476,3 +477,218 @@ def test_aligned_groups_give_the_unpadded_grouped_gemms(routing):
     if routing == "one_expert":
         want = ref / (sx[2 * DIM : 3 * DIM, None] * sgo[None, 2 * HIDDEN : 3 * HIDDEN])
         assert sqnr(want, gws[1][2]) > 40  # bf16 output rounding only
+
+
+# ---------------------------------------------------------------------------- MXFP8
+
+MX_CONFIG = Float8ExpertsConfig.from_recipe_name("mxfp8")
+# tokens per expert (4 experts): whole 32-blocks with an empty expert, and group sizes off
+# multiples of 32 (so the grad_weight gemm's 32-blocks along tokens need the padding)
+MX_COUNTS = {"aligned": [64, 0, 96, 32], "jagged": [37, 0, 50, 41], "small": [5, 16, 79, 30]}
+
+
+def _mx_grouped(x, w, offs, config=MX_CONFIG):
+    """x (M, K), w (G, K, N) through the MX experts Function; returns out, grads."""
+    from float8kit.experts import _MXGroupedMM
+
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    out = _MXGroupedMM.apply(x, w, offs, config)
+    return out, x, w
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts", MX_COUNTS)
+def test_mx_experts_match_torchao_emulated_bitwise(counts, dtype, rounding):
+    # torchao 0.18's MXFP8 grouped gemm, emulated on CPU (bf16 out; it wants the weight
+    # (G, K, N) column-major per expert, and pad_token_groups_for_grouped_mm=True for group
+    # sizes off multiples of 32): output, grad_input and grad_weight bitwise, fp32 and bf16
+    mx = pytest.importorskip("torchao.prototype.moe_training.mxfp8_grouped_mm")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    torch.manual_seed(0)
+    groups, k, n = 4, 64, 96
+    offs = torch.tensor(MX_COUNTS[counts]).cumsum(0).to(torch.int32)
+    x = torch.randn(int(offs[-1]), k, dtype=dtype)
+    w = (torch.randn(groups, k, n) / 8).to(dtype)
+    go = torch.randn(x.size(0), n).to(torch.bfloat16)
+    x_ao = x.clone().requires_grad_()
+    w_ao = w.transpose(-2, -1).contiguous().requires_grad_()  # (G, N, K): torchao's layout
+    want = mx._to_mxfp8_then_scaled_grouped_mm(
+        x_ao,
+        w_ao.transpose(-2, -1),
+        offs,
+        out_dtype=torch.bfloat16,
+        kernel_preference=KernelPreference.EMULATED,
+        scale_calculation_mode=getattr(ScaleCalculationMode, rounding.upper()),
+        pad_token_groups_for_grouped_mm=True,
+    )
+    want.backward(go)
+    cast_config = dataclasses.replace(MX_CONFIG.cast_config, mx_scale_rounding=rounding)
+    config = dataclasses.replace(MX_CONFIG, cast_config=cast_config)
+    got, x8, w8 = _mx_grouped(x, w, offs, config)
+    got.backward(go.to(dtype))
+    assert got.dtype == dtype and x8.grad.dtype == dtype and w8.grad.dtype == dtype
+    for what, a, b in (
+        ("output", want, got),
+        ("grad_input", x_ao.grad, x8.grad),
+        ("grad_weight", w_ao.grad.transpose(-2, -1), w8.grad),
+    ):
+        assert torch.equal(a.float(), b.float()), (what, sqnr(a.float(), b.float()))
+    empty = [g for g, c in enumerate(MX_COUNTS[counts]) if c == 0]
+    assert all(w8.grad[g].abs().max() == 0 for g in empty)
+
+
+def test_mx_experts_sqnr_vs_fp32_and_empty_expert_exact():
+    torch.manual_seed(0)
+    ref = Experts()
+    f8 = convert_experts_to_float8_training(Experts(), config=MX_CONFIG)
+    f8.load_state_dict(ref.state_dict())
+    x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    want, got = run(ref, x, grad), run(f8, x, grad)
+    n = int(OFFS[-1])
+    scores = {
+        "output": sqnr(want[0][:n], got[0][:n]),
+        "grad_input": sqnr(want[1][:n], got[1][:n]),
+        "grad_w1": sqnr(want[2], got[2]),
+        "grad_w2": sqnr(want[3], got[3]),
+    }
+    assert min(scores.values()) >= ACCURACY_DB, scores  # observed: 24.8 to 25.3 dB
+    for g in got[2:]:
+        assert g[1].abs().max() == 0 and g[0].abs().max() > 0  # expert 1: no tokens
+    # rows past offs[-1] belong to no expert: zero output and no gradient
+    assert got[0][n:].abs().max() == 0 and got[1][n:].abs().max() == 0
+
+
+def test_mx_experts_inf_stays_in_its_token_and_expert_and_no_tokens_give_zeros():
+    model = convert_experts_to_float8_training(Experts(), config=MX_CONFIG)
+    x = torch.randn(TOKENS, DIM)
+    x[20, 3] = float("inf")  # token 20: expert 2; MX makes an inf NaN (e4m3 has no inf)
+    out, _, grad_w1, _ = run(model, x, torch.randn(TOKENS, DIM))
+    assert torch.isnan(out).any(1).nonzero().flatten().tolist() == [20]
+    assert torch.isnan(grad_w1[2]).any() and not torch.isnan(grad_w1[[0, 1, 3]]).any()
+    empty = torch.zeros(0, DIM)
+    out, grad_input, grad_w1, grad_w2 = run(model, empty, empty, torch.zeros(4, dtype=torch.int32))
+    assert out.shape == grad_input.shape == (0, DIM)
+    assert grad_w1.abs().max() == 0 and grad_w2.abs().max() == 0
+
+
+@pytest.mark.parametrize("counts", MX_COUNTS)
+def test_mx_grad_weight_blocks_never_straddle_two_experts(counts):
+    # each expert's gradient is exactly the one it gets alone (a grouped call with only its
+    # tokens): its 32-blocks along tokens hold its own tokens only (zero padding between)
+    torch.manual_seed(0)
+    offs = torch.tensor(MX_COUNTS[counts]).cumsum(0).to(torch.int32)
+    x, w = torch.randn(int(offs[-1]), DIM), torch.randn(4, DIM, HIDDEN) / DIM**0.5
+    go = torch.randn(x.size(0), HIDDEN)
+    out, _, w8 = _mx_grouped(x, w, offs)
+    out.backward(go)
+    bounds = [0, *offs.tolist()]
+    for g in range(4):
+        lo, hi = bounds[g], bounds[g + 1]
+        one = torch.tensor([hi - lo], dtype=torch.int32)
+        alone_out, _, alone_w = _mx_grouped(x[lo:hi], w[g : g + 1], one)
+        alone_out.backward(go[lo:hi])
+        assert torch.equal(alone_w.grad[0], w8.grad[g]), g
+        assert torch.equal(alone_out, out[lo:hi]), g
+
+
+def test_mx_blocked_scale_layouts_are_torchaos():
+    # the CUDA kernel's scale layouts (no GPU here): per-group blocked 2-D scales for token
+    # groups along M (2d x 3d) and along K (2d x 2d), per-expert 3-D, as torchao 0.18's
+    # reference rearrangements build them (which loop over groups with a host sync)
+    quant = pytest.importorskip("torchao.prototype.moe_training.kernels.mxfp8.quant")
+    from float8kit.gemm import _blocked_k_groups, _blocked_m_groups, pad_token_groups, to_blocked
+
+    torch.manual_seed(0)
+    # groups as the kernel gets them: padded to 32 rows (an empty expert: 32 zero rows)
+    for counts in ([32, 32, 160, 96], [64, 32, 320, 32], [288, 32, 32, 32]):
+        offs32 = torch.tensor(counts).cumsum(0).to(torch.int32)
+        rows = int(offs32[-1])
+        scale = torch.randint(0, 255, (rows, 8), dtype=torch.uint8)  # (M, K / 32)
+        want, _ = quant.torch_to_blocked_2d_M_groups(scale, offs32)
+        got = _blocked_m_groups(scale, offs32)
+        _same_prefix_then_zeros(got, want)
+        scale_t = torch.randint(0, 255, (200, rows // 32), dtype=torch.uint8)  # (M, T / 32)
+        want, _ = quant.torch_to_blocked_2d_K_groups(scale_t, offs32 // 32)
+        got = _blocked_k_groups(scale_t, offs32)
+        _same_prefix_then_zeros(got, want)
+    w_scale = torch.randint(0, 255, (4, 200, 6), dtype=torch.uint8)  # (G, N, K / 32)
+    want = quant.torch_to_blocked_per_group_3d(w_scale)
+    per_expert = F.pad(w_scale, (0, 0, 0, -200 % 128)).reshape(-1, 6)
+    assert torch.equal(to_blocked(per_expert).view(4, -1), want)
+    # the 32-row padding of the grad_weight gemm's tokens: torchao's torch_pad_token_groups
+    x, offs = torch.randn(100, 8), torch.tensor([7, 7, 60, 100], dtype=torch.int32)
+    padded, offs_pad, dest = pad_token_groups(x, offs, 32)
+    want, _, want_offs = quant.torch_pad_token_groups(x, offs, 32)
+    assert torch.equal(padded[dest], x)
+    # torchao gives an empty expert no rows, float8kit 32 zero rows: same sums, both exact
+    for g, (lo, hi) in enumerate(zip([0, *offs_pad.tolist()], offs_pad.tolist(), strict=False)):
+        glo = [0, *want_offs.tolist()][g]
+        size = int(want_offs[g]) - glo
+        assert torch.equal(padded[lo : lo + size], want[glo : glo + size]), g
+        assert (padded[lo + size : hi] == 0).all(), g
+
+
+def _same_prefix_then_zeros(got: torch.Tensor, want: torch.Tensor) -> None:
+    got, want = got.reshape(-1), want.reshape(-1)
+    n = min(got.numel(), want.numel())
+    assert torch.equal(got[:n], want[:n])
+    assert got[n:].sum() == 0 and want[n:].sum() == 0
+
+
+def test_mx_config_named_preset_and_validation_name_the_field():
+    assert MX_CONFIG.cast_config.is_mx and MX_CONFIG.cast_config.mx_scale_rounding == "rceil"
+    assert Float8ExpertsConfig.from_recipe_name("rowwise") == Float8ExpertsConfig()
+    with pytest.raises(ValueError, match="unknown Float8ExpertsConfig recipe 'blockwise'"):
+        Float8ExpertsConfig.from_recipe_name("blockwise")
+    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True is not supported"):
+        dataclasses.replace(MX_CONFIG, enable_fsdp_float8_all_gather=True)
+    with pytest.raises(ValueError, match="gemm_config_output.use_fast_accum"):
+        dataclasses.replace(MX_CONFIG, gemm_config_output=GemmConfig(use_fast_accum=True))
+    e5m2 = dataclasses.replace(MX_CONFIG.cast_config, target_dtype=E5M2)
+    with pytest.raises(ValueError, match="Float8ExpertsConfig.cast_config"):
+        Float8ExpertsConfig(cast_config=e5m2)
+    # the default filter with MX: dims multiples of 32 (16 is not enough for a 32-block)
+    model = nn.Module()
+    model.a = nn.Parameter(torch.randn(4, 32, 64))
+    model.b = nn.Parameter(torch.randn(4, 48, 64))
+    convert_experts_to_float8_training(model, config=MX_CONFIG)
+    assert isinstance(model.a, Float8ExpertWeight) and not isinstance(model.b, Float8ExpertWeight)
+
+
+@pytest.mark.slow
+@inductor_config.patch(emulate_precision_casts=True)
+def test_mx_compiled_fullgraph_is_bitwise_eager():
+    torch._dynamo.reset()
+    model = convert_experts_to_float8_training(Experts(), config=MX_CONFIG)
+    x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    eager = [t.clone() for t in run(model, x, grad)]
+    compiled = run(torch.compile(model, fullgraph=True), x, grad)
+    names = ("output", "grad_input", "grad_w1", "grad_w2")
+    for name, e, c in zip(names, eager, compiled, strict=True):
+        assert_compiled_matches_eager(e, c, name)
+
+
+def test_mx_one_rank_fsdp2_hp_all_gather_equals_unsharded():
+    # FSDP2 gathers the hp expert weights (an MX config refuses the float8 all-gather);
+    # each gemm casts them to MX as on one device: bitwise, over two steps
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = convert_experts_to_float8_training(Experts(), config=MX_CONFIG)
+    model = convert_experts_to_float8_training(Experts(), config=MX_CONFIG)
+    model.load_state_dict(ref.state_dict())
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        for step in range(2):
+            x, grad = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+            want, got = run(ref, x, grad), run(model, x, grad)
+            for w, g in zip(want, got, strict=True):
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                assert torch.equal(w, g), step
+    finally:
+        dist.destroy_process_group()

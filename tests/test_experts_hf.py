@@ -375,3 +375,39 @@ def test_published_numbers_hold():
     fp32, f8 = d["losses"]["fp32"], d["losses"]["float8_experts"]
     assert f8[-1] < 0.5 * f8[0]  # it trains
     assert abs(f8[-1] - fp32[-1]) < 0.05 * fp32[-1]
+
+
+# ---------------------------------------------------------------------------- MXFP8 experts
+
+MX_GEMM = "float8kit.emulated_mx_grouped_mm.default"  # the CPU MXFP8 grouped gemm (emulated)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "mixtral"])
+def test_mxfp8_experts_train_close_to_hp_and_every_expert_gemm_is_mx(name):
+    ids = batch()
+    config = Float8ExpertsConfig.from_recipe_name("mxfp8")
+    hp = MODELS[name]()
+    mx = convert_experts_to_float8_training(MODELS[name](), config=config)
+    assert len(expert_params(mx)) == 2 * LAYERS  # every expert weight (dims multiples of 32)
+    assert all(p._config.cast_config.is_mx for _, p in expert_params(mx))
+    with OpCounter() as forward:
+        loss = mx(ids, labels=ids).loss
+    with OpCounter() as backward:
+        loss.backward()
+    # every expert grouped gemm ran MX: output forward, grad_input and grad_weight backward;
+    # none rowwise float8, none hp
+    assert forward.counts[MX_GEMM] == 2 * LAYERS and backward.counts[MX_GEMM] == 4 * LAYERS
+    for counts in (forward.counts, backward.counts):
+        assert counts[FLOAT8_GEMM] == 0 and counts["aten._grouped_mm.default"] == 0
+    # the first step's expert weight gradients vs hp: measured 23.4 to 24.1 dB, 14.9 and
+    # 15.6 dB for GPT-OSS's second layer (rowwise float8 experts measure the same there)
+    hp(ids, labels=ids).loss.backward()
+    for (fqn, p), (_, q) in zip(expert_params(hp), expert_params(mx), strict=True):
+        assert sqnr(p.grad, q.grad) > 12, (fqn, sqnr(p.grad, q.grad))
+    # 5 AdamW steps from the same init: losses within 3% of hp's at every step (measured at
+    # most 1.6% in 5 steps, 3.1% in 10, over 2 seeds), and it trains
+    want = _train(MODELS[name](), ids, 5)
+    got = _train(convert_experts_to_float8_training(MODELS[name](), config=config), ids, 5)
+    assert got[-1] < 0.8 * got[0], got
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) < 0.03 * a, (step, want, got)

@@ -242,3 +242,44 @@ def test_every_cuda_call_site_was_traced():
     assert not missing, f"CUDA call sites never traced: {missing}; traced: {dict(HITS)}"
     unknown = sorted(set(HITS) - CALL_SITES)
     assert not unknown, f"CUDA call sites missing from CALL_SITES: {unknown}"
+
+
+def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch):
+    # MXFP8 experts: all three grouped gemms reach torch._scaled_grouped_mm with e8m0 scales
+    # that pass torch's meta checks (2-D per-group blocked scales, 3-D per-expert
+    # (G, round_up(K / 32, 4) * round_up(N, 128))), token groups off multiples of 32, an
+    # empty expert, rows past the last expert
+    from float8kit.experts import _MXGroupedMM
+
+    seen = []
+    inner = torch._scaled_grouped_mm
+
+    def grouped(a, b, scale_a, scale_b, **kw):
+        seen.append((a.dim(), b.dim(), scale_a.dtype, scale_b.dtype, tuple(scale_b.shape)))
+        return inner(a, b, scale_a, scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", grouped)
+    groups, dim, hidden = 4, 256, 512
+    config = Float8ExpertsConfig.from_recipe_name("mxfp8")
+    e8m0 = torch.float8_e8m0fnu
+    for counts in ROUTINGS:
+        seen.clear()
+        tokens = sum(counts) + (7 if counts[0] == 5 else 0)  # rows past offs[-1]
+        with fake_cuda(), torch.device("cuda"):
+            weight = Float8ExpertWeight(torch.randn(groups, dim, hidden), config)
+            offs = torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+            x = torch.randn(tokens, dim, dtype=torch.bfloat16)
+            ctx = Ctx(4)
+            try:
+                out = _MXGroupedMM.forward(ctx, x, weight, offs, config)
+                grad_x, grad_w, *_ = _MXGroupedMM.backward(ctx, torch.randn_like(out))
+            except Exception as e:
+                raise AssertionError(f"MX experts, tokens per expert {counts}") from e
+            assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
+            assert grad_x.shape == x.shape and grad_x.dtype == torch.bfloat16
+            assert grad_w.shape == weight.shape and grad_w.dtype == torch.float32
+        assert seen == [
+            (2, 3, e8m0, e8m0, (groups, (dim // 32) * hidden)),  # output: K = dim
+            (2, 3, e8m0, e8m0, (groups, (hidden // 32) * dim)),  # grad_input: K = hidden
+            (2, 2, e8m0, e8m0, seen[2][4]),  # grad_weight: per-group blocked along tokens
+        ], counts
