@@ -33,10 +33,14 @@ from float8kit.tensor import Float8TrainingTensor
 
 _aten = torch.ops.aten
 # MoE experts (experts.py, through gemm.scaled_grouped_mm): CUDA's float8 grouped kernel, or
-# its emulation (float8kit::emulated_grouped_mm, float8kit's own opaque op: float8 operands
-# and their scales in, the kernel's numerics out).
+# its emulation (float8kit::emulated_grouped_mm / emulated_mx_grouped_mm, float8kit's own
+# opaque ops: float8 operands and their scales in, the kernel's numerics out).
 _FLOAT8_GROUPED_GEMMS = frozenset(
-    {_aten._scaled_grouped_mm.default, torch.ops.float8kit.emulated_grouped_mm.default}
+    {
+        _aten._scaled_grouped_mm.default,
+        torch.ops.float8kit.emulated_grouped_mm.default,
+        torch.ops.float8kit.emulated_mx_grouped_mm.default,  # MXFP8 experts off CUDA
+    }
 )
 
 

@@ -145,6 +145,8 @@ def test_policy_saves_only_float8_work_and_extra_ops():
     x = torch.randn(4, 4)
     aten = torch.ops.aten
     assert policy(None, aten._scaled_mm.default, x, x) is keep
+    for grouped in (aten._scaled_grouped_mm, torch.ops.float8kit.emulated_mx_grouped_mm):
+        assert policy(None, grouped.default, x, x) is keep  # MoE experts, MX ones too
     # a float8 cast: recomputed; with keep_input_casts, kept where a layer marks it as one
     # backward reads
     casts = checkpoint_policy(keep_input_casts=True)
