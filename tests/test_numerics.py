@@ -204,3 +204,23 @@ def test_mx_table_rows_are_the_runs():
     first = run_mx("rceil")
     assert rows[0]["float8kit_vs_fp32"] == sqnr(first["fp32"][0], first["float8kit"][0])
     assert all(r["bitwise_equal_to_torchao"] and r["float8kit_vs_torchao"] is None for r in rows)
+
+
+def test_mx_cast_inf_differs_from_torchao_as_documented():
+    # docs/numerics.md: torchao's to_mx saturates an inf element to 448; ours makes it NaN.
+    # Every other element of the blocks: the same bits and scales.
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx as peer_to_mx
+
+    from float8kit.cast import to_mx
+
+    x = torch.randn(4, 64) * 3
+    x[1, 5] = float("inf")
+    theirs_scale, theirs = peer_to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.FLOOR)
+    ours, ours_scale = to_mx(x, -1, torch.float8_e4m3fn, "floor")
+    theirs, ours = theirs.float(), ours.float()
+    assert theirs[1, 5] == 448.0 and ours[1, 5].isnan()
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[1, 5] = False
+    assert torch.equal(ours[keep], theirs[keep])
+    assert torch.equal(ours_scale.view(torch.uint8), theirs_scale.view(torch.uint8).view(4, 2))
