@@ -198,7 +198,7 @@ def tiny() -> None:
     """Every --float8 mode on the tiny preset (60 steps)."""
     compare_runs(
         "tiny",
-        ["--preset", "tiny", "--modes", "none,tensorwise,rowwise,rowwise_with_gw_hp,delayed"],
+        ["--preset", "tiny", "--modes", "none,tensorwise,rowwise,rowwise_with_gw_hp,delayed,mxfp8"],
     )
 
 
