@@ -658,6 +658,7 @@ finally:
         ("quickstart.py", ["--help"], 0, "--recipe"),
         ("quickstart.py", ["--recipe", "fp4"], 2, "invalid choice: 'fp4'"),
         ("quickstart.py", ["--dim", "100"], 2, "--dim 100 must be a multiple of 16"),
+        ("quickstart.py", ["--recipe", "mxfp8", "--dim", "48"], 2, "48 must be a multiple of 32"),
     ],
 )
 def test_usage_answers_before_torch_is_imported(script, flags, rc, expect):
