@@ -11,7 +11,15 @@ import argparse
 import sys
 from pathlib import Path
 
-FLOAT8_MODES = ["none", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"]
+FLOAT8_MODES = [
+    "none",
+    "tensorwise",
+    "rowwise",
+    "rowwise_with_gw_hp",
+    "delayed",
+    "blockwise",
+    "mxfp8",
+]
 HP_DTYPES = ["auto", "bfloat16", "float32"]
 DESCRIPTION = (
     "Train a small Llama-style byte-level model in high precision (bf16 or fp32), or with "
@@ -56,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         choices=FLOAT8_MODES,
         help="float8kit recipe for the block Linears (MoE experts: rowwise grouped gemms in "
-        "every float8 mode); none = the hp baseline (--hp-dtype)",
+        "every float8 mode; MX blocks with mxfp8 where Float8ExpertsConfig takes them); none = "
+        "the hp baseline (--hp-dtype)",
     )
     p.add_argument(
         "--hp-dtype",

@@ -173,6 +173,23 @@ def layer_filter(args: argparse.Namespace, config, tokens: int | None = None):
     return keep_float8
 
 
+def experts_config(recipe: str, model: torch.nn.Module):
+    """The MoE experts' grouped-gemm config for --float8: MX blocks for mxfp8 where float8kit's
+    Float8ExpertsConfig takes MX casts, rowwise (its default) for every other recipe and,
+    said on stdout when the model has experts, for mxfp8 where it does not."""
+    if recipe != "mxfp8" or not any(p.dim() == 3 for p in model.parameters()):
+        return float8kit.Float8ExpertsConfig()
+    mx = float8kit.Float8LinearConfig.from_recipe_name("mxfp8").cast_config_input
+    try:
+        return float8kit.Float8ExpertsConfig(cast_config=mx)
+    except ValueError:
+        print0(
+            "float8 experts: rowwise grouped gemms (this float8kit's Float8ExpertsConfig takes "
+            "no MX casts); the Linears run mxfp8"
+        )
+        return float8kit.Float8ExpertsConfig()
+
+
 def build_model(
     args: argparse.Namespace, device: torch.device, world_size: int, fp8_all_gather: bool
 ) -> torch.nn.Module:
@@ -195,7 +212,8 @@ def build_model(
                 module_filter_fn=layer_filter(
                     args, config, args.batch_size * args.seq_len // (world_size // args.tp)
                 ),
-            )
+            ),
+            config=experts_config(args.float8, model),
         )
     if args.recompute_norms:
         float8kit.recompute_norms(model)
@@ -208,9 +226,9 @@ def build_model(
         mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
         if args.tp > 1:
             # float8kit's styles all-gather float8 activations; they need a DYNAMIC
-            # tensorwise or rowwise input cast, so delayed, blockwise (and bf16) runs use
+            # tensorwise or rowwise input cast, so delayed, blockwise, mxfp8 (and bf16) runs use
             # torch's styles.
-            float8_styles = args.float8 not in ("none", "delayed", "blockwise")
+            float8_styles = args.float8 not in ("none", "delayed", "blockwise", "mxfp8")
             parallelize_module(model, mesh["tp"], tp_plan(model, float8_styles))
         # hp compute weights, fp32 gradient reduction: the same dtypes autocast gives the
         # single-process run, so 1 and N processes train the same model.
@@ -265,8 +283,13 @@ def describe_coverage(c: dict) -> str:
 def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
     # float8 all-gather for every recipe, on a 1-D or a 2-D (dp, tp) mesh (docs/fsdp.md),
     # except with --monitor, which measures against the hp weight
-    recipes = ("tensorwise", "delayed", "rowwise", "rowwise_with_gw_hp", "blockwise")
-    fp8_all_gather = world_size > args.tp and args.float8 in recipes and not args.monitor
+    fp8_all_gather = world_size > args.tp and args.float8 != "none" and not args.monitor
+    if fp8_all_gather:  # a recipe whose config refuses it (this version: mxfp8) gathers hp
+        recipe = float8kit.Float8LinearConfig.from_recipe_name(args.float8)
+        try:
+            replace(recipe, enable_fsdp_float8_all_gather=True)
+        except ValueError:
+            fp8_all_gather = False
     return build_model(args, device, world_size, fp8_all_gather), fp8_all_gather
 
 

@@ -176,3 +176,67 @@ def test_delayed_fan_out_resumes_bitwise_from_every_checkpoint_format(fmt, tmp_p
         assert torch.equal(want[k], got[k]), k
     assert second.q.fp8_state.tie is second.k.fp8_state.tie is second.v.fp8_state.tie is not None
     assert second.gate.fp8_state.tie is second.up.fp8_state.tie is not None
+
+
+def _mx_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False))
+    return convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name("mxfp8"))
+
+
+def test_mxfp8_config_and_mx_tensor_pickle_under_weights_only():
+    config = Float8LinearConfig.from_recipe_name("mxfp8")
+    assert round_trip(config) == config
+    x = cast_to_float8(torch.randn(16, 64), config.cast_config_input, GemmRole.INPUT, -1, config)
+    y = round_trip(x)
+    assert x._scale.dtype == torch.uint8 and y._scale.dtype == torch.uint8  # e8m0 bytes
+    assert type(y) is type(x) and torch.equal(y._scale, x._scale)
+    assert torch.equal(y._data.view(torch.uint8), x._data.view(torch.uint8))
+    assert torch.equal(y.dequantize(), x.dequantize())
+
+
+def test_mxfp8_resumes_bitwise_from_dcp(tmp_path):
+    """model and AdamW state through DCP (get/set_state_dict: FQN keys) into a model built
+    with another init; the resumed steps' losses and the final parameters are bitwise those
+    of the run that was not interrupted."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(2, 32, 64, generator=g) * (1 + i % 3) for i in range(6)]
+
+    def step(m, opt, x):
+        loss = m(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    ref_model = _mx_model(0)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    ref = torch.stack([step(ref_model, ref_opt, x) for x in batches])
+
+    first = _mx_model(0)
+    opt1 = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    head = torch.stack([step(first, opt1, x) for x in batches[:3]])
+    msd, osd = get_state_dict(first, opt1)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "dcp")
+
+    second = _mx_model(123)  # another init: everything must come from the checkpoint
+    opt2 = torch.optim.AdamW(second.parameters(), lr=1e-2)
+    step(second, opt2, batches[0])  # optimizer state to load into
+    msd, osd = get_state_dict(second, opt2)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=tmp_path / "dcp")
+    set_state_dict(second, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    tail = torch.stack([step(second, opt2, x) for x in batches[3:]])
+    assert torch.equal(torch.cat([head, tail]), ref)
+    # the checkpoint carried it all: the fresh init differed, and MX ran (not hp)
+    assert not torch.equal(_mx_model(123)[0].weight, _mx_model(0)[0].weight)
+    assert second[0].config.cast_config_input.is_mx
+    plain = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False))
+    plain.load_state_dict(second.state_dict())
+    assert not torch.equal(plain(batches[0]), second(batches[0]))
+    for (k, a), b in zip(ref_model.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    assert all(type(v) is torch.Tensor for v in second.state_dict().values())  # hp, as Linear's

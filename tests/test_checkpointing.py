@@ -1,7 +1,9 @@
 """Activation checkpointing: recomputed casts equal the first forward's (bitwise gradients,
 amax records and scales vs no checkpointing) for every recipe, eager and compiled, and the
-selective-checkpoint policy keeps the float8 gemm outputs and casts it says it keeps."""
+selective-checkpoint policy keeps the float8 gemm outputs and casts it says it keeps
+(mxfp8: its emulated MX gemms, and the input cast along dim 0 that grad_weight reads)."""
 
+import contextlib
 import copy
 import functools
 
@@ -17,7 +19,13 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from benchmarks.common import OpCounter
 from benchmarks.measures.memory import RECIPES, config
-from float8kit import Float8Linear, checkpoint_policy, convert_to_float8_training, precompute_scales
+from float8kit import (
+    Float8Linear,
+    checkpoint_policy,
+    convert_to_float8_training,
+    gemm,
+    precompute_scales,
+)
 from float8kit.cast import kept_cast
 from tests.helpers import count_scaled_mm
 
@@ -89,7 +97,7 @@ def inputs(n=STEPS):
 
 
 @pytest.mark.parametrize("ac", list(AC))
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", [*RECIPES, "mxfp8"])
 def test_eager_checkpointing_is_bitwise_no_checkpointing(recipe, ac):
     ref = nn.Sequential(block(recipe), block(recipe)).bfloat16()
     model = copy.deepcopy(ref)
@@ -105,7 +113,28 @@ def test_eager_checkpointing_is_bitwise_no_checkpointing(recipe, ac):
         assert counts and all(int(c) == 1 for c in counts)
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@contextlib.contextmanager
+def count_float8_gemms(recipe: str):
+    """The float8 gemms backward runs: ``torch._scaled_mm`` calls, or for mxfp8 (emulated
+    in fp32 on CPU) ``gemm.mx_scaled_mm`` calls."""
+    if recipe != "mxfp8":
+        with count_scaled_mm() as calls:
+            yield calls
+        return
+    calls, real = [], gemm.mx_scaled_mm
+
+    def counting(a, b, **kwargs):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return real(a, b, **kwargs)
+
+    gemm.mx_scaled_mm = counting
+    try:
+        yield calls
+    finally:
+        gemm.mx_scaled_mm = real
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8"])
 def test_selective_policy_keeps_float8_gemm_outputs(recipe):
     # What backward runs, per way of checkpointing: without checkpointing, each layer's two
     # backward gemms and its grad_output casts. Full checkpointing adds the forward again
@@ -118,21 +147,23 @@ def test_selective_policy_keeps_float8_gemm_outputs(recipe):
         if ac != "none":
             model = AC[ac](model)
         out = model(x).float().square().mean()
-        with count_scaled_mm() as gemms, OpCounter() as casts:
+        with count_float8_gemms(recipe) as gemms, OpCounter() as casts:
             out.backward()
         counts[ac] = (len(gemms), casts.float8_casts)
         grads[ac] = [p.grad for p in model.parameters()]
     layers = 4
-    casts_fwd = {"tensorwise": 2, "rowwise": 3}[recipe]  # input, weight (+ input along dim 0)
+    # input, weight (+ input along dim 0: rowwise and mxfp8 cast it for grad_weight)
+    casts_fwd = {"tensorwise": 2, "rowwise": 3, "mxfp8": 3}[recipe]
     gemms, casts = counts["none"]
     assert gemms == 2 * layers
     assert counts["full"] == (gemms + layers, casts + casts_fwd * layers)
     # the policy recomputes no gemm, and every forward cast (input and weight: a float8 copy
     # of neither is kept)
     assert counts["selective"] == (gemms, casts + casts_fwd * layers), counts
-    # keep_input_casts: it recomputes the weight cast and in rowwise the input scaled along
-    # dim 1, which only the output gemm reads (backward reads the dim-0 copy, kept)
-    recast = {"tensorwise": 1, "rowwise": 2}[recipe]
+    # keep_input_casts: it recomputes the weight cast and in rowwise (mxfp8) the input scaled
+    # (in blocks) along dim 1, which only the output gemm reads (backward reads the dim-0
+    # copy, kept)
+    recast = {"tensorwise": 1, "rowwise": 2, "mxfp8": 2}[recipe]
     assert counts["selective_casts"] == (gemms, casts + recast * layers), counts
     for ac in ("full", "selective", "selective_casts"):
         for a, b in zip(grads[ac], grads["none"], strict=True):
@@ -174,7 +205,8 @@ def test_compiled_checkpointing_is_bitwise_eager_without_checkpointing():
     # amax records after the first precompute_scales, checkpointing or not; simdlen=1 is
     # right): see the README's Limitations.
     torch._dynamo.reset()
-    layout = [(r, "full") for r in RECIPES] + [("delayed", "selective"), ("rowwise", "selective")]
+    layout = [(r, "full") for r in [*RECIPES, "mxfp8"]]
+    layout += [("delayed", "selective"), ("rowwise", "selective"), ("mxfp8", "selective")]
     ref = nn.Sequential(
         *[
             convert_to_float8_training(nn.Linear(64, 64, bias=False), config=config(r))

@@ -113,3 +113,43 @@ def test_blockwise_fullgraph_forward_backward_bitwise_vs_eager():
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
     for e, c in zip(eager[2], compiled[2], strict=True):
         assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("tokens", [64, 74], ids=["aligned", "partial_block"])
+@inductor_config.patch(emulate_precision_casts=True)
+def test_mxfp8_fullgraph_forward_backward_bitwise_vs_eager(tokens):
+    # 32-multiple dims (MX blocks along K and N); 74 tokens: a partial 32-block along the
+    # grad_weight gemm's inner dim (the tokens)
+    torch._dynamo.reset()
+    m = model("mxfp8")
+    assert all(m[i].config.cast_config_input.is_mx for i in (0, 2))
+    x = torch.randn(2, tokens // 2, 64, dtype=torch.bfloat16)
+    eager = _square_loss_step(m, m, x)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled_model = torch.compile(m, backend=counter, fullgraph=True)  # 0 graph breaks
+    compiled = _square_loss_step(compiled_model, m, x)
+    _square_loss_step(compiled_model, m, x)  # a second step reuses the graph
+    assert counter.frame_count == 1, "recompiled"
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    for e, c in zip(eager[2], compiled[2], strict=True):
+        assert torch.equal(e, c)
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_compiled_mx_cast_is_bitwise_eager(rounding):
+    from dataclasses import replace
+
+    config = Float8LinearConfig.from_recipe_name("mxfp8")
+    cast_config = replace(config.cast_config_input, mx_scale_rounding=rounding)
+    # fp32, magnitudes over many binades, and a block whose amax / 448 is just above a power
+    # of two (where an fp32 log2 can misround the RCEIL exponent)
+    x = torch.randn(96, 64) * torch.exp2(torch.randint(-20, 20, (96, 1)).float())
+    x[0, :32] = torch.nextafter(torch.tensor(448.0 * 2.0**5), torch.tensor(1e9))
+
+    def cast(x):
+        t = cast_to_float8(x, cast_config, GemmRole.INPUT, -1, config)
+        return t._scale, t._data.view(torch.uint8)
+
+    eager, compiled = cast(x), torch.compile(cast, fullgraph=True)(x)
+    assert eager[0].dtype == torch.uint8 and eager[0].shape == (96, 2)  # e8m0 per 32
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])

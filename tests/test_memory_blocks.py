@@ -53,22 +53,29 @@ def test_hf_block_keeps_less_than_bf16_without_checkpointing(hf_table):
     # one float8 copy of the q/k/v input and one of the gate/up input (delayed: their input
     # states tied): every recipe but the hp-grad_weight one reaches the target without help
     # (a copy per layer kept 0.98x), and with the norms recomputed
-    for recipe in ("tensorwise", "rowwise", "blockwise", "delayed"):
+    for recipe in ("tensorwise", "rowwise", "blockwise", "delayed", "mxfp8"):
         assert _row(rows, recipe, "none")["ratio_vs_bf16"] <= NO_AC_MAX, recipe
-    for recipe in ("tensorwise", "rowwise", "blockwise", "delayed"):
+    for recipe in ("tensorwise", "rowwise", "blockwise", "delayed", "mxfp8"):
         assert _row(rows, recipe, "recompute_norms")["ratio_vs_bf16"] <= NO_AC_MAX, recipe
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "mxfp8"):
         # the policy keeps the float8 gemms' hp outputs and the block input, and recomputes
         # the input casts with the norms, attention and SwiGLU they read (keeping the casts
         # too measured 0.61x)
         assert _row(rows, recipe, "policy")["ratio_vs_bf16"] <= POLICY_MAX, recipe
+    # mxfp8 keeps what rowwise keeps: the input's float8 copy for grad_weight, quantized
+    # along the tokens (1 byte + an e8m0 byte per 32 tokens per element; rowwise: 1 byte + a
+    # 4-byte scale per column): measured 0.922x (rowwise 0.919x) without checkpointing,
+    # 0.489x (0.489x) with the policy
+    for mode in ("none", "policy"):
+        mx, row = _row(rows, "mxfp8", mode), _row(rows, "rowwise", mode)
+        assert abs(mx["ratio_vs_bf16"] - row["ratio_vs_bf16"]) < 0.01, (mode, mx, row)
 
 
 def test_recipes_block_meets_the_targets():
     rows = memory_table(
-        kinds=("recipes",), recipes=("tensorwise", "rowwise"), modes=("none", "policy")
+        kinds=("recipes",), recipes=("tensorwise", "rowwise", "mxfp8"), modes=("none", "policy")
     )["blocks"]["recipes"]
-    for recipe in ("tensorwise", "rowwise"):
+    for recipe in ("tensorwise", "rowwise", "mxfp8"):
         assert _row(rows, recipe, "none")["ratio_vs_bf16"] <= NO_AC_MAX, recipe
         assert _row(rows, recipe, "policy")["ratio_vs_bf16"] <= POLICY_MAX, recipe
 

@@ -64,7 +64,7 @@ def tiny60(tmp_path_factory) -> dict[str, list[dict]]:
     out = tmp_path_factory.mktemp("tiny60")
     return {
         mode: run_train(out / mode, "--steps", "60", "--eval-every", "30", "--float8", mode)
-        for mode in ("none", "tensorwise")
+        for mode in ("none", "tensorwise", "mxfp8")
     }
 
 
@@ -90,6 +90,64 @@ def test_tiny_float8_tensorwise_tracks_bf16(tiny60):
     val_gap = fp8[-1]["val_loss"] / bf16[-1]["val_loss"] - 1
     assert abs(train_gap) < 0.03 and abs(val_gap) < 0.03, (train_gap, val_gap)  # observed <0.5%
     assert fp8[-1]["loss"] != bf16[-1]["loss"]  # float8 really ran: the gemms differ
+
+
+def test_tiny_mxfp8_tracks_bf16(tiny60):
+    bf16, mx = tiny60["none"], tiny60["mxfp8"]
+    assert all(math.isfinite(r["loss"]) for r in mx)
+    assert mx[0]["loss"] == pytest.approx(bf16[0]["loss"], rel=2e-3)  # same init and batch
+    train_gap = (
+        statistics.fmean(r["loss"] for r in mx[-10:])
+        / statistics.fmean(r["loss"] for r in bf16[-10:])
+        - 1
+    )
+    val_gap = mx[-1]["val_loss"] / bf16[-1]["val_loss"] - 1
+    # observed: train 2.8906 vs 2.8953 (-0.16%), val 2.9782 vs 2.9858 (-0.26%)
+    assert abs(train_gap) < 0.03 and abs(val_gap) < 0.03, (train_gap, val_gap)
+    assert mx[-1]["loss"] != bf16[-1]["loss"]  # float8 really ran: the gemms differ
+    assert mx[-1]["loss"] != tiny60["tensorwise"][-1]["loss"]  # and not as tensorwise
+
+
+def test_mxfp8_converts_every_32_aligned_linear_to_mx():
+    import float8kit
+    from float8kit.config import MX_BLOCK, ScalingGranularity
+
+    args = train.parse_args(["--preset", "tiny", "--float8", "mxfp8"])
+    model = train.build_model(args, torch.device("cpu"), 1, False)
+    mx_layers = 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or name == "output":
+            continue
+        aligned = mod.in_features % MX_BLOCK == 0 and mod.out_features % MX_BLOCK == 0
+        assert isinstance(mod, float8kit.Float8Linear) == aligned, name
+        if aligned:
+            cfg = mod.config
+            casts = [cfg.cast_config_input, cfg.cast_config_weight, cfg.cast_config_grad_output]
+            assert all(c.scaling_granularity is ScalingGranularity.MX for c in casts), name
+            assert all(c.is_mx and c.mx_scale_rounding == "rceil" for c in casts), name
+            mx_layers += 1
+    assert mx_layers == 8  # q, k, v, o of the 2 blocks; the FFN is 64 x 176, 176 = 5.5 x 32
+
+
+def test_moe_tiny_mxfp8_experts_are_mx_or_said_rowwise(capsys):
+    from float8kit.config import ScalingGranularity
+    from float8kit.experts import Float8ExpertWeight
+
+    args = train.parse_args(["--preset", "moe-tiny", "--float8", "mxfp8"])
+    model = train.build_model(args, torch.device("cpu"), 1, False)
+    ffn = model.layers[0].feed_forward
+    weights = (ffn.w1, ffn.w2, ffn.w3)
+    assert all(isinstance(w, Float8ExpertWeight) for w in weights)  # none silently hp
+    granularity = {w._config.cast_config.scaling_granularity for w in weights}
+    out = capsys.readouterr().out
+    if granularity == {ScalingGranularity.MX}:
+        assert "rowwise grouped gemms" not in out
+    else:  # this float8kit's experts take no MX casts: rowwise, and the run says so
+        assert granularity == {ScalingGranularity.AXISWISE}
+        assert "float8 experts: rowwise grouped gemms" in out
+    assert train.experts_config("mxfp8", torch.nn.Linear(32, 32)) == train.experts_config(
+        "rowwise", torch.nn.Linear(32, 32)
+    )  # a model without experts: nothing to say, the default
 
 
 # ----------------------------------------------------------------------------
@@ -600,6 +658,7 @@ finally:
         ("quickstart.py", ["--help"], 0, "--recipe"),
         ("quickstart.py", ["--recipe", "fp4"], 2, "invalid choice: 'fp4'"),
         ("quickstart.py", ["--dim", "100"], 2, "--dim 100 must be a multiple of 16"),
+        ("quickstart.py", ["--recipe", "mxfp8", "--dim", "48"], 2, "48 must be a multiple of 32"),
     ],
 )
 def test_usage_answers_before_torch_is_imported(script, flags, rc, expect):

@@ -198,7 +198,7 @@ def tiny() -> None:
     """Every --float8 mode on the tiny preset (60 steps)."""
     compare_runs(
         "tiny",
-        ["--preset", "tiny", "--modes", "none,tensorwise,rowwise,rowwise_with_gw_hp,delayed"],
+        ["--preset", "tiny", "--modes", "none,tensorwise,rowwise,rowwise_with_gw_hp,delayed,mxfp8"],
     )
 
 
@@ -235,6 +235,24 @@ def scaling() -> None:
         "scaling",
         MEASURES["numerics"],
         n.scaling_policy_sqnrs(),
+        time.perf_counter() - t0,
+    )
+
+
+def mx_numerics() -> None:
+    """mxfp8 (RCEIL and FLOOR) against fp32 beside torchao 0.18's emulated MXFP8, on the
+    issue's bar case and with outliers."""
+    from benchmarks.measures import numerics as n
+
+    t0 = time.perf_counter()
+    write(
+        "mx_numerics",
+        MEASURES["numerics"],
+        {
+            "rows": n.mx_sqnr_table(),
+            "thresholds_db": n.MX_ACCURACY_DB,
+            "outlier_columns": n.MX_OUTLIER_COLUMNS,
+        },
         time.perf_counter() - t0,
     )
 
@@ -940,6 +958,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "numerics": numerics,
     "scaling": scaling,
     "outliers": outliers,
+    "mx_numerics": mx_numerics,
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "fsdp_mesh": fsdp_mesh,

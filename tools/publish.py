@@ -234,6 +234,40 @@ def scaling_table() -> str:
     return caption("scaling") + "\n\n" + table(["situation", "SQNR (dB)"], rows)
 
 
+def not_measured(name: str) -> str | None:
+    """What a table says before its numbers/NAME.json exists (a new measurement); None once
+    it does."""
+    if (NUMBERS / f"{name}.json").exists():
+        return None
+    return f"(not measured yet: python tools/measure.py {name})"
+
+
+def mx_numerics_table() -> str:
+    """mxfp8 against fp32 beside torchao's emulated MXFP8, per case, rounding and gemm."""
+    if missing := not_measured("mx_numerics"):
+        return missing
+    rows = []
+    for r in load("mx_numerics")["data"]["rows"]:
+        peer = (
+            "bitwise equal"
+            if r["bitwise_equal_to_torchao"]
+            else f(r["float8kit_vs_torchao"], ".1f")
+        )
+        rows.append(
+            [
+                r["case"],
+                r["rounding"].upper(),
+                r["gemm"],
+                f(r["float8kit_vs_fp32"]),
+                f(r["torchao_vs_fp32"]),
+                peer,
+            ]
+        )
+    header = ["case", "scales", "gemm output", "float8kit vs fp32"]
+    header += ["torchao MXFP8 vs fp32", "float8kit vs torchao"]
+    return caption("mx_numerics") + "\n\n" + table(header, rows)
+
+
 def outliers_table() -> str:
     d = load("outliers")["data"]
     db = {(r["recipe"], r["gemm"]): r["float8kit_vs_fp32"] for r in d["rows"]}
@@ -1187,6 +1221,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "numerics": numerics_table,
     "scaling": scaling_table,
     "outliers": outliers_table,
+    "mx_numerics": mx_numerics_table,
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "fsdp_mesh": fsdp_mesh_table,

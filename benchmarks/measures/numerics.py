@@ -21,6 +21,7 @@ from float8kit import (
     CastConfig,
     Float8Linear,
     Float8LinearConfig,
+    ScalingGranularity,
     ScalingType,
     calibrate,
     convert_to_float8_training,
@@ -219,3 +220,94 @@ def one_ulp_off_share(amaxes: torch.Tensor, dtype) -> float:
     not the correctly rounded one: how many scales the fp64 quotient changed."""
     old = fp8_max(dtype) / torch.clamp(amaxes, min=amax_floor(dtype))
     return (old != correctly_rounded_scales(amaxes, dtype)).double().mean().item()
+
+
+# ---------------------------------------------------------------------------- MXFP8
+
+MX_ROUNDINGS = ["rceil", "floor"]
+MX_CASES = ["randn", "outliers"]
+MX_OUTLIER_COLUMNS = [10, 11, 12, 13]  # 4 of the 256 input channels, all in one 32-block
+MX_OUTLIER_BLOCK = (slice(0, 32), slice(0, 32))  # one 32x32 weight block (rows, cols)
+# float8kit vs fp32 on the bar's case, per gemm (output, grad_input, grad_weight) and rounding:
+# RCEIL never overflows a block, FLOOR clips each block's largest values and loses ~4 dB
+# where the block maximum decides (output, grad_input).
+MX_ACCURACY_DB = {"rceil": (28, 28, 28), "floor": (24, 24, 27)}
+
+
+def mx_config(rounding: str = "rceil") -> Float8LinearConfig:
+    """The mxfp8 recipe with every cast's e8m0 scale rounded ``rounding``."""
+    mx = CastConfig(
+        scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3, mx_scale_rounding=rounding
+    )
+    return Float8LinearConfig(
+        cast_config_input=mx, cast_config_weight=mx, cast_config_grad_output=mx
+    )
+
+
+def mx_case(case: str = "randn", seed: int = 0) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
+    """The issue's bar: one fp32 256 -> 512 Linear (torch's default init) on 128 randn tokens
+    with a randn output gradient; ``outliers`` scales 4 input columns x100 and one 32x32
+    weight block x50."""
+    torch.manual_seed(seed)
+    layer = nn.Linear(256, 512)
+    x = torch.randn(128, 256)
+    grad = torch.randn(128, 512)
+    if case == "outliers":
+        x[:, MX_OUTLIER_COLUMNS] *= 100
+        with torch.no_grad():
+            layer.weight[MX_OUTLIER_BLOCK] *= 50
+    return layer, x, grad
+
+
+def _torchao_mx_linear(layer: nn.Linear, x: torch.Tensor, grad: torch.Tensor, rounding: str):
+    """torchao 0.18's emulated MXFP8 linear (``_to_mxfp8_then_scaled_mm``, runs on CPU)
+    forward and backward: (output, grad_input, grad_weight); the bias added in fp32."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+        from torchao.prototype.mx_formats.config import ScaleCalculationMode
+        from torchao.quantization.quantize_.common import KernelPreference
+
+    mode = {"rceil": ScaleCalculationMode.RCEIL, "floor": ScaleCalculationMode.FLOOR}[rounding]
+    x = x.detach().clone().requires_grad_()
+    w = layer.weight.detach().clone().requires_grad_()
+    out = _to_mxfp8_then_scaled_mm(x, w, KernelPreference.EMULATED, mode) + layer.bias.detach()
+    out.backward(grad)
+    return out.detach(), x.grad.detach(), w.grad.detach()
+
+
+def run_mx(rounding: str = "rceil", case: str = "randn") -> dict[str, tuple]:
+    """(output, grad_input, grad_weight) of the bar's layer for fp32, float8kit's mxfp8 recipe
+    (scales rounded ``rounding``) and torchao's emulated MXFP8, from the same weights and
+    data, all in fp32."""
+    base, x, grad = mx_case(case)
+    ours = convert_to_float8_training(copy.deepcopy(base), config=mx_config(rounding))
+    results = {}
+    for name, m in (("fp32", base), ("float8kit", ours)):
+        out, gx, g = fwd_bwd(m, x, grad)
+        results[name] = (out, gx, g["weight"])
+    results["torchao"] = _torchao_mx_linear(base, x, grad, rounding)
+    return results
+
+
+def mx_sqnr_table() -> list[dict]:
+    """One row per case, rounding and gemm: SQNR (dB) of float8kit's mxfp8 and torchao's
+    emulated MXFP8 against fp32, of float8kit against torchao (None when bitwise equal)."""
+    rows = []
+    for case in MX_CASES:
+        for rounding in MX_ROUNDINGS:
+            r = run_mx(rounding, case)
+            for i, gemm in enumerate(GEMMS):
+                peer_db = sqnr(r["torchao"][i], r["float8kit"][i])
+                rows.append(
+                    {
+                        "case": case,
+                        "rounding": rounding,
+                        "gemm": gemm,
+                        "float8kit_vs_fp32": sqnr(r["fp32"][i], r["float8kit"][i]),
+                        "torchao_vs_fp32": sqnr(r["fp32"][i], r["torchao"][i]),
+                        "float8kit_vs_torchao": None if peer_db == float("inf") else peer_db,
+                        "bitwise_equal_to_torchao": torch.equal(r["torchao"][i], r["float8kit"][i]),
+                    }
+                )
+    return rows
