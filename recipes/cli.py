@@ -63,9 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--float8",
         default="none",
         choices=FLOAT8_MODES,
-        help="float8kit recipe for the block Linears (MoE experts: rowwise grouped gemms in "
-        "every float8 mode; MX blocks with mxfp8 where Float8ExpertsConfig takes them); none = "
-        "the hp baseline (--hp-dtype)",
+        help="float8kit recipe for the block Linears (MoE experts: MX grouped gemms with "
+        "mxfp8, rowwise in every other float8 mode); none = the hp baseline (--hp-dtype)",
     )
     p.add_argument(
         "--hp-dtype",

@@ -173,21 +173,12 @@ def layer_filter(args: argparse.Namespace, config, tokens: int | None = None):
     return keep_float8
 
 
-def experts_config(recipe: str, model: torch.nn.Module):
-    """The MoE experts' grouped-gemm config for --float8: MX blocks for mxfp8 where float8kit's
-    Float8ExpertsConfig takes MX casts, rowwise (its default) for every other recipe and,
-    said on stdout when the model has experts, for mxfp8 where it does not."""
-    if recipe != "mxfp8" or not any(p.dim() == 3 for p in model.parameters()):
-        return float8kit.Float8ExpertsConfig()
-    mx = float8kit.Float8LinearConfig.from_recipe_name("mxfp8").cast_config_input
-    try:
-        return float8kit.Float8ExpertsConfig(cast_config=mx)
-    except ValueError:
-        print0(
-            "float8 experts: rowwise grouped gemms (this float8kit's Float8ExpertsConfig takes "
-            "no MX casts); the Linears run mxfp8"
-        )
-        return float8kit.Float8ExpertsConfig()
+def experts_config(recipe: str) -> float8kit.Float8ExpertsConfig:
+    """The MoE experts' grouped-gemm config for --float8: MX blocks for mxfp8, rowwise (the
+    float8 grouped kernel's scales, Float8ExpertsConfig's default) for every other recipe."""
+    return float8kit.Float8ExpertsConfig.from_recipe_name(
+        "mxfp8" if recipe == "mxfp8" else "rowwise"
+    )
 
 
 def build_model(
@@ -213,7 +204,7 @@ def build_model(
                     args, config, args.batch_size * args.seq_len // (world_size // args.tp)
                 ),
             ),
-            config=experts_config(args.float8, model),
+            config=experts_config(args.float8),
         )
     if args.recompute_norms:
         float8kit.recompute_norms(model)

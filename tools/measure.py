@@ -385,7 +385,7 @@ def moe_hf() -> None:
 
 def moe_tiny() -> None:
     """The moe-tiny preset (8 routed experts, top-2): bf16 vs float8 rowwise, 40 steps."""
-    compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise"])
+    compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8"])
 
 
 def fsdp() -> None:
