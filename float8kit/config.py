@@ -469,11 +469,19 @@ class Float8LinearConfig:
                 "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
             )
         if w.is_mx or gi.is_mx:
-            raise ValueError(
-                "Float8LinearConfig.enable_fsdp_float8_all_gather=True is not supported with "
-                "MX weights yet: set enable_fsdp_float8_all_gather=False (FSDP2 gathers the "
-                "hp weight and each gemm casts it)"
-            )
+            # MX (float8kit/distributed/fsdp_mx.py): forward gathers the weight cast along K
+            # per cast_config_weight, backward's re-gather the one along N per
+            # cast_config_weight_for_grad_input: both must be MX.
+            if not (w.is_mx and gi.is_mx and gi.enabled):
+                raise ValueError(
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with an MX weight "
+                    "gathers the MX cast each gemm needs (along K in forward, along N in "
+                    "backward), so cast_config_weight and cast_config_weight_for_grad_input "
+                    f"must both be ScalingGranularity.MX (got {w.scaling_granularity.value} "
+                    f"and {gi.scaling_granularity.value}): make both MX (the mxfp8 recipe), "
+                    "or set enable_fsdp_float8_all_gather=False"
+                )
+            return
         if w.scaling_granularity is not ScalingGranularity.AXISWISE:
             if gi != w:
                 raise ValueError(

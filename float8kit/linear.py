@@ -31,7 +31,7 @@ from float8kit.config import (
     ScalingType,
 )
 from float8kit.hp_weight import store_plain_weight
-from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8
+from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 
 
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
@@ -80,9 +80,27 @@ def _weight_for_grad_input(
     if is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
         if _reusable(config.cast_config_weight, cast, weight=True):
             return w_saved
+        mx_dim = local(w_saved)._gran.mx_dim
+        if mx_dim == 0:  # FSDP2's backward re-gather: the MX cast along N, this gemm's
+            return w_saved
+        if mx_dim is not None:
+            raise RuntimeError(_MX_COPY_ERROR.format(gemm="grad_input", want="N", got="K"))
         # exact in any hp dtype: float8 values over a power-of-2 scale
         w_saved = dequantize(w_saved)
     return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
+
+
+# An MX block is not its own transpose: re-casting an MX weight along the other dim from
+# its dequantized values is not the cast of the hp weight, so the wrong FSDP2 copy is refused.
+_MX_COPY_ERROR = (
+    "float8kit: the {gemm} gemm needs the MX weight blocked along {want}, but the FSDP2 float8 "
+    "all-gather delivered the copy along {got}. The all-gather sends the copy its pass needs "
+    "(along K in forward, along N in FSDP2's backward re-gather), so every FSDP2 group "
+    "holding MX weights must reshard after forward (fully_shard(..., "
+    "reshard_after_forward=True), the root included: FSDP2 does not reshard the root by "
+    "default), and a layer must not be recomputed in backward (activation checkpointing) "
+    "after that re-gather; or set enable_fsdp_float8_all_gather=False"
+)
 
 
 def input_for_backward(
@@ -207,6 +225,8 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.shapes = (input_hp.shape, weight.shape, weight.device)
             return input_hp.new_zeros((0, weight.shape[0]))
         weight_is_fp8 = is_float8(weight)
+        if weight_is_fp8 and local(weight)._gran.mx_dim == 0:  # see _weight_for_grad_input
+            raise RuntimeError(_MX_COPY_ERROR.format(gemm="output", want="K", got="N"))
         # The input arrives float8 when it was cast before a tensor-parallel all-gather
         # (float8kit/tp.py, which checks that its cast is cast_config_input).
         input_is_fp8 = is_float8(input_hp)

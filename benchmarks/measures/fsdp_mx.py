@@ -1,0 +1,157 @@
+"""FSDP2 float8 all-gather of MX (mxfp8) weights on gloo ranks: losses and gradients against
+the hp all-gather (FSDP2 without float8 all-gather, same recipe), the gathered copies against
+the one-device casts (along K in forward, along N in backward), bytes per collective and
+per pass against the bf16 all-gather, and what ``reshard_after_forward=False`` does. Run
+through ``gloo.spawn``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.measures.gloo import _Count, _data, _train
+from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training
+from float8kit import linear as f8linear
+from float8kit.cast import cast_to_float8
+from float8kit.tensor import local
+
+MX = Float8LinearConfig.from_recipe_name("mxfp8")
+MX_AG = dataclasses.replace(MX, enable_fsdp_float8_all_gather=True)
+STEPS = 3
+# (in, out) of the three bias-free float8 linears; the weights' rows are FSDP2's shard dim.
+# 608 rows: 304 + 304 on 2 ranks (block 9 cut), 203 + 203 + 202 on 3 (blocks 6 and 12 cut);
+# 192 rows: 96 x 2, 64 x 3 (whole 32-row blocks); 32 rows: 16 + 16 (block 0 cut), 11 + 11 +
+# 10 (block 0 cut twice).
+LAYERS = ((128, 608), (608, 192), (192, 32))
+# FSDP2's all-gather and the hook's (torch 2.11's all_gather_into_tensor is counted under
+# 2.13's name), the hook's all-reduce of cut blocks' scale bytes
+COLLECTIVES = ("all_gather_single", "all_reduce")
+
+
+def mx_net(config: Float8LinearConfig, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = []
+    for i, (k, n) in enumerate(LAYERS):
+        mods += [nn.Linear(k, n, bias=False)] + ([nn.ReLU()] if i < len(LAYERS) - 1 else [])
+    net = nn.Sequential(*mods)
+    return convert_to_float8_training(net, config=config, module_filter_fn=lambda m, f: True)
+
+
+def linears(net: nn.Sequential) -> list[nn.Module]:
+    return [m for m in net if not isinstance(m, nn.ReLU)]
+
+
+def _fsdp(config, mesh, **fsdp_kwargs) -> nn.Sequential:
+    from torch.distributed.fsdp import fully_shard
+
+    net = mx_net(config)
+    for m in linears(net):
+        fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    fully_shard(net, mesh=mesh, **fsdp_kwargs)
+    return net
+
+
+def _spy_copies(net):
+    """Record the weight each linear's output gemm receives (forward pre-hook: FSDP2's own
+    pre-forward hook runs first) and the weight the grad_input gemm uses (by wrapping
+    ``_weight_for_grad_input``): ``(forward, backward, undo)``."""
+    fwd, bwd = [], []
+
+    def snap(w):
+        w = local(w)
+        return (w._gran.short(), w._data.view(torch.uint8).clone(), w._scale.clone())
+
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a: fwd.append(snap(m.weight))) for m in linears(net)
+    ]
+    real = f8linear._weight_for_grad_input
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        bwd.append(snap(out))
+        return out
+
+    f8linear._weight_for_grad_input = spy
+
+    def undo():
+        f8linear._weight_for_grad_input = real
+        for h in hooks:
+            h.remove()
+
+    return fwd, bwd, undo
+
+
+def _same_as_one_device(copies, dim: int) -> list[bool]:
+    """Each copy (layer order) bitwise the one-device MX cast of the initial hp weight."""
+    ref = linears(mx_net(MX))
+    cast = MX.cast_config_weight if dim == -1 else MX.cast_config_weight_for_grad_input
+    out = []
+    for (gran, data, scale), m in zip(copies, ref, strict=True):
+        want = cast_to_float8(m.weight.detach(), cast, GemmRole.WEIGHT, dim, MX)
+        out.append(
+            gran == want._gran.short()
+            and torch.equal(data, want._data.view(torch.uint8))
+            and torch.equal(scale, want._scale)
+        )
+    return out
+
+
+def _worker_mx(rank: int, world: int, tmp: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world,))
+    batch = 4
+    xs, ys = _data(STEPS, batch * world, LAYERS[0][0], LAYERS[-1][1])
+    mine = slice(rank * batch, (rank + 1) * batch)
+    res: dict = {"local_rows": [m.weight.to_local().shape[0] for m in linears(_fsdp(MX_AG, mesh))]}
+
+    # Losses: float8 all-gather vs the hp all-gather, same shards, same local batches.
+    res["losses_fp8"], _ = _train(_fsdp(MX_AG, mesh), xs[:, mine], ys[:, mine], STEPS)
+    res["losses_hp"], _ = _train(_fsdp(MX, mesh), xs[:, mine], ys[:, mine], STEPS)
+
+    # First step's gradients, and the copies each gemm received.
+    grads = {}
+    for name, config in (("fp8", MX_AG), ("hp", MX)):
+        net = _fsdp(config, mesh)
+        fwd, bwd, undo = _spy_copies(net) if name == "fp8" else ([], [], lambda: None)
+        try:
+            F.mse_loss(net(xs[0, mine]), ys[0, mine]).backward()
+        finally:
+            undo()
+        grads[name] = [m.weight.grad.to_local() for m in linears(net)]
+        if name == "fp8":
+            res["forward_copies"] = [g for g, _, _ in fwd]
+            res["backward_copies"] = [g for g, _, _ in reversed(bwd)]
+            res["forward_bitwise"] = _same_as_one_device(fwd, -1)
+            res["backward_bitwise"] = _same_as_one_device(list(reversed(bwd)), 0)
+    res["grads_bitwise"] = [
+        torch.equal(a, b) for a, b in zip(grads["fp8"], grads["hp"], strict=True)
+    ]
+
+    # Bytes per collective and per pass, bf16 parameters: float8 (MX) vs the bf16 all-gather.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name, config in (("fp8", MX_AG), ("bf16", MX)):
+        net = _fsdp(config, mesh, mp_policy=mp, reshard_after_forward=True)
+        with _Count(*COLLECTIVES) as fwd:
+            out = net(xs[0, mine])
+        with _Count(*COLLECTIVES) as bwd:
+            out.float().pow(2).mean().backward()
+        res[f"bytes_{name}"] = {"forward": dict(fwd.by_name), "backward": dict(bwd.by_name)}
+        res[f"calls_{name}"] = {
+            "forward": list(zip(fwd.log, fwd.sizes, strict=True)),
+            "backward": list(zip(bwd.log, bwd.sizes, strict=True)),
+        }
+
+    # reshard_after_forward=False: no backward re-gather, so the along-N copy never comes;
+    # the grad_input gemm must refuse the along-K one (last: the step fails on every rank).
+    net = _fsdp(MX_AG, mesh, reshard_after_forward=False)
+    try:
+        F.mse_loss(net(xs[0, mine]), ys[0, mine]).backward()
+        res["no_reshard_error"] = None
+    except RuntimeError as e:
+        res["no_reshard_error"] = str(e)
+    return res

@@ -1,0 +1,192 @@
+"""FSDP2 float8 all-gather of MX weights: one copy per pass, the one that pass's gemm needs.
+
+An MX block is not its own transpose: the output gemm needs the (N, K) weight in 32-element
+blocks along K (``MX(dim=1)``), the grad_input gemm along N (``MX(dim=0)``). So the hook
+gathers the copy of the pass it runs in, never both:
+
+- forward (and any all-gather outside backward): each rank casts its rows along K. A block
+  lies within one row, and FSDP2 shards whole rows (dim 0), so each shard casts alone.
+- backward (FSDP2's re-gather after ``reshard_after_forward``; told by the autograd engine
+  running: ``torch._C._current_graph_task_id() != -1``): each rank casts its rows along N.
+  A block is 32 rows; where a shard boundary falls inside one (``cut_blocks``), the block's
+  scale byte is the MAX of both sides' partial bytes: one all-reduce of those blocks' bytes
+  only (K bytes each). The shard is then cast by ``to_mx`` itself with a value of that byte
+  planted in a padding row, so every byte is the one-device cast's.
+
+The fp8 bytes ride FSDP2's all-gather (1 byte per element). The e8m0 scale bytes (1 per 32
+elements) take one all-gather of their own, in the hook, and reach the post
+hook as metadata: FSDP2 requires every all-gather input of an unevenly sharded parameter to
+have the padded shard's size, which a scale is not.
+
+The gathered weight is one ``Float8TrainingTensor`` object for the whole run (FSDP2's
+``out``): a re-gather refills its data bytes and gives it the pass's granularity and scale,
+so the tensor that forward saved for backward holds the along-N copy when backward reads
+it. Without a backward re-gather (``reshard_after_forward=False``, or the root module,
+which FSDP2 does not reshard after forward by default) the saved copy stays along K, and
+the grad_input gemm refuses it (``float8kit.linear``): gather the along-K copy only and let
+the backward silently re-cast it would not be the cast of the hp weight. Activation
+checkpointing that recomputes a layer in backward (after the re-gather) is refused the
+same way by the output gemm. Internal.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from float8kit import cast as casting
+from float8kit import scaling, versions
+from float8kit.config import MX_BLOCK, Float8LinearConfig, GemmRole
+from float8kit.granularity import MX, ShardSpec
+from float8kit.tensor import Float8TrainingTensor
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running (FSDP2's pre-backward re-gather, its backward
+    prefetch) rather than a forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def cut_blocks(rows: int, world: int) -> list[int]:
+    """The 32-row blocks of a ``rows``-row weight that FSDP2's dim-0 shards over ``world``
+    ranks cut (a shard boundary inside the block), in order; alike on every rank."""
+    chunk = math.ceil(rows / world)
+    return sorted(
+        {
+            j * chunk // MX_BLOCK
+            for j in range(1, world)
+            if j * chunk < rows and j * chunk % MX_BLOCK
+        }
+    )
+
+
+def pre_all_gather(
+    shard: torch.Tensor,
+    config: Float8LinearConfig,
+    outer_size: torch.Size,
+    world: int,
+    group,
+    where: ShardSpec,
+):
+    """``fsdp_pre_all_gather`` for an MX weight: this pass's copy of the shard.
+
+    Returns ``((data_uint8,), (scale, dim, rows))``: the shard's fp8 bytes padded to FSDP2's
+    padded shard size, and the gathered weight's whole e8m0 scale (already all-gathered),
+    the dim its blocks run along (1 forward, 0 backward) and the weight's row count."""
+    if where.n_slots != 1 or tuple(where.full_shape) != tuple(outer_size):
+        raise ValueError(
+            "float8kit: an MX float8 all-gather weight on a multi-dim mesh (tensor parallel, "
+            "HSDP) is not supported: shard it with FSDP2 on a 1-D mesh, or set "
+            "enable_fsdp_float8_all_gather=False"
+        )
+    dim = 0 if in_backward() else 1
+    cast = config.cast_config_weight_for_grad_input if dim == 0 else config.cast_config_weight
+    fp8_dtype = cast.dtype_for(GemmRole.WEIGHT)
+    n, k = outer_size
+    chunk = math.ceil(n / world)
+    start = min(where.offset if where.dim == 0 else 0, n)
+    rows = shard.shape[0]
+    if dim == 1:
+        data, scale = casting.to_mx(shard, 1, fp8_dtype, cast.mx_scale_rounding)
+        scale = _gather_rows(_pad_rows(scale, chunk), world, group)[:n]
+    else:
+        data, local_scale = _cast_along_rows(shard, start, n, world, group, fp8_dtype, cast)
+        scale = _gather_block_scales(local_scale, start, rows, n, world, group)
+    data = _pad_rows(data.contiguous().view(torch.uint8), chunk)
+    return (data,), (scale, dim, n)
+
+
+def post_all_gather(
+    all_gather_outputs, metadata, param_dtype: torch.dtype, config: Float8LinearConfig, out
+):
+    """``fsdp_post_all_gather`` for an MX weight: the gathered copy as a
+    ``Float8TrainingTensor`` (first time: ``(weight, (data,))``), or, on a re-gather, ``out``
+    turned into this pass's copy in place (its data already views the refilled buffer)."""
+    (data,), (scale, dim, rows) = all_gather_outputs, metadata
+    gran = MX(dim)
+    if out is not None:
+        local = out._local_tensor if hasattr(out, "_local_tensor") else out
+        if not isinstance(local, Float8TrainingTensor):
+            raise RuntimeError(
+                f"float8kit: FSDP2 passed out={type(local).__name__}, expected the MX float8 "
+                "weight built by the first all-gather"
+            )
+        local._gran, local._scale = gran, scale
+        return None
+    cast = config.cast_config_weight_for_grad_input if dim == 0 else config.cast_config_weight
+    fp8 = data[:rows].view(cast.dtype_for(GemmRole.WEIGHT))
+    weight = Float8TrainingTensor(fp8, scale, param_dtype, GemmRole.WEIGHT, gran, config)
+    return weight, (data,)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    padded = t.new_zeros((rows, *t.shape[1:]))
+    padded[: t.shape[0]].copy_(t)
+    return padded
+
+
+def _gather_rows(t: torch.Tensor, world: int, group) -> torch.Tensor:
+    """Every rank's ``t`` (same shape everywhere) stacked along dim 0: one all-gather."""
+    if world == 1:
+        return t
+    out = t.new_empty((world * t.shape[0], *t.shape[1:]))
+    getattr(dist, versions.ALL_GATHER_SINGLE)(out, t.contiguous(), group=group)
+    return out
+
+
+def _cast_along_rows(shard, start, n, world, group, fp8_dtype, cast):
+    """The shard's rows cast in 32-row blocks of the full (n-row) weight: ``(data, scale)``
+    with ``scale`` the bytes of the blocks the shard touches (block ``start // 32`` on).
+
+    The shard is cast by ``to_mx`` itself, padded to whole blocks of the full weight with
+    zero rows (which change no amax). A block cut by a shard boundary gets its whole-block
+    scale byte: the byte is monotone in the amax, so it is the MAX over ranks of each part's
+    byte (one all-reduce of the cut blocks' bytes, a NaN's 255 included), and a padding row
+    of the block (one exists: part of the block lies outside the shard) carries the value
+    ``fp8_max * 2 ** (byte - 127)``, whose own byte is that byte, into ``to_mx``."""
+    rows = shard.shape[0]
+    top = start % MX_BLOCK
+    bottom = -(start + rows) % MX_BLOCK
+    # fp16 cannot hold fp8_max * 2 ** (byte - 127) for its largest blocks; to_mx multiplies
+    # in fp32 anyway, so the fp32 copy casts bitwise alike
+    dtype = torch.float32 if shard.dtype == torch.float16 else shard.dtype
+    padded = shard.new_zeros((top + rows + bottom, shard.shape[1]), dtype=dtype)
+    padded[top : top + rows] = shard
+    cut = cut_blocks(n, world)
+    if cut:
+        first, rounding = start // MX_BLOCK, cast.mx_scale_rounding
+        local = scaling.mx_block_amax(padded, 0)
+        touched = [(i, b - first) for i, b in enumerate(cut) if 0 <= b - first < local.shape[0]]
+        parts = shard.new_zeros((len(cut), shard.shape[1]), dtype=torch.uint8)
+        for i, j in touched:
+            parts[i] = scaling.mx_scale_bits(local[j], fp8_dtype, rounding)
+        if world > 1:
+            dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=group)
+        fp8_max = scaling.fp8_max(fp8_dtype)
+        for i, j in touched:
+            row = j * MX_BLOCK if j * MX_BLOCK < top else (j + 1) * MX_BLOCK - 1
+            padded[row] = (scaling.mx_descale(parts[i]) * fp8_max).to(dtype)
+    data, scale = casting.to_mx(padded, 0, fp8_dtype, cast.mx_scale_rounding)
+    return data[top : top + rows], scale
+
+
+def _gather_block_scales(local_scale, start, rows, n, world, group):
+    """The full weight's (ceil(n / 32), K) scale from each rank's block scales: each rank
+    sends the blocks that start in its rows (padded to ceil(chunk / 32)), one all-gather."""
+    chunk = math.ceil(n / world)
+    per_rank = math.ceil(chunk / MX_BLOCK)
+    skip = math.ceil(start / MX_BLOCK) - start // MX_BLOCK  # a first block begun before
+    own = local_scale[skip:] if rows else local_scale[:0]
+    gathered = _gather_rows(_pad_rows(own, per_rank), world, group)
+    # block b comes from the rank holding its first row, r, which sent it as its
+    # (b - ceil(r * chunk / 32))-th (index arithmetic on the device: no host copy)
+    b = torch.arange(math.ceil(n / MX_BLOCK), device=gathered.device)
+    r = b * MX_BLOCK // chunk
+    return gathered[r * per_rank + b + (-(r * chunk)).div(MX_BLOCK, rounding_mode="floor")]
