@@ -1,0 +1,175 @@
+"""FSDP2 float8 all-gather of MX (mxfp8) weights (float8kit/distributed/fsdp_mx.py): on real
+gloo ranks (2, 3), losses and gradients bitwise the hp all-gather, the gathered copies
+bitwise the one-device casts (along K in forward, along N in backward, blocks cut by shard
+boundaries included), bytes per collective and per pass against bf16, the refusal without
+a backward re-gather; in one process, the pass the hook sees, the config's refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from benchmarks.measures.fsdp_mx import LAYERS, MX, MX_AG, mx_net
+from benchmarks.measures.gloo import _bitwise, spawn
+from float8kit import CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
+from float8kit.cast import cast_to_float8
+from float8kit.distributed.fsdp_mx import cut_blocks
+from float8kit.granularity import MX as MXGran
+
+
+@pytest.fixture(scope="module")
+def mx_ranks(request, tmp_path_factory):
+    world = request.param  # indirect: the tests name their rank counts
+    name = "benchmarks.measures.fsdp_mx:_worker_mx"
+    return world, spawn(name, world, tmp_path_factory.mktemp(f"mx{world}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_mx_float8_all_gather_trains_bitwise_like_the_hp_all_gather(mx_ranks):
+    world, results = mx_ranks
+    # uneven shards on 3 ranks (608 and 32 rows), blocks cut by shard boundaries on both
+    expected = {2: [304, 96, 16], 3: [[203, 64, 11], [203, 64, 11], [202, 64, 10]]}[world]
+    for rank, r in enumerate(results):
+        assert r["local_rows"] == (expected if world == 2 else expected[rank])
+        print(f"{world} ranks, rank {rank}: losses {r['losses_fp8']} (hp all-gather: same)")
+        assert _bitwise(r["losses_fp8"], r["losses_hp"])
+        assert r["grads_bitwise"] == [True] * len(LAYERS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_each_pass_gathers_the_copy_its_gemm_needs_bitwise_the_one_device_cast(mx_ranks):
+    world, results = mx_ranks
+    assert any(cut_blocks(n, world) for _, n in LAYERS)  # some blocks are cut
+    for r in results:
+        assert r["forward_copies"] == ["mx(dim=1, 1x32)"] * len(LAYERS)  # along K
+        assert r["backward_copies"] == ["mx(dim=0, 1x32)"] * len(LAYERS)  # along N
+        assert r["forward_bitwise"] == [True] * len(LAYERS)
+        assert r["backward_bitwise"] == [True] * len(LAYERS)
+
+
+def _expected_bytes(world: int) -> dict[str, list[tuple[str, int]]]:
+    """Per layer, in each pass's order: the collectives' bytes the design says. Forward: the
+    hook's all-gather of the along-K scales (padded rows x ceil(K / 32)), then FSDP2's of
+    the fp8 bytes (padded rows x K). Backward (last layer first): the all-reduce of the cut
+    blocks' bytes (K each, only where blocks are cut), the along-N scales (ceil(chunk / 32)
+    block rows per rank x K), the fp8 bytes."""
+    fwd, bwd = [], []
+    for k, n in LAYERS:
+        chunk = -(-n // world)
+        fwd += [("all_gather_single", world * chunk * (k // 32))]
+        fwd += [("all_gather_single", world * chunk * k)]
+    for k, n in reversed(LAYERS):
+        chunk = -(-n // world)
+        if cut_blocks(n, world):
+            bwd += [("all_reduce", len(cut_blocks(n, world)) * k)]
+        bwd += [("all_gather_single", world * -(-chunk // 32) * k)]
+        bwd += [("all_gather_single", world * chunk * k)]
+    return {"forward": fwd, "backward": bwd}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_mx_all_gather_bytes_per_collective_and_pass(mx_ranks):
+    world, results = mx_ranks
+    r = results[0]
+    assert r["calls_fp8"] == _expected_bytes(world)
+    for when in ("forward", "backward"):
+        fp8 = sum(r["bytes_fp8"][when].values())
+        bf16 = sum(r["bytes_bf16"][when].values())
+        ratio = fp8 / bf16
+        print(f"{world} ranks, {when}: MX / bf16 bytes {fp8} / {bf16} = {ratio:.4f}")
+        # 1 byte per element + 1 per 32 (1.03125 / 2 = 0.5156) plus block-row padding and
+        # the cut blocks' bytes; one copy per pass, never both (that would be > 1.03)
+        assert 0.5156 <= ratio <= 0.52
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_without_a_backward_re_gather_the_along_k_copy_is_refused(mx_ranks):
+    _, results = mx_ranks
+    for r in results:
+        err = r["no_reshard_error"]
+        assert err is not None and "grad_input gemm needs the MX weight blocked along N" in err
+        assert "reshard_after_forward=True" in err
+
+
+class _OneRank:
+    def size(self) -> int:
+        return 1
+
+
+def test_hook_casts_along_k_in_forward_and_along_n_in_backward():
+    # One rank: the hook's pass signal (the autograd engine running) picks the copy.
+    module = mx_net(MX_AG)[0]
+    hp = module.weight._tensor
+    w = module.weight.data
+
+    def gather():
+        data, meta = w.fsdp_pre_all_gather(_OneRank(), hp.shape, (hp.shape[1], 1), module, None)
+        weight, _ = w.fsdp_post_all_gather(data, meta, torch.float32)
+        return weight
+
+    got = {"forward": gather()}
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            got["backward"] = gather()
+            return g
+
+    Probe.apply(torch.ones(1, requires_grad=True)).sum().backward()
+    for when, dim in (("forward", -1), ("backward", 0)):
+        cast = MX.cast_config_weight if dim == -1 else MX.cast_config_weight_for_grad_input
+        want = cast_to_float8(hp, cast, GemmRole.WEIGHT, dim, MX)
+        assert got[when]._gran == want._gran == MXGran(dim % 2)
+        assert torch.equal(got[when]._data.view(torch.uint8), want._data.view(torch.uint8))
+        assert torch.equal(got[when]._scale, want._scale)
+    # a re-gather turns FSDP2's out tensor into the pass's copy in place
+    data, meta = w.fsdp_pre_all_gather(_OneRank(), hp.shape, (hp.shape[1], 1), module, None)
+    out = got["backward"]
+    assert w.fsdp_post_all_gather(data, meta, torch.float32, out=out) is None
+    assert out._gran == MXGran(1) and out._scale.shape == (hp.shape[0], hp.shape[1] // 32)
+
+
+def test_cut_blocks():
+    assert cut_blocks(608, 2) == [9] and cut_blocks(608, 3) == [6, 12]
+    assert cut_blocks(192, 3) == [] and cut_blocks(640, 2) == []
+    assert cut_blocks(32, 3) == [0]  # two boundaries (11, 22) in one block
+    assert cut_blocks(64, 1) == []
+
+
+def test_mx_strided_keeps_the_blocks_of_the_first_rows():
+    scale = torch.arange(12, dtype=torch.uint8).reshape(3, 4)  # 96 x 4 data, along dim 0
+    assert torch.equal(MXGran(0).strided(scale, 96, 2), scale)
+    assert torch.equal(MXGran(0).strided(scale, 40, 2), scale[:2])
+    assert MXGran(0).strided(scale, None, 2) is None
+
+
+def test_config_refuses_an_mx_weight_gathered_for_a_non_mx_grad_input_gemm():
+    mx = CastConfig(scaling_granularity=ScalingGranularity.MX)
+    assert MX_AG.enable_fsdp_float8_all_gather  # the mxfp8 recipe is accepted
+    with pytest.raises(ValueError, match="cast_config_weight_for_grad_input") as e:
+        Float8LinearConfig(
+            cast_config_input=mx,
+            cast_config_weight=mx,
+            cast_config_grad_output=CastConfig(),
+            cast_config_weight_for_grad_input=CastConfig(),
+            cast_config_input_for_grad_weight=mx,
+            cast_config_grad_output_for_grad_weight=mx,
+            enable_fsdp_float8_all_gather=True,
+        )
+    assert "enable_fsdp_float8_all_gather=False" in str(e.value)
+    # the same config without the float8 all-gather is valid: the refusal is the all-gather's
+    dataclasses.replace(
+        MX,
+        cast_config_grad_output=CastConfig(),
+        cast_config_weight_for_grad_input=CastConfig(),
+    )
