@@ -1,8 +1,9 @@
 """FSDP2 float8 all-gather of MX (mxfp8) weights (float8kit/distributed/fsdp_mx.py): on real
 gloo ranks (2, 3), losses and gradients bitwise the hp all-gather, the gathered copies
 bitwise the one-device casts (along K in forward, along N in backward, blocks cut by shard
-boundaries included), bytes per collective and per pass against bf16, the refusal without
-a backward re-gather; in one process, the pass the hook sees, the config's refusals."""
+boundaries included), bytes per collective and per pass against bf16, the along-N copy
+gathered by the grad_input gemm without a backward re-gather (reshard_after_forward=False),
+activation checkpointing; in one process, the pass the hook sees, the refusals."""
 
 from __future__ import annotations
 
@@ -89,12 +90,44 @@ def test_mx_all_gather_bytes_per_collective_and_pass(mx_ranks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
-def test_without_a_backward_re_gather_the_along_k_copy_is_refused(mx_ranks):
-    _, results = mx_ranks
+def test_without_a_backward_re_gather_the_grad_input_gemm_gathers_its_copy(mx_ranks):
+    # reshard_after_forward=False: FSDP2 gathers nothing in backward (bf16: 0 bytes); the
+    # along-N copy is gathered by the grad_input gemm, the same bytes as FSDP2's re-gather
+    # would be, never the along-K copy re-cast
+    world, results = mx_ranks
+    r = results[0]
+    assert r["no_reshard_bytes_bf16"]["backward"] == 0
+    for when in ("forward", "backward"):
+        assert r["no_reshard_bytes_fp8"][when] == sum(r["bytes_fp8"][when].values())
     for r in results:
-        err = r["no_reshard_error"]
-        assert err is not None and "grad_input gemm needs the MX weight blocked along N" in err
-        assert "reshard_after_forward=True" in err
+        assert _bitwise(r["no_reshard_losses_fp8"], r["losses_hp"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_activation_checkpointing_recomputes_with_the_along_k_copy(mx_ranks):
+    # A checkpoint-wrapped layer recomputes its forward after FSDP2's along-N re-gather: its
+    # output gemm gathers the along-K copy (backward moves both copies' bytes), and training
+    # is bitwise the hp all-gather's (with and without checkpointing)
+    world, results = mx_ranks
+    r = results[0]
+    fwd, bwd = (sum(r["bytes_fp8"][w].values()) for w in ("forward", "backward"))
+    assert r["ac_bytes_fp8"] == {"forward": fwd, "backward": fwd + bwd}
+    for r in results:
+        assert _bitwise(r["ac_losses_fp8"], r["ac_losses_hp"])
+        assert _bitwise(r["ac_losses_fp8"], r["losses_hp"])
+
+
+def test_an_mx_weight_blocked_along_k_is_never_re_cast_for_grad_input():
+    # not an FSDP2 all-gather weight: no shards to gather the along-N copy from
+    from float8kit.linear import _Float8Matmul
+
+    w = mx_net(MX)[0].weight.detach()
+    fp8 = cast_to_float8(w, MX.cast_config_weight, GemmRole.WEIGHT, -1, MX)
+    x = torch.randn(32, w.shape[1], requires_grad=True)
+    out = _Float8Matmul.apply(x, fp8, MX)
+    with pytest.raises(RuntimeError, match="grad_input gemm needs the MX weight blocked along N"):
+        out.sum().backward()
 
 
 class _OneRank:

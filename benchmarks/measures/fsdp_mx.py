@@ -1,8 +1,8 @@
 """FSDP2 float8 all-gather of MX (mxfp8) weights on gloo ranks: losses and gradients against
 the hp all-gather (FSDP2 without float8 all-gather, same recipe), the gathered copies against
 the one-device casts (along K in forward, along N in backward), bytes per collective and
-per pass against the bf16 all-gather, and what ``reshard_after_forward=False`` does. Run
-through ``gloo.spawn``."""
+per pass against the bf16 all-gather, ``reshard_after_forward=False`` (backward gathers its
+copy itself) and activation checkpointing. Run through ``gloo.spawn``."""
 
 from __future__ import annotations
 
@@ -41,15 +41,21 @@ def mx_net(config: Float8LinearConfig, seed: int = 0) -> nn.Sequential:
 
 
 def linears(net: nn.Sequential) -> list[nn.Module]:
-    return [m for m in net if not isinstance(m, nn.ReLU)]
+    return [m for m in net.modules() if isinstance(m, f8linear.Float8Linear)]
 
 
-def _fsdp(config, mesh, **fsdp_kwargs) -> nn.Sequential:
+def _fsdp(config, mesh, ac: bool = False, **fsdp_kwargs) -> nn.Sequential:
+    """``mx_net`` with each linear sharded by FSDP2 (``ac``: checkpoint-wrapped first,
+    torchtitan's order: its forward is recomputed in backward, inside FSDP2's hooks)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
     net = mx_net(config)
-    for m in linears(net):
-        fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    for i, m in enumerate(net):
+        if not isinstance(m, nn.ReLU):
+            if ac:
+                net[i] = m = checkpoint_wrapper(m)
+            fully_shard(m, mesh=mesh, **fsdp_kwargs)
     fully_shard(net, mesh=mesh, **fsdp_kwargs)
     return net
 
@@ -146,12 +152,27 @@ def _worker_mx(rank: int, world: int, tmp: str) -> dict:
             "backward": list(zip(bwd.log, bwd.sizes, strict=True)),
         }
 
-    # reshard_after_forward=False: no backward re-gather, so the along-N copy never comes;
-    # the grad_input gemm must refuse the along-K one (last: the step fails on every rank).
-    net = _fsdp(MX_AG, mesh, reshard_after_forward=False)
-    try:
-        F.mse_loss(net(xs[0, mine]), ys[0, mine]).backward()
-        res["no_reshard_error"] = None
-    except RuntimeError as e:
-        res["no_reshard_error"] = str(e)
+    # reshard_after_forward=False: FSDP2 does not re-gather for backward; the grad_input
+    # gemm gathers the along-N copy itself (fsdp_mx.gather_copy): the same bytes per pass.
+    for name, config in (("fp8", MX_AG), ("bf16", MX)):
+        net = _fsdp(config, mesh, mp_policy=mp, reshard_after_forward=False)
+        with _Count(*COLLECTIVES) as fwd:
+            out = net(xs[0, mine])
+        with _Count(*COLLECTIVES) as bwd:
+            out.float().pow(2).mean().backward()
+        res[f"no_reshard_bytes_{name}"] = {"forward": fwd.bytes, "backward": bwd.bytes}
+    res["no_reshard_losses_fp8"], _ = _train(
+        _fsdp(MX_AG, mesh, reshard_after_forward=False), xs[:, mine], ys[:, mine], STEPS
+    )
+    # Activation checkpointing: the recomputed forward (after FSDP2's along-N re-gather)
+    # gathers the along-K copy for its output gemm.
+    for name, config in (("fp8", MX_AG), ("hp", MX)):
+        net = _fsdp(config, mesh, ac=True)
+        res[f"ac_losses_{name}"], _ = _train(net, xs[:, mine], ys[:, mine], STEPS)
+    net = _fsdp(MX_AG, mesh, ac=True, mp_policy=mp)
+    with _Count(*COLLECTIVES) as fwd:
+        out = net(xs[0, mine])
+    with _Count(*COLLECTIVES) as bwd:
+        out.float().pow(2).mean().backward()
+    res["ac_bytes_fp8"] = {"forward": fwd.bytes, "backward": bwd.bytes}
     return res

@@ -121,7 +121,7 @@ class Float8AllGatherWeight(HpWeight):
         if cast.is_mx:  # this pass's copy (along K forward, along N backward): fsdp_mx
             group = mesh.get_group() if mesh.size() > 1 else None
             return fsdp_mx.pre_all_gather(
-                self._tensor, self._config, outer_size, mesh.size(), group, where
+                module, self._tensor, self._config, outer_size, mesh.size(), group, where
             )
         groups = granularity.weight(cast)
         if self._block_size is not None and not groups.cuts(outer_size[0], mesh.size()):
@@ -629,3 +629,4 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
 
 
 linear.register_fsdp_weight_wrapper(wrap_weight)
+linear.register_fsdp_mx_copy(fsdp_mx.gather_copy)

@@ -31,16 +31,20 @@ same way by the output gemm. Internal.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import cast as casting
 from float8kit import scaling, versions
 from float8kit.config import MX_BLOCK, Float8LinearConfig, GemmRole
 from float8kit.granularity import MX, ShardSpec
-from float8kit.tensor import Float8TrainingTensor
+from float8kit.tensor import Float8TrainingTensor, local
 
 
 def in_backward() -> bool:
@@ -63,6 +67,7 @@ def cut_blocks(rows: int, world: int) -> list[int]:
 
 
 def pre_all_gather(
+    module: nn.Module,
     shard: torch.Tensor,
     config: Float8LinearConfig,
     outer_size: torch.Size,
@@ -74,28 +79,80 @@ def pre_all_gather(
 
     Returns ``((data_uint8,), (scale, dim, rows))``: the shard's fp8 bytes padded to FSDP2's
     padded shard size, and the gathered weight's whole e8m0 scale (already all-gathered),
-    the dim its blocks run along (1 forward, 0 backward) and the weight's row count."""
+    the dim its blocks run along (1 forward, 0 backward) and the weight's row count. Notes
+    where ``module``'s shard is, for ``gather_copy``."""
     if where.n_slots != 1 or tuple(where.full_shape) != tuple(outer_size):
         raise ValueError(
             "float8kit: an MX float8 all-gather weight on a multi-dim mesh (tensor parallel, "
             "HSDP) is not supported: shard it with FSDP2 on a 1-D mesh, or set "
             "enable_fsdp_float8_all_gather=False"
         )
-    dim = 0 if in_backward() else 1
-    cast = config.cast_config_weight_for_grad_input if dim == 0 else config.cast_config_weight
-    fp8_dtype = cast.dtype_for(GemmRole.WEIGHT)
-    n, k = outer_size
-    chunk = math.ceil(n / world)
-    start = min(where.offset if where.dim == 0 else 0, n)
-    rows = shard.shape[0]
-    if dim == 1:
-        data, scale = casting.to_mx(shard, 1, fp8_dtype, cast.mx_scale_rounding)
-        scale = _gather_rows(_pad_rows(scale, chunk), world, group)[:n]
-    else:
-        data, local_scale = _cast_along_rows(shard, start, n, world, group, fp8_dtype, cast)
-        scale = _gather_block_scales(local_scale, start, rows, n, world, group)
-    data = _pad_rows(data.contiguous().view(torch.uint8), chunk)
-    return (data,), (scale, dim, n)
+    source = _Source(weakref.ref(shard), config, outer_size, world, group, where)
+    _SOURCES[module] = source
+    return source.cast(0 if in_backward() else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where a module's MX weight shard is: enough to cast and gather either copy."""
+
+    shard: weakref.ref
+    config: Float8LinearConfig
+    outer_size: torch.Size
+    world: int
+    group: object
+    where: ShardSpec
+
+    def cast(self, dim: int):
+        """The shard's copy blocked along ``dim`` as ``pre_all_gather`` returns it."""
+        shard, config, world, group = self.shard(), self.config, self.world, self.group
+        cast = _cast_for(config, dim)
+        fp8_dtype = cast.dtype_for(GemmRole.WEIGHT)
+        n = self.outer_size[0]
+        chunk = math.ceil(n / world)
+        start = min(self.where.offset if self.where.dim == 0 else 0, n)
+        rows = shard.shape[0]
+        if dim == 1:
+            data, scale = casting.to_mx(shard, 1, fp8_dtype, cast.mx_scale_rounding)
+            scale = _gather_rows(_pad_rows(scale, chunk), world, group)[:n]
+        else:
+            data, local_scale = _cast_along_rows(shard, start, n, world, group, fp8_dtype, cast)
+            scale = _gather_block_scales(local_scale, start, rows, n, world, group)
+        data = _pad_rows(data.contiguous().view(torch.uint8), chunk)
+        return (data,), (scale, dim, n)
+
+
+# module -> _Source of its weight's last FSDP2 all-gather
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# FSDP2's unsharded weight parameter -> its module (found once, in _SOURCES)
+_MODULE_OF = WeakIdKeyDictionary()
+
+
+def gather_copy(weight: torch.Tensor, dim: int) -> Float8TrainingTensor | None:
+    """The MX copy blocked along ``dim`` of the FSDP2 float8 all-gather weight ``weight``
+    (FSDP2's unsharded parameter, which holds the other copy), cast from the shards and
+    all-gathered now, bitwise the copy the hook would gather; None when ``weight`` is no
+    such parameter.
+
+    For a pass without its own FSDP2 all-gather: a backward after a forward that did not
+    reshard (``reshard_after_forward=False``, FSDP2's root), which needs the along-N copy;
+    a forward recomputed in backward (activation checkpointing) after FSDP2's re-gather,
+    which needs the along-K one. Every rank runs the same layers' gemms in the same order,
+    so every rank calls this alike."""
+    module = _MODULE_OF.get(weight)
+    if module is None:
+        module = next((m for m in list(_SOURCES) if m.weight is weight), None)
+        if module is None:
+            return None
+        _MODULE_OF[weight] = module
+    source = _SOURCES[module]
+    if source.shard() is None:  # FSDP2 replaced the shard since: no all-gather since
+        return None
+    (data,), (scale, _, rows) = source.cast(dim)
+    data = _gather_rows(data, source.world, source.group)[:rows]
+    fp8 = data.view(_cast_for(source.config, dim).dtype_for(GemmRole.WEIGHT))
+    hp_dtype = local(weight)._orig_dtype
+    return Float8TrainingTensor(fp8, scale, hp_dtype, GemmRole.WEIGHT, MX(dim), source.config)
 
 
 def post_all_gather(
@@ -115,13 +172,17 @@ def post_all_gather(
             )
         local._gran, local._scale = gran, scale
         return None
-    cast = config.cast_config_weight_for_grad_input if dim == 0 else config.cast_config_weight
-    fp8 = data[:rows].view(cast.dtype_for(GemmRole.WEIGHT))
+    fp8 = data[:rows].view(_cast_for(config, dim).dtype_for(GemmRole.WEIGHT))
     weight = Float8TrainingTensor(fp8, scale, param_dtype, GemmRole.WEIGHT, gran, config)
     return weight, (data,)
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _cast_for(config: Float8LinearConfig, dim: int):
+    """The cast of the copy blocked along ``dim``: the output gemm's (1) or grad_input's (0)."""
+    return config.cast_config_weight_for_grad_input if dim == 0 else config.cast_config_weight
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
