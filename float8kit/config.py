@@ -461,7 +461,8 @@ class Float8LinearConfig:
         """The weights FSDP2 can gather in float8 (float8kit/fsdp.py): one cast is gathered,
         the one the output gemm uses; the grad_input gemm uses it as is (the same tensorwise
         or blockwise cast) or re-casts it locally (axiswise forward cast), which is exact
-        only when both scales are powers of two."""
+        only when both scales are powers of two. MX weights gather each gemm's own cast, one
+        per pass (float8kit/distributed/fsdp_mx.py), so both casts must be MX."""
         w, gi = self.cast_config_weight, self.cast_config_weight_for_grad_input
         if not w.enabled:
             raise ValueError(

@@ -64,7 +64,9 @@ def _weight_for_grad_input(
     with its scales along dim 0 (reducing N) or tensorwise.
 
     A float8 weight saved by forward serves as is where one cast serves both gemms (the same
-    tensorwise or blockwise cast). Otherwise (the row-scaled weight an FSDP2 float8
+    tensorwise or blockwise cast), and so does an FSDP2 MX weight that its backward
+    re-gather made the along-N copy; one still along K (no re-gather) has its along-N copy
+    gathered now (``_fsdp_mx_copy``). Otherwise (the row-scaled weight an FSDP2 float8
     all-gather delivers) it is re-cast from its dequantized values, which are exact.
     Between power-of-2 scales (the config requires them there) the re-cast only shifts
     exponents: it equals casting the hp weight, except for values in float8's subnormal
@@ -176,7 +178,8 @@ class _Float8Matmul(torch.autograd.Function):
     cast before its all-gather, float8kit/tp.py; used as is by the output gemm when its cast
     fits, see ``input_for_backward`` for the second use); ``weight`` is (N, K), hp or already
     a ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
-    blockwise, or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may
+    blockwise, or rowwise, which backward re-casts, see ``_weight_for_grad_input``; MX, the
+    copy along K in forward, along N after FSDP2's backward re-gather), and may
     have another hp dtype than the input (autocast: an fp32 weight is cast to float8
     directly, never copied to the autocast dtype first). Returns hp (M, N) in the input's
     dtype. Saves the input for backward as its grad_weight gemm uses it

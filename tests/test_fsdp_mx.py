@@ -52,6 +52,18 @@ def test_each_pass_gathers_the_copy_its_gemm_needs_bitwise_the_one_device_cast(m
         assert r["backward_bitwise"] == [True] * len(LAYERS)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_copies_bitwise_for_bf16_fp16_weights_near_their_max_and_floor_rounding(mx_ranks):
+    # 17 rows near the dtype's max across a cut block (3 ranks): the byte the cut block's
+    # padding row carries must be a value the dtype holds (fp8_max * 2 ** (byte - 127) is
+    # beyond bf16's and fp16's max there)
+    _, results = mx_ranks
+    for r in results:
+        for name in ("bfloat16", "float16", "floor_bfloat16"):
+            assert r[f"{name}_bitwise"] == [True] * (2 * len(LAYERS)), name
+
+
 def _expected_bytes(world: int) -> dict[str, list[tuple[str, int]]]:
     """Per layer, in each pass's order: the collectives' bytes the design says. Forward: the
     hook's all-gather of the along-K scales (padded rows x ceil(K / 32)), then FSDP2's of

@@ -20,6 +20,16 @@ from float8kit.tensor import local
 
 MX = Float8LinearConfig.from_recipe_name("mxfp8")
 MX_AG = dataclasses.replace(MX, enable_fsdp_float8_all_gather=True)
+# the OCP spec's scale rounding ("floor") for every cast
+FLOOR = dataclasses.replace(
+    MX,
+    **{
+        f.name: dataclasses.replace(getattr(MX, f.name), mx_scale_rounding="floor")
+        for f in dataclasses.fields(MX)
+        if f.name.startswith("cast_config_")
+    },
+)
+FLOOR_AG = dataclasses.replace(FLOOR, enable_fsdp_float8_all_gather=True)
 STEPS = 3
 # (in, out) of the three bias-free float8 linears; the weights' rows are FSDP2's shard dim.
 # 608 rows: 304 + 304 on 2 ranks (block 9 cut), 203 + 203 + 202 on 3 (blocks 6 and 12 cut);
@@ -31,12 +41,22 @@ LAYERS = ((128, 608), (608, 192), (192, 32))
 COLLECTIVES = ("all_gather_single", "all_reduce")
 
 
-def mx_net(config: Float8LinearConfig, seed: int = 0) -> nn.Sequential:
+def mx_net(
+    config: Float8LinearConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> nn.Sequential:
+    """The three linears; ``dtype`` other than fp32: weights in that dtype, and one column
+    of 17 rows (across the first cut block of the 608-row weight on 3 ranks) near the
+    dtype's max (fp16: above fp8_max * 2 ** 7, whose block's byte-carrying value,
+    fp8_max * 2 ** 8, fp16 cannot hold)."""
     torch.manual_seed(seed)
     mods: list[nn.Module] = []
     for i, (k, n) in enumerate(LAYERS):
         mods += [nn.Linear(k, n, bias=False)] + ([nn.ReLU()] if i < len(LAYERS) - 1 else [])
     net = nn.Sequential(*mods)
+    if dtype != torch.float32:
+        net = net.to(dtype)
+        with torch.no_grad():
+            net[0].weight[195:212, 3] = 0.9 * torch.finfo(dtype).max
     return convert_to_float8_training(net, config=config, module_filter_fn=lambda m, f: True)
 
 
@@ -44,13 +64,13 @@ def linears(net: nn.Sequential) -> list[nn.Module]:
     return [m for m in net.modules() if isinstance(m, f8linear.Float8Linear)]
 
 
-def _fsdp(config, mesh, ac: bool = False, **fsdp_kwargs) -> nn.Sequential:
+def _fsdp(config, mesh, ac: bool = False, dtype=torch.float32, **fsdp_kwargs) -> nn.Sequential:
     """``mx_net`` with each linear sharded by FSDP2 (``ac``: checkpoint-wrapped first,
     torchtitan's order: its forward is recomputed in backward, inside FSDP2's hooks)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
-    net = mx_net(config)
+    net = mx_net(config, dtype=dtype)
     for i, m in enumerate(net):
         if not isinstance(m, nn.ReLU):
             if ac:
@@ -90,13 +110,13 @@ def _spy_copies(net):
     return fwd, bwd, undo
 
 
-def _same_as_one_device(copies, dim: int) -> list[bool]:
+def _same_as_one_device(copies, dim: int, dtype=torch.float32, config=MX) -> list[bool]:
     """Each copy (layer order) bitwise the one-device MX cast of the initial hp weight."""
-    ref = linears(mx_net(MX))
-    cast = MX.cast_config_weight if dim == -1 else MX.cast_config_weight_for_grad_input
+    ref = linears(mx_net(config, dtype=dtype))
+    cast = config.cast_config_weight if dim == -1 else config.cast_config_weight_for_grad_input
     out = []
     for (gran, data, scale), m in zip(copies, ref, strict=True):
-        want = cast_to_float8(m.weight.detach(), cast, GemmRole.WEIGHT, dim, MX)
+        want = cast_to_float8(m.weight.detach(), cast, GemmRole.WEIGHT, dim, config)
         out.append(
             gran == want._gran.short()
             and torch.equal(data, want._data.view(torch.uint8))
@@ -134,6 +154,22 @@ def _worker_mx(rank: int, world: int, tmp: str) -> dict:
             res["backward_copies"] = [g for g, _, _ in reversed(bwd)]
             res["forward_bitwise"] = _same_as_one_device(fwd, -1)
             res["backward_bitwise"] = _same_as_one_device(list(reversed(bwd)), 0)
+    # bf16 and fp16 weights (one block near the dtype's max), floor rounding: the copies
+    for name, dtype, config in (
+        ("bfloat16", torch.bfloat16, MX_AG),
+        ("float16", torch.float16, MX_AG),
+        ("floor_bfloat16", torch.bfloat16, FLOOR_AG),
+    ):
+        net = _fsdp(config, mesh, dtype=dtype)
+        fwd, bwd, undo = _spy_copies(net)
+        try:
+            net(xs[0, mine].to(dtype)).float().pow(2).mean().backward()
+        finally:
+            undo()
+        ref = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
+        res[f"{name}_bitwise"] = _same_as_one_device(fwd, -1, dtype, ref) + _same_as_one_device(
+            list(reversed(bwd)), 0, dtype, ref
+        )
     res["grads_bitwise"] = [
         torch.equal(a, b) for a, b in zip(grads["fp8"], grads["hp"], strict=True)
     ]

@@ -11,22 +11,29 @@ gathers the copy of the pass it runs in, never both:
   A block is 32 rows; where a shard boundary falls inside one (``cut_blocks``), the block's
   scale byte is the MAX of both sides' partial bytes: one all-reduce of those blocks' bytes
   only (K bytes each). The shard is then cast by ``to_mx`` itself with a value of that byte
-  planted in a padding row, so every byte is the one-device cast's.
+  planted in a padding row (``_value_of_byte``), so every byte is the one-device cast's.
 
 The fp8 bytes ride FSDP2's all-gather (1 byte per element). The e8m0 scale bytes (1 per 32
-elements) take one all-gather of their own, in the hook, and reach the post
-hook as metadata: FSDP2 requires every all-gather input of an unevenly sharded parameter to
+elements) take one all-gather of their own, in the hook, and reach the post hook as
+metadata: FSDP2 requires every all-gather input of an unevenly sharded parameter to
 have the padded shard's size, which a scale is not.
 
 The gathered weight is one ``Float8TrainingTensor`` object for the whole run (FSDP2's
 ``out``): a re-gather refills its data bytes and gives it the pass's granularity and scale,
 so the tensor that forward saved for backward holds the along-N copy when backward reads
-it. Without a backward re-gather (``reshard_after_forward=False``, or the root module,
-which FSDP2 does not reshard after forward by default) the saved copy stays along K, and
-the grad_input gemm refuses it (``float8kit.linear``): gather the along-K copy only and let
-the backward silently re-cast it would not be the cast of the hp weight. Activation
-checkpointing that recomputes a layer in backward (after the re-gather) is refused the
-same way by the output gemm. Internal.
+it.
+
+A pass without an FSDP2 all-gather of its own gathers its copy itself (``gather_copy``,
+which ``float8kit.linear`` calls; the hook notes each module's shard): the backward after a
+forward that did not reshard (``reshard_after_forward=False``, and the root module, which
+FSDP2 does not reshard after forward by default) gathers the along-N copy in the
+grad_input gemm, the same bytes as a re-gather (FSDP2 keeps the along-K copy until the
+backward ends, so the along-N one lives beside it for the gemm); a forward recomputed in
+backward by activation checkpointing, after FSDP2's along-N re-gather, gathers the along-K
+copy for its output gemm (that backward moves both copies). Re-casting the copy at hand
+instead would not be the cast of the hp weight: a float8 MX weight with no shards behind
+it is refused. Not supported: tensor-parallel / HSDP meshes (refused), torch.compile of
+the MX all-gather (the pass's copy is chosen in Python, per call). Internal.
 """
 
 from __future__ import annotations
@@ -210,15 +217,12 @@ def _cast_along_rows(shard, start, n, world, group, fp8_dtype, cast):
     zero rows (which change no amax). A block cut by a shard boundary gets its whole-block
     scale byte: the byte is monotone in the amax, so it is the MAX over ranks of each part's
     byte (one all-reduce of the cut blocks' bytes, a NaN's 255 included), and a padding row
-    of the block (one exists: part of the block lies outside the shard) carries the value
-    ``fp8_max * 2 ** (byte - 127)``, whose own byte is that byte, into ``to_mx``."""
+    of the block (one exists: part of the block lies outside the shard) carries a value of
+    that byte (``_value_of_byte``) into ``to_mx``."""
     rows = shard.shape[0]
     top = start % MX_BLOCK
     bottom = -(start + rows) % MX_BLOCK
-    # fp16 cannot hold fp8_max * 2 ** (byte - 127) for its largest blocks; to_mx multiplies
-    # in fp32 anyway, so the fp32 copy casts bitwise alike
-    dtype = torch.float32 if shard.dtype == torch.float16 else shard.dtype
-    padded = shard.new_zeros((top + rows + bottom, shard.shape[1]), dtype=dtype)
+    padded = shard.new_zeros((top + rows + bottom, shard.shape[1]))
     padded[top : top + rows] = shard
     cut = cut_blocks(n, world)
     if cut:
@@ -230,12 +234,22 @@ def _cast_along_rows(shard, start, n, world, group, fp8_dtype, cast):
             parts[i] = scaling.mx_scale_bits(local[j], fp8_dtype, rounding)
         if world > 1:
             dist.all_reduce(parts, op=dist.ReduceOp.MAX, group=group)
-        fp8_max = scaling.fp8_max(fp8_dtype)
+        fp8_max, big = scaling.fp8_max(fp8_dtype), torch.finfo(shard.dtype).max
         for i, j in touched:
             row = j * MX_BLOCK if j * MX_BLOCK < top else (j + 1) * MX_BLOCK - 1
-            padded[row] = (scaling.mx_descale(parts[i]) * fp8_max).to(dtype)
+            padded[row] = _value_of_byte(parts[i], fp8_max, big).to(shard.dtype)
     data, scale = casting.to_mx(padded, 0, fp8_dtype, cast.mx_scale_rounding)
     return data[top : top + rows], scale
+
+
+def _value_of_byte(byte: torch.Tensor, fp8_max: float, big: float) -> torch.Tensor:
+    """An fp32 amax whose e8m0 byte (``scaling.mx_scale_bits``, either rounding) is ``byte``
+    and that ``big`` (the hp dtype's max) bounds: ``fp8_max * 2 ** (byte - 127)``; above
+    ``big`` (rceil's byte for the largest finite amaxes, whose ``fp8_max * 2 ** (byte -
+    127)`` is beyond the dtype) ``big`` itself, whose byte is that byte; 254 (rceil: an inf
+    amax) inf, 255 NaN."""
+    value = torch.clamp(scaling.mx_descale(byte) * fp8_max, max=big)  # keeps NaN
+    return torch.where(byte == 254, math.inf, value)
 
 
 def _gather_block_scales(local_scale, start, rows, n, world, group):
