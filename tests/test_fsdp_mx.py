@@ -64,6 +64,18 @@ def test_copies_bitwise_for_bf16_fp16_weights_near_their_max_and_floor_rounding(
             assert r[f"{name}_bitwise"] == [True] * (2 * len(LAYERS)), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_nan_and_inf_in_a_cut_block_stay_visible_like_one_device(mx_ranks):
+    # a NaN on one side of a cut block (3 ranks) makes the whole block's byte 255 on every
+    # rank (the all-reduced bytes), an inf likewise its byte: bitwise the one-device cast
+    _, results = mx_ranks
+    for r in results:
+        for name in ("non_finite", "floor_non_finite"):
+            assert r[f"{name}_bitwise"] == [True] * (2 * len(LAYERS)), name
+            assert r[f"{name}_nan_block"] == 255
+
+
 def _expected_bytes(world: int) -> dict[str, list[tuple[str, int]]]:
     """Per layer, in each pass's order: the collectives' bytes the design says. Forward: the
     hook's all-gather of the along-K scales (padded rows x ceil(K / 32)), then FSDP2's of

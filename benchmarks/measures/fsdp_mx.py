@@ -7,6 +7,7 @@ copy itself) and activation checkpointing. Run through ``gloo.spawn``."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +43,16 @@ COLLECTIVES = ("all_gather_single", "all_reduce")
 
 
 def mx_net(
-    config: Float8LinearConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+    config: Float8LinearConfig,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    non_finite: bool = False,
 ) -> nn.Sequential:
     """The three linears; ``dtype`` other than fp32: weights in that dtype, and one column
     of 17 rows (across the first cut block of the 608-row weight on 3 ranks) near the
     dtype's max (fp16: above fp8_max * 2 ** 7, whose block's byte-carrying value,
-    fp8_max * 2 ** 8, fp16 cannot hold)."""
+    fp8_max * 2 ** 8, fp16 cannot hold). ``non_finite``: a NaN and an inf in the first
+    weight's block 6 (cut by 3 ranks), on either side of the cut."""
     torch.manual_seed(seed)
     mods: list[nn.Module] = []
     for i, (k, n) in enumerate(LAYERS):
@@ -57,6 +62,9 @@ def mx_net(
         net = net.to(dtype)
         with torch.no_grad():
             net[0].weight[195:212, 3] = 0.9 * torch.finfo(dtype).max
+    if non_finite:
+        with torch.no_grad():
+            net[0].weight[200, 5], net[0].weight[210, 7] = math.nan, math.inf
     return convert_to_float8_training(net, config=config, module_filter_fn=lambda m, f: True)
 
 
@@ -64,13 +72,13 @@ def linears(net: nn.Sequential) -> list[nn.Module]:
     return [m for m in net.modules() if isinstance(m, f8linear.Float8Linear)]
 
 
-def _fsdp(config, mesh, ac: bool = False, dtype=torch.float32, **fsdp_kwargs) -> nn.Sequential:
+def _fsdp(config, mesh, ac=False, dtype=torch.float32, non_finite=False, **fsdp_kwargs):
     """``mx_net`` with each linear sharded by FSDP2 (``ac``: checkpoint-wrapped first,
     torchtitan's order: its forward is recomputed in backward, inside FSDP2's hooks)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
-    net = mx_net(config, dtype=dtype)
+    net = mx_net(config, dtype=dtype, non_finite=non_finite)
     for i, m in enumerate(net):
         if not isinstance(m, nn.ReLU):
             if ac:
@@ -110,9 +118,9 @@ def _spy_copies(net):
     return fwd, bwd, undo
 
 
-def _same_as_one_device(copies, dim: int, dtype=torch.float32, config=MX) -> list[bool]:
+def _same_as_one_device(copies, dim, dtype=torch.float32, config=MX, non_finite=False):
     """Each copy (layer order) bitwise the one-device MX cast of the initial hp weight."""
-    ref = linears(mx_net(config, dtype=dtype))
+    ref = linears(mx_net(config, dtype=dtype, non_finite=non_finite))
     cast = config.cast_config_weight if dim == -1 else config.cast_config_weight_for_grad_input
     out = []
     for (gran, data, scale), m in zip(copies, ref, strict=True):
@@ -155,21 +163,26 @@ def _worker_mx(rank: int, world: int, tmp: str) -> dict:
             res["forward_bitwise"] = _same_as_one_device(fwd, -1)
             res["backward_bitwise"] = _same_as_one_device(list(reversed(bwd)), 0)
     # bf16 and fp16 weights (one block near the dtype's max), floor rounding: the copies
-    for name, dtype, config in (
-        ("bfloat16", torch.bfloat16, MX_AG),
-        ("float16", torch.float16, MX_AG),
-        ("floor_bfloat16", torch.bfloat16, FLOOR_AG),
+    # a NaN and an inf (both roundings): the copies, bitwise (NaN blocks included)
+    for name, dtype, config, bad in (
+        ("bfloat16", torch.bfloat16, MX_AG, False),
+        ("float16", torch.float16, MX_AG, False),
+        ("floor_bfloat16", torch.bfloat16, FLOOR_AG, False),
+        ("non_finite", torch.float32, MX_AG, True),
+        ("floor_non_finite", torch.float32, FLOOR_AG, True),
     ):
-        net = _fsdp(config, mesh, dtype=dtype)
+        net = _fsdp(config, mesh, dtype=dtype, non_finite=bad)
         fwd, bwd, undo = _spy_copies(net)
         try:
             net(xs[0, mine].to(dtype)).float().pow(2).mean().backward()
         finally:
             undo()
         ref = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
-        res[f"{name}_bitwise"] = _same_as_one_device(fwd, -1, dtype, ref) + _same_as_one_device(
-            list(reversed(bwd)), 0, dtype, ref
-        )
+        res[f"{name}_bitwise"] = _same_as_one_device(
+            fwd, -1, dtype, ref, bad
+        ) + _same_as_one_device(list(reversed(bwd)), 0, dtype, ref, bad)
+        if bad:  # the gathered along-N copy of the NaN's block: NaN scale byte (255)
+            res[f"{name}_nan_block"] = bwd[-1][2][6, 5].item()
     res["grads_bitwise"] = [
         torch.equal(a, b) for a, b in zip(grads["fp8"], grads["hp"], strict=True)
     ]

@@ -237,18 +237,22 @@ def _cast_along_rows(shard, start, n, world, group, fp8_dtype, cast):
         fp8_max, big = scaling.fp8_max(fp8_dtype), torch.finfo(shard.dtype).max
         for i, j in touched:
             row = j * MX_BLOCK if j * MX_BLOCK < top else (j + 1) * MX_BLOCK - 1
-            padded[row] = _value_of_byte(parts[i], fp8_max, big).to(shard.dtype)
+            padded[row] = _value_of_byte(parts[i], fp8_max, big, rounding).to(shard.dtype)
     data, scale = casting.to_mx(padded, 0, fp8_dtype, cast.mx_scale_rounding)
     return data[top : top + rows], scale
 
 
-def _value_of_byte(byte: torch.Tensor, fp8_max: float, big: float) -> torch.Tensor:
-    """An fp32 amax whose e8m0 byte (``scaling.mx_scale_bits``, either rounding) is ``byte``
-    and that ``big`` (the hp dtype's max) bounds: ``fp8_max * 2 ** (byte - 127)``; above
-    ``big`` (rceil's byte for the largest finite amaxes, whose ``fp8_max * 2 ** (byte -
-    127)`` is beyond the dtype) ``big`` itself, whose byte is that byte; 254 (rceil: an inf
-    amax) inf, 255 NaN."""
-    value = torch.clamp(scaling.mx_descale(byte) * fp8_max, max=big)  # keeps NaN
+def _value_of_byte(byte: torch.Tensor, fp8_max: float, big: float, rounding: str):
+    """An fp32 amax whose e8m0 byte (``scaling.mx_scale_bits`` with ``rounding``) is
+    ``byte``, within ``big`` (the hp dtype's max) where finite: ``fp8_max * 2 ** (byte -
+    127)`` (255: NaN). Beyond fp32's range that is inf: with "floor" (the byte keeps the
+    amax's exponent) only an inf amax has such a byte; with "rceil" 254 is an inf amax's,
+    and the largest finite amaxes round up to a byte whose value is beyond the dtype: the
+    dtype's max has that byte."""
+    value = scaling.mx_descale(byte) * fp8_max
+    if rounding == "floor":
+        return value
+    value = torch.clamp(value, max=big)  # keeps NaN
     return torch.where(byte == 254, math.inf, value)
 
 
