@@ -482,6 +482,15 @@ class Float8LinearConfig:
                     f"and {gi.scaling_granularity.value}): make both MX (the mxfp8 recipe), "
                     "or set enable_fsdp_float8_all_gather=False"
                 )
+            wd, gd = w.dtype_for(GemmRole.WEIGHT), gi.dtype_for(GemmRole.WEIGHT)
+            if wd != gd:  # both copies come through FSDP2's one buffer, of one float8 dtype
+                raise ValueError(
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with MX weights "
+                    "gathers both copies into one float8 buffer, so the float8 dtype of "
+                    f"cast_config_weight_for_grad_input ({gd}) must equal cast_config_weight's "
+                    f"({wd}): give them one target_dtype, or set "
+                    "enable_fsdp_float8_all_gather=False"
+                )
             return
         if w.scaling_granularity is not ScalingGranularity.AXISWISE:
             if gi != w:

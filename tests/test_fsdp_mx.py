@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.measures.fsdp_mx import LAYERS, MX, MX_AG, mx_net
 from benchmarks.measures.gloo import _bitwise, spawn
-from float8kit import CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
+from float8kit import E5M2, CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
 from float8kit.cast import cast_to_float8
 from float8kit.distributed.fsdp_mx import cut_blocks
 from float8kit.granularity import MX as MXGran
@@ -210,7 +210,7 @@ def test_mx_strided_keeps_the_blocks_of_the_first_rows():
     assert MXGran(0).strided(scale, None, 2) is None
 
 
-def test_config_refuses_an_mx_weight_gathered_for_a_non_mx_grad_input_gemm():
+def test_config_refuses_mx_all_gathers_it_cannot_serve_naming_the_field():
     mx = CastConfig(scaling_granularity=ScalingGranularity.MX)
     assert MX_AG.enable_fsdp_float8_all_gather  # the mxfp8 recipe is accepted
     with pytest.raises(ValueError, match="cast_config_weight_for_grad_input") as e:
@@ -224,7 +224,16 @@ def test_config_refuses_an_mx_weight_gathered_for_a_non_mx_grad_input_gemm():
             enable_fsdp_float8_all_gather=True,
         )
     assert "enable_fsdp_float8_all_gather=False" in str(e.value)
-    # the same config without the float8 all-gather is valid: the refusal is the all-gather's
+    with pytest.raises(ValueError, match="float8 dtype of cast_config_weight_for_grad_input"):
+        dataclasses.replace(
+            MX_AG,
+            cast_config_weight_for_grad_input=dataclasses.replace(mx, target_dtype=E5M2),
+        )
+    # the same configs without the float8 all-gather are valid: the refusals are its own
+    dataclasses.replace(
+        MX,
+        cast_config_weight_for_grad_input=dataclasses.replace(mx, target_dtype=E5M2),
+    )
     dataclasses.replace(
         MX,
         cast_config_grad_output=CastConfig(),
