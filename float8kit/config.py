@@ -461,7 +461,8 @@ class Float8LinearConfig:
         """The weights FSDP2 can gather in float8 (float8kit/fsdp.py): one cast is gathered,
         the one the output gemm uses; the grad_input gemm uses it as is (the same tensorwise
         or blockwise cast) or re-casts it locally (axiswise forward cast), which is exact
-        only when both scales are powers of two."""
+        only when both scales are powers of two. MX weights gather each gemm's own cast, one
+        per pass (float8kit/distributed/fsdp_mx.py), so both casts must be MX."""
         w, gi = self.cast_config_weight, self.cast_config_weight_for_grad_input
         if not w.enabled:
             raise ValueError(
@@ -469,11 +470,28 @@ class Float8LinearConfig:
                 "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
             )
         if w.is_mx or gi.is_mx:
-            raise ValueError(
-                "Float8LinearConfig.enable_fsdp_float8_all_gather=True is not supported with "
-                "MX weights yet: set enable_fsdp_float8_all_gather=False (FSDP2 gathers the "
-                "hp weight and each gemm casts it)"
-            )
+            # MX (float8kit/distributed/fsdp_mx.py): forward gathers the weight cast along K
+            # per cast_config_weight, backward's re-gather the one along N per
+            # cast_config_weight_for_grad_input: both must be MX.
+            if not (w.is_mx and gi.is_mx and gi.enabled):
+                raise ValueError(
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with an MX weight "
+                    "gathers the MX cast each gemm needs (along K in forward, along N in "
+                    "backward), so cast_config_weight and cast_config_weight_for_grad_input "
+                    f"must both be ScalingGranularity.MX (got {w.scaling_granularity.value} "
+                    f"and {gi.scaling_granularity.value}): make both MX (the mxfp8 recipe), "
+                    "or set enable_fsdp_float8_all_gather=False"
+                )
+            wd, gd = w.dtype_for(GemmRole.WEIGHT), gi.dtype_for(GemmRole.WEIGHT)
+            if wd != gd:  # both copies come through FSDP2's one buffer, of one float8 dtype
+                raise ValueError(
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with MX weights "
+                    "gathers both copies into one float8 buffer, so the float8 dtype of "
+                    f"cast_config_weight_for_grad_input ({gd}) must equal cast_config_weight's "
+                    f"({wd}): give them one target_dtype, or set "
+                    "enable_fsdp_float8_all_gather=False"
+                )
+            return
         if w.scaling_granularity is not ScalingGranularity.AXISWISE:
             if gi != w:
                 raise ValueError(

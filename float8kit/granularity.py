@@ -324,8 +324,14 @@ class MX(Granularity):
         )
 
     def strided(self, scale, rows, ndim):
-        # the first whole rows of data blocked along its last dim keep their rows' scales
-        return scale[:rows] if rows is not None and self.dim == ndim - 1 else None
+        # the first whole rows of data blocked along its last dim keep their rows' scales;
+        # of 2-D data blocked along its rows (the FSDP2 weight gathered along N, already
+        # ``rows`` rows: the identity) the blocks those rows lie in
+        if rows is None:
+            return None
+        if self.dim == ndim - 1:
+            return scale[:rows]
+        return scale[: -(-rows // 32)] if self.dim == 0 and ndim == 2 else None
 
     def sliced(self, scale, dim, fn, func):
         if dim == self.dim:

@@ -31,7 +31,7 @@ from float8kit.config import (
     ScalingType,
 )
 from float8kit.hp_weight import store_plain_weight
-from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8
+from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 
 
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
@@ -64,7 +64,9 @@ def _weight_for_grad_input(
     with its scales along dim 0 (reducing N) or tensorwise.
 
     A float8 weight saved by forward serves as is where one cast serves both gemms (the same
-    tensorwise or blockwise cast). Otherwise (the row-scaled weight an FSDP2 float8
+    tensorwise or blockwise cast), and so does an FSDP2 MX weight that its backward
+    re-gather made the along-N copy; one still along K (no re-gather) has its along-N copy
+    gathered now (``_fsdp_mx_copy``). Otherwise (the row-scaled weight an FSDP2 float8
     all-gather delivers) it is re-cast from its dequantized values, which are exact.
     Between power-of-2 scales (the config requires them there) the re-cast only shifts
     exponents: it equals casting the hp weight, except for values in float8's subnormal
@@ -80,9 +82,31 @@ def _weight_for_grad_input(
     if is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
         if _reusable(config.cast_config_weight, cast, weight=True):
             return w_saved
+        mx_dim = local(w_saved)._gran.mx_dim
+        if mx_dim == 0:  # FSDP2's backward re-gather: the MX cast along N, this gemm's
+            return w_saved
+        if mx_dim is not None:  # no re-gather (reshard_after_forward=False): gather it now
+            return _fsdp_mx_copy(w_saved, 0, "grad_input")
         # exact in any hp dtype: float8 values over a power-of-2 scale
         w_saved = dequantize(w_saved)
     return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
+
+
+def _fsdp_mx_copy(weight: torch.Tensor, dim: int, gemm: str) -> Float8TrainingTensor:
+    """The MX copy blocked along ``dim`` of an FSDP2 float8 all-gather ``weight`` that holds
+    the other one (float8kit/distributed/fsdp_mx.py gathers it from the shards, bitwise the
+    one-device cast). An MX block is not its own transpose: re-casting the held copy from
+    its dequantized values would not be the cast of the hp weight, so a weight with no
+    shards to gather from is refused."""
+    got = _FSDP_MX_COPY[0](weight, dim) if _FSDP_MX_COPY else None
+    if got is None:
+        have, want = ("N", "K") if dim == 1 else ("K", "N")
+        raise RuntimeError(
+            f"float8kit: the {gemm} gemm needs the MX weight blocked along {want}, but got a "
+            f"float8 weight blocked along {have} that no FSDP2 float8 all-gather can re-gather "
+            "(re-casting it would not be the cast of the hp weight): pass the hp weight"
+        )
+    return got
 
 
 def input_for_backward(
@@ -154,7 +178,8 @@ class _Float8Matmul(torch.autograd.Function):
     cast before its all-gather, float8kit/tp.py; used as is by the output gemm when its cast
     fits, see ``input_for_backward`` for the second use); ``weight`` is (N, K), hp or already
     a ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
-    blockwise, or rowwise, which backward re-casts, see ``_weight_for_grad_input``), and may
+    blockwise, or rowwise, which backward re-casts, see ``_weight_for_grad_input``; MX, the
+    copy along K in forward, along N after FSDP2's backward re-gather), and may
     have another hp dtype than the input (autocast: an fp32 weight is cast to float8
     directly, never copied to the autocast dtype first). Returns hp (M, N) in the input's
     dtype. Saves the input for backward as its grad_weight gemm uses it
@@ -207,6 +232,12 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.shapes = (input_hp.shape, weight.shape, weight.device)
             return input_hp.new_zeros((0, weight.shape[0]))
         weight_is_fp8 = is_float8(weight)
+        # FSDP2's MX weight as its backward re-gather left it (along N) in a forward that
+        # activation checkpointing recomputes: the output gemm gathers the along-K copy; the
+        # weight itself is what backward keeps (see _weight_for_grad_input)
+        w_fwd = weight
+        if weight_is_fp8 and local(weight)._gran.mx_dim == 0:
+            w_fwd = _fsdp_mx_copy(weight, 1, "output")
         # The input arrives float8 when it was cast before a tensor-parallel all-gather
         # (float8kit/tp.py, which checks that its cast is cast_config_input).
         input_is_fp8 = is_float8(input_hp)
@@ -248,7 +279,7 @@ class _Float8Matmul(torch.autograd.Function):
                         recorded=amaxes,
                     )
                 recorded = amaxes[0] if amaxes else None
-            w = weight
+            w = w_fwd
             if not weight_is_fp8:
                 w = cast_to_float8(
                     weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
@@ -286,7 +317,8 @@ class _Float8Matmul(torch.autograd.Function):
         ):
             ctx.w_recast, w_scale_kept = (w._data.dtype, w._gran), w._scale
             keep_w = False
-        ctx.save_for_backward(x_saved, w if keep_w else weight, w_scale_kept)
+        w_keep = weight if w_fwd is not weight else w
+        ctx.save_for_backward(x_saved, w_keep if keep_w else weight, w_scale_kept)
         ctx.config = c
         ctx.w_state = (
             w_scale,
@@ -352,6 +384,16 @@ class _Float8Matmul(torch.autograd.Function):
 # float8kit.distributed.fsdp (a layer above this module) registers it when float8kit is
 # imported, so that this module imports nothing distributed.
 _FSDP_WEIGHT_WRAPPER: list[Callable[[nn.Parameter, Float8LinearConfig], nn.Parameter]] = []
+
+
+# The FSDP2 MX weight's other copy, gathered from its shards: float8kit.distributed.fsdp_mx
+# registers it (``(weight, dim) -> Float8TrainingTensor | None``).
+_FSDP_MX_COPY: list[Callable[[torch.Tensor, int], Float8TrainingTensor | None]] = []
+
+
+def register_fsdp_mx_copy(gather: Callable[[torch.Tensor, int], Float8TrainingTensor | None]):
+    """Set the function that gathers an FSDP2 MX weight's copy along another dim."""
+    _FSDP_MX_COPY[:] = [gather]
 
 
 def register_fsdp_weight_wrapper(

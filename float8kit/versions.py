@@ -11,12 +11,20 @@ import functools
 import os
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 TORCH_VERSION: tuple[int, int] = tuple(int(v) for v in torch.__version__.split(".")[:2])
 
 # the block-scaled gemm (blockwise recipe on CUDA): torch.nn.functional.scaled_mm (torch >= 2.10)
 HAS_BLOCK_SCALED_MM: bool = hasattr(F, "scaled_mm")
+
+# The single-tensor all-gather of torch.distributed: all_gather_single from torch 2.13 on
+# (which deprecates all_gather_into_tensor, with a FutureWarning per call), before it
+# all_gather_into_tensor. Looked up by name at each call (collective counters patch it).
+ALL_GATHER_SINGLE: str = (
+    "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+)
 
 # torch 2.11's dynamo cannot trace the call of a Placement's method (``Shard(d).
 # _to_replicate_tensor``: "Dynamo does not know how to trace method"); from 2.13 on it can.

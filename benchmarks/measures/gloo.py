@@ -138,8 +138,9 @@ class _Count:
     torch.distributed collectives ``names`` and counts their calls and bytes: the gathered
     output of an all-gather, the sent input of a reduce-scatter or all-to-all, the tensor of
     an all-reduce or broadcast. ``calls`` / ``bytes``: totals; ``by_name``: bytes per name;
-    ``log``: the names called, in order. torch 2.11 names FSDP2's collectives differently
-    (``all_gather_into_tensor``, ``reduce_scatter_tensor``): counted under the 2.13 names."""
+    ``log``: the names called, in order; ``sizes``: each call's bytes, in that order. torch
+    2.11 names FSDP2's collectives differently (``all_gather_into_tensor``,
+    ``reduce_scatter_tensor``): counted under the 2.13 names."""
 
     # name -> (keyword, position) of the tensor whose bytes are counted
     TENSOR = {
@@ -159,6 +160,7 @@ class _Count:
         """``module``: where the collectives live (torch.distributed, or its functional
         collectives ``torch.distributed._functional_collectives`` that DTensor uses)."""
         self.names, self.module, self.calls, self.bytes, self.log = names, module, 0, 0, []
+        self.sizes: list[int] = []
         self.by_name = dict.fromkeys(names, 0)
 
     def __enter__(self):
@@ -181,6 +183,7 @@ class _Count:
             self.bytes += size
             self.by_name[name] += size
             self.log.append(name)
+            self.sizes.append(size)
             return fn(*args, **kwargs)
 
         return counted

@@ -8,6 +8,8 @@ in one collective through ``fsdp_weight_contributions``; without a fresh one the
 all-reduces itself), so the all-gather moves 1 byte per element; ``fsdp_post_all_gather``
 wraps the gathered bytes as the ``Float8TrainingTensor`` the gemms use without casting again.
 Shards of whole blocks (blockwise) cast alone and gather their block scales with the bytes.
+MX weights gather the copy of the pass the all-gather serves (along K in forward, along N in
+backward): float8kit.distributed.fsdp_mx.
 How a granularity's scaling groups map onto shards and meshes is its granularity object's
 (float8kit.granularity); freshness of a precomputed scale is judged by signals alike on every
 rank (the parameter's identity and version). docs/fsdp.md explains each choice.
@@ -30,6 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from float8kit import cast as casting
 from float8kit import granularity, linear, scaling, state
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
+from float8kit.distributed import fsdp_mx
 from float8kit.granularity import ShardSpec
 from float8kit.hp_weight import HpWeight, padded_shard_size
 from float8kit.reports import REPORT_CALLS, report_flags
@@ -46,7 +49,7 @@ class Float8AllGatherWeight(HpWeight):
         - ``_tensor`` is the plain hp tensor this stands for: same shape, strides, dtype,
           device. Every aten op runs on ``_tensor``; results of ``KEEP_SUBCLASS`` ops are
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
-        - ``_config`` is the owning layer's config (a tensorwise, rowwise or blockwise float8
+        - ``_config`` is the owning layer's config (a tensorwise, rowwise, blockwise or MX float8
           weight, validated by ``Float8LinearConfig``).
         - ``data_ptr()`` is ``_tensor``'s (``float8kit.hp_weight``): trainers tell parameters
           apart by it.
@@ -114,6 +117,11 @@ class Float8AllGatherWeight(HpWeight):
                 f"along dim 0 (FSDP2's default); FSDP2 shards it along dim {where.dim} over "
                 f"mesh {mesh}: drop the shard_placement_fn for it, or set "
                 "enable_fsdp_float8_all_gather=False"
+            )
+        if cast.is_mx:  # this pass's copy (along K forward, along N backward): fsdp_mx
+            group = mesh.get_group() if mesh.size() > 1 else None
+            return fsdp_mx.pre_all_gather(
+                module, self._tensor, self._config, outer_size, mesh.size(), group, where
             )
         groups = granularity.weight(cast)
         if self._block_size is not None and not groups.cuts(outer_size[0], mesh.size()):
@@ -192,6 +200,10 @@ class Float8AllGatherWeight(HpWeight):
             ``(weight, (data,))`` the first time (FSDP2 frees ``data``'s storage when it
             reshards and refills it before the next use); None when ``out`` is given.
         """
+        if self._config.cast_config_weight.is_mx:
+            return fsdp_mx.post_all_gather(
+                all_gather_outputs, metadata, param_dtype, self._config, out
+            )
         if self._block_size is not None:
             return self._post_all_gather_blocks(all_gather_outputs, metadata, param_dtype, out)
         (data,) = all_gather_outputs
@@ -535,8 +547,8 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
     others: list[tuple[nn.Module, ShardSpec]] = []
     for _, m in sharded:
         cast = m.config.cast_config_weight
-        if cast.scaling_type is not ScalingType.DYNAMIC:
-            continue
+        if cast.scaling_type is not ScalingType.DYNAMIC or cast.is_mx:
+            continue  # MX: every scale is made in the hook (see fsdp_mx)
         where = _precompute_spec(m)
         if where is None:
             continue
@@ -617,3 +629,4 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
 
 
 linear.register_fsdp_weight_wrapper(wrap_weight)
+linear.register_fsdp_mx_copy(fsdp_mx.gather_copy)
