@@ -108,6 +108,7 @@ MEASURES = {
         "benchmarks/common.py",
     ],
     "fsdp_blockwise": [f"{_M}/fsdp_blockwise.py", f"{_M}/gloo.py"],
+    "fsdp_mx": [f"{_M}/fsdp_mx.py", f"{_M}/gloo.py"],
     "fsdp_mesh": [f"{_M}/fsdp_mesh.py", f"{_M}/gloo.py"],
     "qgz": [f"{_M}/qgz.py", f"{_M}/gloo.py", f"{_M}/refs.py", "benchmarks/common.py"],
     "tp": [f"{_M}/tp.py", f"{_M}/gloo.py"],
@@ -540,6 +541,40 @@ def fsdp_blockwise() -> None:
     )
 
 
+def fsdp_mx() -> None:
+    """FSDP2 float8 all-gather of mxfp8 weights (2 and 3 gloo ranks;
+    benchmarks/measures/fsdp_mx.py, which tests/test_fsdp_mx.py asserts on): bytes per pass
+    against the bf16 all-gather, which copy each pass gathered, bitwise checks; rank 0's."""
+    from benchmarks.measures import fsdp_mx as m
+    from benchmarks.measures.gloo import spawn
+
+    t0 = time.perf_counter()
+    data: dict = {"layers": [list(x) for x in m.LAYERS], "steps": m.STEPS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 3):
+            (Path(tmp) / str(world)).mkdir()
+            ranks = spawn("benchmarks.measures.fsdp_mx:_worker_mx", world, Path(tmp) / str(world))
+            r = ranks[0]
+            passes = {}
+            for name in ("forward", "backward"):
+                fp8 = sum(r["bytes_fp8"][name].values())
+                bf16 = sum(r["bytes_bf16"][name].values())
+                passes[name] = {"fp8": fp8, "bf16": bf16, "ratio": fp8 / bf16}
+            data[f"ranks{world}"] = {
+                "local_rows": r["local_rows"],
+                "passes": passes,
+                "forward_copies": r["forward_copies"],
+                "backward_copies": r["backward_copies"],
+                "copies_bitwise_one_device": all(r["forward_bitwise"] + r["backward_bitwise"]),
+                "losses_bitwise_hp_all_gather": all(
+                    x["losses_fp8"] == x["losses_hp"] for x in ranks
+                ),
+                "grads_bitwise_hp_all_gather": all(all(x["grads_bitwise"]) for x in ranks),
+                "no_reshard_bytes_fp8": r["no_reshard_bytes_fp8"],
+            }
+    write("fsdp_mx", MEASURES["fsdp_mx"], data, time.perf_counter() - t0)
+
+
 def fsdp_mesh() -> None:
     """benchmarks/measures/fsdp_mesh.py's run (4 gloo ranks: FSDP2 x TP 2x2 and 1x2, HSDP
     2x2), every recipe with and without float8 all-gather; losses of all ranks, bytes of rank 0."""
@@ -961,6 +996,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "mx_numerics": mx_numerics,
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
+    "fsdp_mx": fsdp_mx,
     "fsdp_mesh": fsdp_mesh,
     "qgz": qgz,
     "qgz_train": qgz_train,

@@ -268,6 +268,33 @@ def mx_numerics_table() -> str:
     return caption("mx_numerics") + "\n\n" + table(header, rows)
 
 
+def fsdp_mx_table() -> str:
+    """FSDP2 float8 all-gather of mxfp8 weights: bytes per pass vs bf16, the copy each
+    pass gathered, bitwise checks."""
+    if missing := not_measured("fsdp_mx"):
+        return missing
+    d = load("fsdp_mx")["data"]
+    rows = []
+    for world in (2, 3):
+        r = d[f"ranks{world}"]
+        for name, copies in (("forward", "forward_copies"), ("backward", "backward_copies")):
+            p = r["passes"][name]
+            rows.append(
+                [
+                    str(world),
+                    name,
+                    ", ".join(dict.fromkeys(r[copies])),
+                    f"{p['fp8']:,}",
+                    f"{p['bf16']:,}",
+                    f"{p['ratio']:.3f}x",
+                    "yes" if r["losses_bitwise_hp_all_gather"] else "NO",
+                ]
+            )
+    header = ["ranks", "pass", "copy gathered", "MX bytes", "bf16 bytes", "ratio"]
+    header += ["losses bitwise the hp all-gather"]
+    return caption("fsdp_mx") + "\n\n" + table(header, rows)
+
+
 def outliers_table() -> str:
     d = load("outliers")["data"]
     db = {(r["recipe"], r["gemm"]): r["float8kit_vs_fp32"] for r in d["rows"]}
@@ -1222,6 +1249,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scaling": scaling_table,
     "outliers": outliers_table,
     "mx_numerics": mx_numerics_table,
+    "fsdp_mx": fsdp_mx_table,
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "fsdp_mesh": fsdp_mesh_table,
