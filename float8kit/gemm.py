@@ -342,21 +342,33 @@ def mx_scaled_mm(
     if emulate or not a._data.is_cuda:
         out = a._gran.dequantize(a._data, a._scale) @ b._gran.dequantize(b._data, b._scale)
         return out.to(out_dtype)
-    k, n = a.shape[1], b.shape[1]
-    plan = mx_kernel_plan(k, n, gemm)
+    a_data, b_data, scale_a, scale_b = mx_kernel_operands(a, b, gemm)
+    out = _kernel(a_data, b_data, scale_a, scale_b, torch.bfloat16, False)
+    return out.to(out_dtype)
+
+
+def mx_kernel_operands(
+    a: Float8TrainingTensor, b: Float8TrainingTensor, gemm: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the CUDA MX gemm hands ``torch._scaled_mm`` for MX ``a @ b``: A row-major and B
+    column-major, K zero-padded to whole 32-blocks where ``mx_kernel_plan`` says so (zero
+    bytes: +0.0, exact), and both scales in cuBLAS's blocked layout (``to_blocked``) as
+    ``torch.float8_e8m0fnu``: A's (M, K / 32), B's transposed to (N, K / 32). Runs on any
+    device (the bytes are moved, never converted), so the layout is testable on CPU."""
+    _check_mx(a, b)
+    plan = mx_kernel_plan(a.shape[1], b.shape[1], gemm)
     a_data, b_data = a._data, b._data
     if not _is_row_major(a_data):
         a_data = a_data.contiguous()
     if not _is_col_major(b_data):
         b_data = b_data.t().contiguous().t()
-    if plan.pad_inner:  # a partial last 32-block of K (a token count): zero bytes, exact
+    if plan.pad_inner:  # a partial last 32-block of K (a token count)
         a_data = _pad_to(a_data, 1, 32)
         b_data = _pad_to(b_data.t(), 1, 32).t()
     e8m0 = torch.float8_e8m0fnu  # the bytes, as the kernel's dtype
     scale_a = to_blocked(a._scale).view(e8m0)  # (M, K / 32)
     scale_b = to_blocked(b._scale.t()).view(e8m0)  # (N, K / 32)
-    out = _kernel(a_data, b_data, scale_a, scale_b, plan.kernel_out_dtype, False)
-    return out.to(out_dtype)
+    return a_data, b_data, scale_a, scale_b
 
 
 def mx_kernel_plan(k: int, n: int, gemm: str | None = None) -> KernelPlan:
