@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from float8kit import versions
 from float8kit.config import GEMMS
+from float8kit.granularity import MX
 from float8kit.tensor import Float8TrainingTensor
 
 # cuBLAS fp8 gemms need these dims to be multiples of 16; the CPU kernel takes any size.
@@ -340,11 +341,29 @@ def mx_scaled_mm(
     and multiplied in fp32, the kernel's math up to the order of its fp32 sums."""
     _check_mx(a, b)
     if emulate or not a._data.is_cuda:
-        out = a._gran.dequantize(a._data, a._scale) @ b._gran.dequantize(b._data, b._scale)
-        return out.to(out_dtype)
+        return _mx_emulated_mm(a._data, a._scale, b._data, b._scale).to(out_dtype)
     a_data, b_data, scale_a, scale_b = mx_kernel_operands(a, b, gemm)
     out = _kernel(a_data, b_data, scale_a, scale_b, torch.bfloat16, False)
     return out.to(out_dtype)
+
+
+@torch.library.custom_op("float8kit::mx_emulated_mm", mutates_args=())
+def _mx_emulated_mm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> torch.Tensor:
+    """The MX gemm off CUDA: ``a`` (M, K) and ``b`` (K, N) float8 data with their e8m0 scale
+    bytes along K, both dequantized to fp32 (exact) and multiplied in fp32; fp32 out. An
+    opaque op to ``torch.compile``, which fused the dequantization with the casts that make
+    its operands and got it wrong: torch 2.13's CPU inductor gave wrong grad_weights when
+    the token count is not a multiple of 32 (fp32, 256 -> 512 layer: 5.8 dB vs eager),
+    torch 2.11's failed to generate the kernel (an AssertionError in its loop split).
+    Opaque, compiled is bitwise eager for this gemm (tests/test_compile.py)."""
+    return MX(1).dequantize(a, a_scale) @ MX(0).dequantize(b, b_scale)
+
+
+@_mx_emulated_mm.register_fake
+def _(a, a_scale, b, b_scale):
+    return a.new_empty((a.size(0), b.size(1)), dtype=torch.float32)
 
 
 def mx_kernel_operands(
