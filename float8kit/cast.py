@@ -23,7 +23,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from float8kit import granularity, scaling
+from float8kit import granularity, scaling, versions
 from float8kit.config import (
     E4M3,
     CastConfig,
@@ -101,6 +101,33 @@ def to_mx(
     inf; e5m2 keeps inf) where torchao's ``to_mx`` saturates it to fp8_max.
     """
     dim = dim % hp.dim()
+    if (
+        hp.device.type == "cpu"
+        and not versions.CPU_INDUCTOR_FUSES_MX_CASTS
+        and torch.compiler.is_compiling()
+    ):
+        data, byte = _to_mx_last_dim(hp.movedim(dim, -1), fp8_dtype, rounding)
+        return data.movedim(-1, dim), byte.movedim(-1, dim)
+    return _to_mx(hp, dim, fp8_dtype, rounding)
+
+
+@torch.library.custom_op("float8kit::to_mx_last_dim", mutates_args=())
+def _to_mx_last_dim(
+    hp: torch.Tensor, fp8_dtype: torch.dtype, rounding: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``to_mx`` along the last dim, an opaque op to a compiled graph where the CPU inductor
+    cannot fuse MX casts (``versions.CPU_INDUCTOR_FUSES_MX_CASTS``); contiguous outputs."""
+    data, byte = _to_mx(hp, hp.dim() - 1, fp8_dtype, rounding)
+    return data.contiguous(), byte.contiguous()
+
+
+@_to_mx_last_dim.register_fake
+def _(hp, fp8_dtype, rounding):
+    blocks = (*hp.shape[:-1], -(-hp.shape[-1] // 32))
+    return hp.new_empty(hp.shape, dtype=fp8_dtype), hp.new_empty(blocks, dtype=torch.uint8)
+
+
+def _to_mx(hp: torch.Tensor, dim: int, fp8_dtype: torch.dtype, rounding: str):
     n = hp.shape[dim]
     amax = scaling.mx_block_amax(hp, dim)
     byte = scaling.mx_scale_bits(amax, fp8_dtype, rounding)

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from float8kit import scaling, versions
 from float8kit.config import GEMMS
+from float8kit.granularity import MX
 from float8kit.tensor import Float8TrainingTensor
 
 # cuBLAS fp8 gemms need these dims to be multiples of 16; the CPU kernel takes any size.
@@ -342,23 +343,53 @@ def mx_scaled_mm(
     and multiplied in fp32, the kernel's math up to the order of its fp32 sums."""
     _check_mx(a, b)
     if emulate or not a._data.is_cuda:
-        out = a._gran.dequantize(a._data, a._scale) @ b._gran.dequantize(b._data, b._scale)
-        return out.to(out_dtype)
-    k, n = a.shape[1], b.shape[1]
-    plan = mx_kernel_plan(k, n, gemm)
+        return _mx_emulated_mm(a._data, a._scale, b._data, b._scale).to(out_dtype)
+    a_data, b_data, scale_a, scale_b = mx_kernel_operands(a, b, gemm)
+    out = _kernel(a_data, b_data, scale_a, scale_b, torch.bfloat16, False)
+    return out.to(out_dtype)
+
+
+@torch.library.custom_op("float8kit::mx_emulated_mm", mutates_args=())
+def _mx_emulated_mm(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> torch.Tensor:
+    """The MX gemm off CUDA: ``a`` (M, K) and ``b`` (K, N) float8 data with their e8m0 scale
+    bytes along K, both dequantized to fp32 (exact) and multiplied in fp32; fp32 out. An
+    opaque op to ``torch.compile``, which fused the dequantization with the casts that make
+    its operands and got it wrong: torch 2.13's CPU inductor gave wrong grad_weights when
+    the token count is not a multiple of 32 (fp32, 256 -> 512 layer: 5.8 dB vs eager),
+    torch 2.11's failed to generate the kernel (an AssertionError in its loop split).
+    Opaque, compiled is bitwise eager for this gemm (tests/test_compile.py)."""
+    return MX(1).dequantize(a, a_scale) @ MX(0).dequantize(b, b_scale)
+
+
+@_mx_emulated_mm.register_fake
+def _(a, a_scale, b, b_scale):
+    return a.new_empty((a.size(0), b.size(1)), dtype=torch.float32)
+
+
+def mx_kernel_operands(
+    a: Float8TrainingTensor, b: Float8TrainingTensor, gemm: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the CUDA MX gemm hands ``torch._scaled_mm`` for MX ``a @ b``: A row-major and B
+    column-major, K zero-padded to whole 32-blocks where ``mx_kernel_plan`` says so (zero
+    bytes: +0.0, exact), and both scales in cuBLAS's blocked layout (``to_blocked``) as
+    ``torch.float8_e8m0fnu``: A's (M, K / 32), B's transposed to (N, K / 32). Runs on any
+    device (the bytes are moved, never converted), so the layout is testable on CPU."""
+    _check_mx(a, b)
+    plan = mx_kernel_plan(a.shape[1], b.shape[1], gemm)
     a_data, b_data = a._data, b._data
     if not _is_row_major(a_data):
         a_data = a_data.contiguous()
     if not _is_col_major(b_data):
         b_data = b_data.t().contiguous().t()
-    if plan.pad_inner:  # a partial last 32-block of K (a token count): zero bytes, exact
+    if plan.pad_inner:  # a partial last 32-block of K (a token count)
         a_data = _pad_to(a_data, 1, 32)
         b_data = _pad_to(b_data.t(), 1, 32).t()
     e8m0 = torch.float8_e8m0fnu  # the bytes, as the kernel's dtype
     scale_a = to_blocked(a._scale).view(e8m0)  # (M, K / 32)
     scale_b = to_blocked(b._scale.t()).view(e8m0)  # (N, K / 32)
-    out = _kernel(a_data, b_data, scale_a, scale_b, plan.kernel_out_dtype, False)
-    return out.to(out_dtype)
+    return a_data, b_data, scale_a, scale_b
 
 
 def mx_kernel_plan(k: int, n: int, gemm: str | None = None) -> KernelPlan:

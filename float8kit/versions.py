@@ -30,6 +30,12 @@ ALL_GATHER_SINGLE: str = (
 # _to_replicate_tensor``: "Dynamo does not know how to trace method"); from 2.13 on it can.
 PLACEMENT_METHODS_TRACE: bool = TORCH_VERSION >= (2, 13)
 
+# torch 2.11's CPU inductor fuses two MX casts of one tensor along different dims (an
+# operand and its grad_weight copy) into one kernel that it then fails to generate (an
+# AssertionError in its loop split); 2.13 compiles them. Below, the MX cast is an opaque op
+# to compiled CPU graphs (2.12 not tried: treated as 2.11).
+CPU_INDUCTOR_FUSES_MX_CASTS: bool = TORCH_VERSION >= (2, 13)
+
 
 @functools.cache
 def cpu_rowwise_scaled_mm() -> bool:

@@ -64,3 +64,22 @@ def run_train(tmp: Path, *flags: str) -> list[dict]:
     on_disk = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()]
     assert on_disk == records
     return records
+
+
+def blocked_scale_index(h: int, w: int) -> torch.Tensor:
+    """Where element (r, c) of an (H, W) MX scale lands in cuBLAS's blocked scale layout,
+    written from the cuBLAS docs' formula (not from ``gemm.to_blocked``'s reshapes):
+    ``((r // 128) * ceil(W / 4) + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4
+    + c % 4``; the layout holds 128 * ceil(H / 128) * 4 * ceil(W / 4) bytes."""
+    r = torch.arange(h).reshape(-1, 1)
+    c = torch.arange(w).reshape(1, -1)
+    tile = (r // 128) * (-(-w // 4)) + c // 4
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+
+
+def blocked_scale_reference(scale: torch.Tensor) -> torch.Tensor:
+    """The (H, W) uint8 ``scale`` scattered into the blocked layout; padding bytes are 0."""
+    h, w = scale.shape
+    out = torch.zeros(128 * -(-h // 128) * 4 * -(-w // 4), dtype=torch.uint8)
+    out[blocked_scale_index(h, w).reshape(-1)] = scale.reshape(-1).view(torch.uint8)
+    return out

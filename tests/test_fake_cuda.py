@@ -9,7 +9,9 @@ gemms at awkward shapes (M = 0, 1, 37, 998; K, N at and off multiples of 16 and 
 and bf16 weights; autocast-style bf16 input with an fp32 weight), ``pad_inner_dim``, the
 MoE grouped gemms with token counts and groups off multiples of 16 and an empty expert,
 and the FSDP2 float8 all-gather hooks on fake shards. ``CALL_SITES`` lists the CUDA call
-sites; the last test asserts that each was reached.
+sites; the last test asserts that each was reached. The mxfp8 recipe's gemms are checked
+against torch's rules for MX scales (e8m0, cuBLAS's blocked layout) and, on real CPU bytes,
+against the cuBLAS docs' layout formula.
 
 Not traceable here: ``precompute_scales``' pinned-memory copy and CUDA event (a real device
 only; ``pytest -m gpu``), and device-side rules that no meta function checks (grouped-gemm
@@ -39,6 +41,7 @@ from float8kit import (
 from float8kit.config import GEMM_ROLES
 from float8kit.experts import Float8ExpertWeight, _Float8GroupedMM
 from float8kit.linear import _Float8Matmul
+from tests.helpers import blocked_scale_reference
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.cuda.is_built(),
@@ -46,11 +49,12 @@ pytestmark = pytest.mark.skipif(
     "build (make test-fake-cuda installs the torch 2.11.0 CUDA wheel into a cached venv)",
 )
 
-RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise"]
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8"]
 TOKENS = [0, 1, 37, 998]
 # (in_features K, out_features N, pad_inner_dim): aligned to 128, to 16 only, to nothing
 SHAPES = [(256, 384, False), (48, 80, False), (40, 72, True)]
 BLOCK_SHAPES = [(256, 384, False), (384, 128, False)]  # blockwise: whole 128x128 blocks
+MX_SHAPES = [(256, 384, False), (96, 160, False)]  # MX: whole 32-blocks, not 128
 # (weight dtype, input dtype): fp32, bf16, and autocast's bf16 input with an fp32 weight
 DTYPES = [
     (torch.float32, torch.float32),
@@ -66,6 +70,8 @@ CALL_SITES = {
     "scaled_mm:pad_inner",  # zero-padded inner dim (pad_inner_dim, grad_weight's tokens)
     "scaled_mm:pad_out",  # zero-padded output dim (pad_inner_dim)
     "scaled_mm:fp32_out",  # tensorwise kernel writing fp32 (an fp32 grad_weight)
+    "scaled_mm:mx",  # torch._scaled_mm, e8m0 scales in the blocked layout (mxfp8)
+    "scaled_mm:mx_pad_inner",  # MX grad_weight: tokens padded to whole 32-blocks
     "block_scaled_mm:128x128",  # F.scaled_mm, 1x128 tiles x 128x128 blocks
     "block_scaled_mm:1x128",  # F.scaled_mm, 1x128 tiles x 128x1 tiles
     "scaled_grouped_mm:2d_3d",  # torch._scaled_grouped_mm, experts' output / grad_input
@@ -83,11 +89,13 @@ def record_cuda_calls(monkeypatch):
     """Count the CUDA kernel calls by kind, passing every call through to torch (whose
     meta functions check them)."""
     real_mm, real_block, real_grouped = torch._scaled_mm, F.scaled_mm, torch._scaled_grouped_mm
-    real_plan = gemm.kernel_plan
+    real_plan, real_mx_plan = gemm.kernel_plan, gemm.mx_kernel_plan
 
     def scaled_mm(a, b, *, scale_a, scale_b, out_dtype=None, use_fast_accum=False, **kw):
         assert a.is_cuda
-        if scale_a.numel() == 1 and scale_b.numel() == 1:
+        if scale_a.dtype == torch.float8_e8m0fnu:
+            HITS["scaled_mm:mx"] += 1
+        elif scale_a.numel() == 1 and scale_b.numel() == 1:
             HITS["scaled_mm:tensorwise"] += 1
         else:
             HITS["scaled_mm:rowwise"] += 1
@@ -116,10 +124,17 @@ def record_cuda_calls(monkeypatch):
                     HITS[f"scaled_mm:{field}"] += 1
         return out
 
+    def mx_plan(*args, **kw):
+        out = real_mx_plan(*args, **kw)
+        if out.pad_inner:
+            HITS["scaled_mm:mx_pad_inner"] += 1
+        return out
+
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
     monkeypatch.setattr(F, "scaled_mm", block)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", grouped)
     monkeypatch.setattr(gemm, "kernel_plan", plan)
+    monkeypatch.setattr(gemm, "mx_kernel_plan", mx_plan)
     yield
 
 
@@ -154,7 +169,7 @@ def layer_fwd_bwd(layer: Float8Linear, x: torch.Tensor, weight=None):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_traces_on_fake_cuda(recipe):
-    shapes = BLOCK_SHAPES if recipe == "blockwise" else SHAPES
+    shapes = {"blockwise": BLOCK_SHAPES, "mxfp8": MX_SHAPES}.get(recipe, SHAPES)
     for (k, n, pad), (w_dtype, x_dtype), m in itertools.product(shapes, DTYPES, TOKENS):
         config = Float8LinearConfig.from_recipe_name(recipe)
         if pad:
@@ -232,6 +247,106 @@ def test_experts_grouped_gemms_on_fake_cuda(fsdp_gathered):
             except Exception as e:
                 raise AssertionError(f"experts, tokens per expert {counts}") from e
             assert grad_x.shape == x.shape and grad_w.shape == hp.shape
+
+
+# ---------------------------------------------------------------------------- MX
+
+
+def mx_scale_bytes(rows: int, k: int) -> int:
+    """torch 2.11's meta rule for an MX operand's scale (``is_blockwise_scaling`` with e8m0
+    scales): 128 * ceil(rows / 128) * round_up(ceil(K / 32), 4) bytes, contiguous."""
+
+    def ceil(x, y):
+        return -(-x // y)
+
+    return 128 * ceil(rows, 128) * 4 * ceil(ceil(k, 32), 4)
+
+
+def record_kernel_calls(monkeypatch) -> list:
+    calls, recorder = [], torch._scaled_mm  # the fixture's recorder, which passes on to torch
+
+    def record(a, b, *, scale_a, scale_b, **kw):
+        calls.append((a, b, scale_a, scale_b, kw))
+        return recorder(a, b, scale_a=scale_a, scale_b=scale_b, **kw)
+
+    monkeypatch.setattr(torch, "_scaled_mm", record)
+    return calls
+
+
+@pytest.mark.parametrize("k, n", [(256, 384), (96, 160)])
+def test_mxfp8_linear_gemms_meet_the_mx_kernel_rules(monkeypatch, k, n):
+    calls = record_kernel_calls(monkeypatch)
+    m = 2 * 37  # a (2, 37) batch of tokens: grad_weight's K, padded to 96
+    with fake_cuda(), torch.device("cuda"):
+        config = Float8LinearConfig.from_recipe_name("mxfp8")
+        layer = Float8Linear(k, n, bias=False, config=config, dtype=torch.bfloat16)
+        layer_fwd_bwd(layer, torch.randn(2, 37, k, dtype=torch.bfloat16).reshape(m, k))
+    # output (M, K) @ (K, N), grad_input (M, N) @ (N, K), grad_weight (N, M->96) @ (M->96, K)
+    want = [(m, k, n), (m, n, k), (n, 96, k)]
+    assert [(a.shape[0], a.shape[1], b.shape[1]) for a, b, *_ in calls] == want
+    for a, b, scale_a, scale_b, kw in calls:
+        (rows, inner), cols = a.shape, b.shape[1]
+        assert a.dtype == b.dtype == torch.float8_e4m3fn and kw["out_dtype"] == torch.bfloat16
+        assert a.stride() == (inner, 1) and b.stride() == (1, inner)  # A row-, B column-major
+        assert inner % 32 == 0 and cols % 16 == 0
+        assert scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu
+        assert scale_a.shape == (mx_scale_bytes(rows, inner),) and scale_a.is_contiguous()
+        assert scale_b.shape == (mx_scale_bytes(cols, inner),) and scale_b.is_contiguous()
+
+
+def test_torchs_meta_check_refuses_mx_scales_off_the_blocked_layout():
+    # the rules above are live in this lane: torch 2.11's meta function refuses row-major
+    # (unswizzled) e8m0 scales and an unpadded token dim
+    e8m0, e4m3 = torch.float8_e8m0fnu, torch.float8_e4m3fn
+    with fake_cuda(), torch.device("cuda"):
+        a = torch.empty(37, 256, dtype=e4m3)
+        b = torch.empty(384, 256, dtype=e4m3).t()
+        good_a, good_b = torch.empty(1024, dtype=e8m0), torch.empty(3072, dtype=e8m0)
+        assert gemm._kernel(a, b, good_a, good_b, torch.bfloat16, False).shape == (37, 384)
+        with pytest.raises(RuntimeError, match="scale_a should have 1024 elements, got 296"):
+            gemm._kernel(a, b, torch.empty(37 * 8, dtype=e8m0), good_b, torch.bfloat16, False)
+        unpadded = torch.empty(384, 74, dtype=e4m3)  # grad_weight's K = 74 tokens, unpadded
+        with pytest.raises(RuntimeError, match="divisible by 16"):
+            gemm._kernel(
+                unpadded,
+                torch.empty(256, 74, dtype=e4m3).t(),
+                torch.empty(3072, dtype=e8m0),
+                torch.empty(1024, dtype=e8m0),
+                torch.bfloat16,
+                False,
+            )
+
+
+def test_mxfp8_kernel_scales_are_the_cublas_layout_of_the_real_bytes(monkeypatch):
+    # fake tensors have no values: the three gemms of a real CPU mxfp8 layer (2 x 37 tokens,
+    # bf16), through the CUDA path's operand preparation, against the cuBLAS docs' formula
+    seen, real = [], gemm.mx_scaled_mm
+
+    def capture(a, b, **kw):
+        seen.append((a, b, kw["gemm"]))
+        return real(a, b, **kw)
+
+    monkeypatch.setattr(gemm, "mx_scaled_mm", capture)
+    config = Float8LinearConfig.from_recipe_name("mxfp8")
+    layer = Float8Linear(96, 160, bias=False, config=config, dtype=torch.bfloat16)
+
+    def varied(*shape):  # magnitudes over 2^-16 .. 2^14: many distinct scale bytes
+        return (torch.randn(*shape) * 4.0 ** torch.randint(-8, 8, shape)).to(torch.bfloat16)
+
+    with torch.no_grad():
+        layer.weight.copy_(varied(160, 96))
+    x = varied(2, 37, 96).requires_grad_()
+    layer(x).backward(varied(2, 37, 160))
+    assert [g for *_, g in seen] == ["output", "grad_input", "grad_weight"]
+    for a, b, name in seen:
+        a_data, b_data, scale_a, scale_b = gemm.mx_kernel_operands(a, b, name)
+        assert torch.equal(scale_a.view(torch.uint8), blocked_scale_reference(a._scale))
+        assert torch.equal(scale_b.view(torch.uint8), blocked_scale_reference(b._scale.t()))
+        k = a.shape[1]
+        assert torch.equal(a_data[:, :k].view(torch.uint8), a._data.view(torch.uint8))
+        assert torch.equal(b_data[:k].view(torch.uint8), b._data.view(torch.uint8))
+        assert not a_data[:, k:].view(torch.uint8).any() and not b_data[k:].view(torch.uint8).any()
+        assert len(a._scale.unique()) > 1  # real, varied bytes (not a constant)
 
 
 def test_every_cuda_call_site_was_traced():

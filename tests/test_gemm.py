@@ -7,11 +7,19 @@ import torch
 
 from float8kit import Float8LinearConfig, GemmRole, gemm
 from float8kit.cast import cast_to_float8
-from float8kit.gemm import KernelPlan, kernel_plan, scaled_mm
-from tests.helpers import count_scaled_mm, sqnr
+from float8kit.gemm import (
+    KernelPlan,
+    kernel_plan,
+    mx_kernel_operands,
+    mx_kernel_plan,
+    scaled_mm,
+    to_blocked,
+)
+from tests.helpers import blocked_scale_index, blocked_scale_reference, count_scaled_mm, sqnr
 
 TW = Float8LinearConfig()
 RW = Float8LinearConfig.from_recipe_name("rowwise")
+MX = Float8LinearConfig.from_recipe_name("mxfp8")
 
 
 def operands(m, k, n, a_cfg=TW, b_cfg=TW):
@@ -191,3 +199,97 @@ def test_post_scale_route_gives_the_rowwise_result(monkeypatch):
     routed = scaled_mm(a, b, out_dtype=torch.bfloat16)
     assert sqnr(reference(a, b), routed.double()) > 40  # bf16 output rounding only
     assert sqnr(direct.double(), routed.double()) > 40
+
+
+# ---------------------------------------------------------------------------- MX
+
+
+def mx_operand(hp: torch.Tensor, dim: int, role=GemmRole.INPUT):
+    return cast_to_float8(hp, MX.cast_config_input, role, dim, MX)
+
+
+def test_mx_kernel_plan_rules():
+    bf16 = torch.bfloat16
+    assert mx_kernel_plan(256, 384, "output") == KernelPlan(0, bf16)
+    # grad_weight's K is the token count: a partial last 32-block is zero-padded
+    assert mx_kernel_plan(74, 256, "grad_weight") == KernelPlan(22, bf16)
+    assert mx_kernel_plan(1, 256, "grad_weight") == KernelPlan(31, bf16)
+    assert mx_kernel_plan(96, 256, "grad_weight") == KernelPlan(0, bf16)
+    # N (a layer dim) must be a multiple of 16: named as the gemm's dim, with the fix
+    with pytest.raises(ValueError, match=r"out_features \(here 40\).*16 in the output gemm.*hp"):
+        mx_kernel_plan(256, 40, "output")
+    with pytest.raises(ValueError, match=r"in_features \(here 40\).*16 in the grad_input gemm"):
+        mx_kernel_plan(384, 40, "grad_input")
+    with pytest.raises(ValueError, match=r"in_features \(here 40\).*16 in the grad_weight gemm"):
+        mx_kernel_plan(74, 40, "grad_weight")
+    with pytest.raises(ValueError, match=r"the output dim N \(here 8\) .*multiple of 16: "):
+        mx_kernel_plan(64, 8)
+    # K (a layer dim outside grad_weight) must be whole 32-blocks: 48 is aligned to 16 only
+    with pytest.raises(ValueError, match=r"in_features \(here 48\).*32 in the output gemm.*hp"):
+        mx_kernel_plan(48, 64, "output")
+    with pytest.raises(ValueError, match=r"out_features \(here 48\).*32 in the grad_input gemm"):
+        mx_kernel_plan(48, 64, "grad_input")
+    with pytest.raises(ValueError, match=r"the inner dim K \(here 37\) .*multiple of 32: "):
+        mx_kernel_plan(37, 64)
+
+
+@pytest.mark.parametrize(
+    "h, w", [(1, 1), (37, 3), (128, 4), (130, 9), (256, 8), (384, 3), (998, 12), (74, 8)]
+)
+def test_to_blocked_is_the_cublas_layout_and_torchao_bitwise(h, w):
+    blocked_ao = pytest.importorskip("torchao.prototype.mx_formats.utils").to_blocked
+    scale = torch.randint(0, 256, (h, w), dtype=torch.uint8)
+    ours = to_blocked(scale)
+    assert ours.dtype == torch.uint8 and ours.is_contiguous()
+    assert ours.numel() == 128 * -(-h // 128) * 4 * -(-w // 4)
+    assert torch.equal(ours, blocked_scale_reference(scale))  # the cuBLAS docs' formula
+    assert torch.equal(ours, blocked_ao(scale).reshape(-1))  # the peer
+    # a transposed (non-contiguous) scale, as B's scale is handed over, gives its values' layout
+    assert torch.equal(to_blocked(scale.t().contiguous().t()), ours)
+
+
+@pytest.mark.parametrize(
+    "gemm_name, m, k, n", [("output", 37, 256, 384), ("grad_weight", 384, 74, 160)]
+)
+def test_mx_kernel_operands_are_the_operands_bytes_in_the_kernel_layout(gemm_name, m, k, n):
+    # what mx_scaled_mm hands torch._scaled_mm on CUDA, computed here on real CPU bytes: the
+    # blocked scales decoded with the cuBLAS docs' formula and the (padded) data give back the
+    # operands' values exactly, with zeros (scale or data) in every padding position
+    a = mx_operand(torch.randn(m, k) * 4.0 ** torch.randint(-8, 8, (m, 1)), 1)
+    b = mx_operand(torch.randn(n, k), 1, GemmRole.WEIGHT).t()  # (K, N), MX along K = dim 0
+    a_data, b_data, scale_a, scale_b = mx_kernel_operands(a, b, gemm_name)
+    kp = -(-k // 32) * 32
+    assert a_data.shape == (m, kp) and a_data.stride() == (kp, 1)  # row-major
+    assert b_data.shape == (kp, n) and b_data.stride() == (1, kp)  # column-major
+    assert scale_a.dtype == scale_b.dtype == torch.float8_e8m0fnu
+    a_bytes, b_bytes = scale_a.view(torch.uint8), scale_b.view(torch.uint8)
+    assert torch.equal(a_bytes, blocked_scale_reference(a._scale))
+    assert torch.equal(b_bytes, blocked_scale_reference(b._scale.t()))
+    kb = kp // 32
+    sa = a_bytes[blocked_scale_index(m, kb)]  # (M, K / 32)
+    sb = b_bytes[blocked_scale_index(n, kb)].t()  # (K / 32, N)
+    assert a_bytes.count_nonzero() == sa.count_nonzero()  # padding bytes are zero
+    assert b_bytes.count_nonzero() == sb.count_nonzero()
+    descale = 2.0 ** (torch.arange(256, dtype=torch.float64) - 127)
+    a_vals = a_data.to(torch.float64) * descale[sa.long()].repeat_interleave(32, dim=1)
+    b_vals = b_data.to(torch.float64) * descale[sb.long()].repeat_interleave(32, dim=0)
+    assert torch.equal(a_vals[:, :k], a.dequantize(torch.float64))
+    assert torch.equal(b_vals[:k], b.dequantize(torch.float64))
+    assert not a_vals[:, k:].any() and not b_vals[k:].any()
+    # and the CPU path (dequantize, fp32 mm) is that product
+    out = scaled_mm(a, b, out_dtype=torch.float32, gemm=gemm_name)
+    assert sqnr(a_vals @ b_vals, out.double()) > 130
+
+
+def test_mx_scaled_mm_needs_both_operands_in_mx_blocks_along_k():
+    x, w = torch.randn(64, 64), torch.randn(96, 64)  # M == K: a wrong dim has the right shape
+    a, b = mx_operand(x, 1), mx_operand(w, 1, GemmRole.WEIGHT).t()
+    assert sqnr(x @ w.t(), scaled_mm(a, b, out_dtype=torch.float32)) > 25
+    a_wrong = mx_operand(x, 0)  # blocks along M
+    b_wrong = mx_operand(w.t().contiguous(), 1, GemmRole.WEIGHT)  # (K, N) blocked along N
+    tw = cast_to_float8(w, TW.cast_config_weight, GemmRole.WEIGHT, -1, TW).t()
+    for left, right in ((a_wrong, b), (a, b_wrong), (a, tw), (tw.t(), b)):
+        with pytest.raises(ValueError, match=r"an MX gemm needs both operands in MX blocks"):
+            scaled_mm(left, right)
+        with pytest.raises(ValueError, match=r"an MX gemm needs both operands in MX blocks"):
+            mx_kernel_operands(left, right)
