@@ -21,6 +21,7 @@ import contextlib
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate
 
 from float8kit import granularity, scaling, versions
@@ -104,7 +105,9 @@ def to_mx(
     if (
         hp.device.type == "cpu"
         and not versions.CPU_INDUCTOR_FUSES_MX_CASTS
-        and torch.compiler.is_compiling()
+        # dynamo tracing, or AOTAutograd tracing a subclass's ops (the MX experts' weight
+        # wrapper), where dynamo's flag is off but the tensors are fake
+        and (torch.compiler.is_compiling() or is_fake(hp))
     ):
         data, byte = _to_mx_last_dim(hp.movedim(dim, -1), fp8_dtype, rounding)
         return data.movedim(-1, dim), byte.movedim(-1, dim)

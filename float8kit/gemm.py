@@ -31,7 +31,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from float8kit import scaling, versions
+from float8kit import versions
 from float8kit.config import GEMMS
 from float8kit.granularity import MX
 from float8kit.tensor import Float8TrainingTensor
@@ -718,15 +718,7 @@ def scaled_grouped_mm(
             a = a.contiguous()
         if not (b.stride(-2) == 1 and b.stride(-1) >= b.size(-2)):
             b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
-        out = torch._scaled_grouped_mm(
-            a,
-            b,
-            inv_a.contiguous(),
-            inv_b.contiguous(),
-            offs=offs,
-            out_dtype=torch.bfloat16,
-            use_fast_accum=use_fast_accum,
-        )
+        out = _grouped_kernel(a, b, inv_a.contiguous(), inv_b.contiguous(), offs, use_fast_accum)
         return out.to(out_dtype)
     return _emulated_grouped_mm(a, inv_a, b, inv_b, offs).to(out_dtype)
 
@@ -861,10 +853,7 @@ def mx_scaled_grouped_mm(
         scale_b = to_blocked(per_expert.reshape(-1, per_expert.size(-1))).view(groups, -1)
         if not (b.stride(-2) == 1 and b.stride(-1) >= k):
             b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
-        out = torch._scaled_grouped_mm(
-            a_pad, b, scale_a.view(e8m0), scale_b.view(e8m0), offs=offs_pad,
-            out_dtype=torch.bfloat16,
-        )  # fmt: skip
+        out = _grouped_kernel(a_pad, b, scale_a.view(e8m0), scale_b.view(e8m0), offs_pad)
         return out[dest].to(out_dtype)
     if not _is_row_major(a):
         a = a.contiguous()
@@ -872,16 +861,29 @@ def mx_scaled_grouped_mm(
         b = b.t().contiguous().t()
     scale_a = _blocked_k_groups(a_scale, offs)
     scale_b = _blocked_k_groups(b_scale.t(), offs)
-    out = torch._scaled_grouped_mm(
-        a, b, scale_a.view(e8m0), scale_b.view(e8m0), offs=offs, out_dtype=torch.bfloat16
-    )
+    out = _grouped_kernel(a, b, scale_a.view(e8m0), scale_b.view(e8m0), offs)
     return out.to(out_dtype)
+
+
+def _grouped_kernel(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    offs: torch.Tensor,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """The one ``torch._scaled_grouped_mm`` call (bf16 out, its only output dtype): A
+    row-major, B column-major; fp32 reciprocal rowwise scales, or e8m0 MX scales in the
+    kernel's blocked layouts."""
+    return torch._scaled_grouped_mm(
+        a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum
+    )
 
 
 def _mx_dequantize(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
     """fp32 ``data`` times its blocks' ``2 ** (byte - 127)`` along ``dim`` (exact)."""
-    descale = scaling.mx_descale(scale).repeat_interleave(32, dim=dim)
-    return data.to(torch.float32) * descale.narrow(dim, 0, data.size(dim))
+    return MX(dim % data.dim()).dequantize(data, scale)
 
 
 @torch.library.custom_op("float8kit::emulated_mx_grouped_mm", mutates_args=())

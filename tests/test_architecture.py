@@ -115,6 +115,26 @@ def test_float8_conversion_only_in_cast():
     assert callers == {"float8kit.cast"}
 
 
+def test_each_float8_kernel_called_from_one_function():
+    """``torch._scaled_mm`` and ``torch._scaled_grouped_mm`` are each called from exactly one
+    function, in gemm.py (every gemm, MX and grouped ones too, goes through it); the
+    version probe in versions.py calls ``_scaled_mm`` once on tiny tensors."""
+    callers = {"_scaled_mm": set(), "_scaled_grouped_mm": set()}
+    for name, tree in MODULES.items():
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef):
+                continue
+            for kernel in _calls(fn, set(callers)):
+                callers[kernel].add((name, fn.name))
+    assert callers == {
+        "_scaled_mm": {
+            ("float8kit.gemm", "_kernel"),
+            ("float8kit.versions", "cpu_rowwise_scaled_mm"),
+        },
+        "_scaled_grouped_mm": {("float8kit.gemm", "_grouped_kernel")},
+    }
+
+
 def test_amax_only_in_scaling():
     """Every reduction that takes an amax (torch.amax, an inf-norm, a scatter amax) is in
     scaling.py (granularity.py's ``amax`` methods call scaling's)."""
