@@ -26,13 +26,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
-import float8kit.gemm  # noqa: F401  (registers float8kit::emulated_grouped_mm)
+import float8kit.grouped_gemm  # noqa: F401  (registers float8kit::emulated_*grouped_mm)
 from float8kit import cast
 from float8kit.config import FP8_DTYPES
 from float8kit.tensor import Float8TrainingTensor
 
 _aten = torch.ops.aten
-# MoE experts (experts.py, through gemm.scaled_grouped_mm): CUDA's float8 grouped kernel, or
+# MoE experts (experts.py, through float8kit.grouped_gemm): CUDA's float8 grouped kernel, or
 # its emulation (float8kit::emulated_grouped_mm / emulated_mx_grouped_mm, float8kit's own
 # opaque ops: float8 operands and their scales in, the kernel's numerics out).
 _FLOAT8_GROUPED_GEMMS = frozenset(

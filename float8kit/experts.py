@@ -4,7 +4,7 @@
 out) in a ``Float8ExpertWeight``, a parameter subclass around the same hp tensor. The model
 keeps calling ``torch._grouped_mm(x, w, offs=offs)`` (or ``F.grouped_mm``); the subclass's
 ``__torch_function__`` sees that call and runs ``_Float8GroupedMM`` instead, whose three
-grouped gemms go through ``gemm.scaled_grouped_mm``:
+grouped gemms go through ``grouped_gemm.scaled_grouped_mm``:
 
     output      = x (M,K)      @ w (G,K,N)      scales: per token (row), per expert column
     grad_input  = grad_out (M,N) @ w.T (G,N,K)  scales: per token (row), per expert column
@@ -17,7 +17,7 @@ dim is the jagged token dim, so its scales are per group (``scaling.group_amax``
 that got no tokens gets an exactly zero gradient.
 
 With an MX ``Float8ExpertsConfig`` (``from_recipe_name("mxfp8")``) ``_MXGroupedMM`` runs the
-same three gemms in MXFP8 (``gemm.mx_scaled_grouped_mm``): every operand cast from hp by
+same three gemms in MXFP8 (``grouped_gemm.mx_scaled_grouped_mm``): every operand cast from hp by
 ``cast.to_mx`` along the dim its gemm reduces (one e8m0 scale per 32 elements), token groups
 zero-padded to multiples of 32 rows for the grad_weight gemm, whose 32-blocks run along
 tokens and so must not straddle two experts.
@@ -59,7 +59,7 @@ from torch import nn
 from float8kit import cast
 from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.distributed.fsdp import local_scale_inputs, local_scale_outputs
-from float8kit.gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
+from float8kit.grouped_gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
 
 aten = torch.ops.aten
@@ -291,7 +291,7 @@ class _MXGroupedMM(torch.autograd.Function):
     ``cast.to_mx`` along the dim its gemm reduces, never a quantized tensor transposed:
     output = x along K @ weight along K; grad_input = grad_out along N @ weight along N;
     grad_weight = x.T @ grad_out along the tokens, per group, after every token group is
-    zero-padded to a multiple of 32 rows in hp (``gemm.pad_token_groups``, no host sync) so
+    zero-padded to a multiple of 32 rows in hp (``grouped_gemm.pad_token_groups``, no host sync) so
     that no 32-block straddles two experts (an expert without tokens sums 32 zero rows:
     an exactly zero gradient). Saves hp ``x`` and the hp weight. Results come out of the
     kernel (or its emulation) as bf16 and are cast to ``x``'s / the weight's dtype.

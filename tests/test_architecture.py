@@ -47,7 +47,10 @@ def _imports(tree: ast.Module, known) -> set[str]:
 
 
 GRAPH = {name: _imports(tree, MODULES) - {name} for name, tree in MODULES.items()}
-CORE = ["config", "versions", "scaling", "tensor", "ops", "gemm", "cast", "hp_weight", "linear"]
+CORE = [
+    "config", "versions", "scaling", "tensor", "ops", "gemm", "grouped_gemm", "cast", "hp_weight",
+    "linear",
+]  # fmt: skip
 ABOVE_CORE = ["distributed", "precompute", "experts", "monitor", "convert", "calibrate"]
 
 
@@ -117,7 +120,7 @@ def test_float8_conversion_only_in_cast():
 
 def test_each_float8_kernel_called_from_one_function():
     """``torch._scaled_mm`` and ``torch._scaled_grouped_mm`` are each called from exactly one
-    function, in gemm.py (every gemm, MX and grouped ones too, goes through it); the
+    function, in gemm.py and grouped_gemm.py (every gemm, MX ones too, goes through it); the
     version probe in versions.py calls ``_scaled_mm`` once on tiny tensors."""
     callers = {"_scaled_mm": set(), "_scaled_grouped_mm": set()}
     for name, tree in MODULES.items():
@@ -131,7 +134,7 @@ def test_each_float8_kernel_called_from_one_function():
             ("float8kit.gemm", "_kernel"),
             ("float8kit.versions", "cpu_rowwise_scaled_mm"),
         },
-        "_scaled_grouped_mm": {("float8kit.gemm", "_grouped_kernel")},
+        "_scaled_grouped_mm": {("float8kit.grouped_gemm", "_grouped_kernel")},
     }
 
 

@@ -1,4 +1,4 @@
-"""float8 MoE expert weights (float8kit/experts.py, gemm.scaled_grouped_mm): SQNR vs fp32 of
+"""float8 MoE expert weights (float8kit/experts.py, grouped_gemm.scaled_grouped_mm): SQNR vs fp32 of
 two grouped gemms with SiLU between, an expert with no tokens, the emulated kernel against
 per-group torch._scaled_mm, compiled vs eager bitwise, plain state_dicts and checkpoints."""
 
@@ -35,7 +35,8 @@ from float8kit import (
     convert_to_float8_training,
 )
 from float8kit.experts import token_groups
-from float8kit.gemm import _cpu_kernel, scaled_grouped_mm, token_group_padding
+from float8kit.gemm import _cpu_kernel
+from float8kit.grouped_gemm import scaled_grouped_mm, token_group_padding
 from float8kit.scaling import group_amax
 from tests.helpers import assert_compiled_matches_eager, sqnr
 
@@ -599,7 +600,8 @@ def test_mx_blocked_scale_layouts_are_torchaos():
     # groups along M (2d x 3d) and along K (2d x 2d), per-expert 3-D, as torchao 0.18's
     # reference rearrangements build them (which loop over groups with a host sync)
     quant = pytest.importorskip("torchao.prototype.moe_training.kernels.mxfp8.quant")
-    from float8kit.gemm import _blocked_k_groups, _blocked_m_groups, pad_token_groups, to_blocked
+    from float8kit.gemm import to_blocked
+    from float8kit.grouped_gemm import _blocked_k_groups, _blocked_m_groups, pad_token_groups
 
     torch.manual_seed(0)
     # groups as the kernel gets them: padded to 32 rows (an empty expert: 32 zero rows)

@@ -15,7 +15,7 @@ against the cuBLAS docs' layout formula.
 
 Not traceable here: ``precompute_scales``' pinned-memory copy and CUDA event (a real device
 only; ``pytest -m gpu``), and device-side rules that no meta function checks (grouped-gemm
-group starts at multiples of 16: ``gemm.token_group_padding``, unit-tested on CPU).
+group starts at multiples of 16: ``grouped_gemm.token_group_padding``, unit-tested on CPU).
 
 Runs under ``make test-fake-cuda`` (the torch 2.11.0 CUDA wheel in a cached venv); skips
 where torch is a CPU-only build.
@@ -62,7 +62,7 @@ DTYPES = [
     (torch.float32, torch.bfloat16),
 ]
 
-# The CUDA call sites of float8kit (gemm.py), as the recorder below names them.
+# The CUDA call sites of float8kit (gemm.py, grouped_gemm.py), as the recorder below names them.
 CALL_SITES = {
     "scaled_mm:tensorwise",  # torch._scaled_mm, per-tensor scales
     "scaled_mm:rowwise",  # torch._scaled_mm, rowwise scales (fast-accum output gemm)
