@@ -87,18 +87,7 @@ def sqnr_table() -> list[dict]:
     rows = []
     for recipe in RECIPES:
         r = run_both(recipe)
-        for i, gemm in enumerate(GEMMS):
-            peer_db = sqnr(r["torchao"][i], r["float8kit"][i])
-            rows.append(
-                {
-                    "recipe": recipe,
-                    "gemm": gemm,
-                    "float8kit_vs_fp32": sqnr(r["fp32"][i], r["float8kit"][i]),
-                    "torchao_vs_fp32": sqnr(r["fp32"][i], r["torchao"][i]),
-                    "float8kit_vs_torchao": None if peer_db == float("inf") else peer_db,
-                    "bitwise_equal_to_torchao": torch.equal(r["torchao"][i], r["float8kit"][i]),
-                }
-            )
+        rows += peer_rows(r, recipe=recipe)
     return rows
 
 
@@ -297,17 +286,24 @@ def mx_sqnr_table() -> list[dict]:
     for case in MX_CASES:
         for rounding in MX_ROUNDINGS:
             r = run_mx(rounding, case)
-            for i, gemm in enumerate(GEMMS):
-                peer_db = sqnr(r["torchao"][i], r["float8kit"][i])
-                rows.append(
-                    {
-                        "case": case,
-                        "rounding": rounding,
-                        "gemm": gemm,
-                        "float8kit_vs_fp32": sqnr(r["fp32"][i], r["float8kit"][i]),
-                        "torchao_vs_fp32": sqnr(r["fp32"][i], r["torchao"][i]),
-                        "float8kit_vs_torchao": None if peer_db == float("inf") else peer_db,
-                        "bitwise_equal_to_torchao": torch.equal(r["torchao"][i], r["float8kit"][i]),
-                    }
-                )
+            rows += peer_rows(r, case=case, rounding=rounding)
+    return rows
+
+
+def peer_rows(r: dict, **labels) -> list[dict]:
+    """One row per gemm: float8kit and torchao against fp32 and against each other (``r``:
+    each side's outputs of the three gemms), with ``labels`` first."""
+    rows = []
+    for i, gemm in enumerate(GEMMS):
+        peer_db = sqnr(r["torchao"][i], r["float8kit"][i])
+        rows.append(
+            {
+                **labels,
+                "gemm": gemm,
+                "float8kit_vs_fp32": sqnr(r["fp32"][i], r["float8kit"][i]),
+                "torchao_vs_fp32": sqnr(r["fp32"][i], r["torchao"][i]),
+                "float8kit_vs_torchao": None if peer_db == float("inf") else peer_db,
+                "bitwise_equal_to_torchao": torch.equal(r["torchao"][i], r["float8kit"][i]),
+            }
+        )
     return rows
