@@ -67,14 +67,22 @@ def test_cuda_alignment_error_names_the_fix_and_padding_works():
     assert sqnr(odd(x).float(), padded(x).float()) >= 25
 
 
-def test_cuda_compile_fullgraph_matches_eager():
-    m = convert_to_float8_training(mlp().cuda().bfloat16())
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_cuda_compile_fullgraph_is_bitwise_eager(recipe, monkeypatch):
+    # Inductor's Triton kernels keep bf16 intermediates (SiLU, the bias add) in fp32 unless
+    # told to round them as eager does; without that the next layer's float8 casts move
+    # (35 dB compiled vs eager on an H200). With it, compile changes no bit of float8kit's.
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    torch._dynamo.reset()
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    m = convert_to_float8_training(mlp().cuda().bfloat16(), config=config)
     x = torch.randn(8, 256, 1024, device="cuda", dtype=torch.bfloat16)
     grad = torch.randn(8, 256, 1024, device="cuda")
     eager = fwd_bwd(m, x, grad)
     compiled = fwd_bwd(torch.compile(m, fullgraph=True), x, grad)
-    assert sqnr(eager[0], compiled[0]) >= 40
-    assert sqnr(eager[2]["0.weight"], compiled[2]["0.weight"]) >= 40
+    assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+    for name, g in eager[2].items():
+        assert torch.equal(g, compiled[2][name]), name
 
 
 def test_cuda_non_finite_amax_warning_is_deferred_not_synced():

@@ -19,7 +19,13 @@ def test_dry_run_checks_every_step(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert [s["step"] for s in steps] == ["gpu_tests", "linear", "train", "memory"]
+    assert [s["step"] for s in steps] == [
+        "gpu_tests",
+        "linear",
+        "linear_compiled",
+        "train",
+        "memory",
+    ]
     assert all(s["exit"] == 0 for s in steps), steps
     # the per-step limits fit one 10-minute device command with a minute to spare
     assert sum(s["limit_s"] for s in steps) <= 9 * 60

@@ -35,6 +35,7 @@ DOCS = [
     "docs/numerics.md",
     "docs/scaling.md",
     "docs/fsdp.md",
+    "docs/gpu.md",
     "docs/tp.md",
     "docs/moe.md",
     "docs/memory.md",
@@ -94,6 +95,116 @@ def sci(x: float) -> str:
 def rel(x: float) -> str:
     """A max relative loss difference: 0 is said in words."""
     return "**bitwise equal** losses" if x == 0 else f"max rel. diff {sci(x)}"
+
+
+# ---------------------------------------------------------------------------- GPU runs
+
+# A GPU run is committed under benchmarks/results/ (docs/gpu.md) and cannot be re-measured
+# on the CPU machine: its tables name the commit it ran at.
+GPU_RUN = REPO / "benchmarks" / "results" / "2026-11-26-nvidia-h200"
+
+
+@functools.cache
+def gpu_result(rel: str) -> dict:
+    return json.loads((GPU_RUN / rel).read_text())
+
+
+def gpu_caption(rel: str) -> str:
+    d = gpu_result(rel)
+    path = (GPU_RUN / rel).relative_to(REPO)
+    return (
+        f"`{d['command']}`: {d['device']}; torch {d['torch']}, torchao {d['torchao']}; "
+        f"commit {d['git_commit'][:7]}; {d['date'][:10]}; [{path}](/{path})"
+    )
+
+
+def gpu_linear_table(rel: str) -> str:
+    d = gpu_result(rel)
+    rows = [
+        [
+            f"{r['M']}x{r['K']}x{r['N']}",
+            r["recipe"],
+            f(r["bf16_ms"], ".3f"),
+            f(r["float8kit_ms"], ".3f"),
+            f(r.get("torchao_ms"), ".3f"),
+            f"{r['float8kit_speedup']:.2f}x",
+            "-" if r.get("torchao_speedup") is None else f"{r['torchao_speedup']:.2f}x",
+            f(r["float8kit_sqnr_db"]),
+        ]
+        for r in d["rows"]
+        if r["mode"] == "fwd_bwd"
+    ]
+    how = "compiled" if d["rows"][0]["compiled"] else "eager"
+    return f"{gpu_caption(rel)}; one Linear, fwd+bwd, {how}, median of {d['iters']} calls\n\n" + (
+        table(
+            [
+                "M x K x N",
+                "recipe",
+                "bf16 ms",
+                "float8kit ms",
+                "torchao ms",
+                "float8kit vs bf16",
+                "torchao vs bf16",
+                "float8kit SQNR dB",
+            ],
+            rows,
+        )
+    )
+
+
+def gpu_train_table() -> str:
+    d = gpu_result("acceptance/train.json")
+    rows = [
+        [
+            r["variant"],
+            f(r["step_ms"], ".1f"),
+            f(r["tokens_per_s"], ".0f"),
+            f"{r['speedup_vs_bf16']:.2f}x",
+            f(r["peak_mem_gib"]),
+            f(r["loss_first"], ".4f"),
+        ]
+        for r in d["rows"]
+    ]
+    return (
+        f"{gpu_caption('acceptance/train.json')}; preset {d['preset']}, {d['batch']}x{d['seq']} "
+        f"tokens per step, compiled, median of {d['steps']} steps after {d['warmup']} warm-up\n\n"
+        + table(["variant", "step ms", "tokens/s", "vs bf16", "peak GiB", "loss step 1"], rows)
+    )
+
+
+def gpu_compile_table() -> str:
+    d = gpu_result("compile_precision.json")
+    rows = [
+        [
+            r["recipe"],
+            "yes" if r["bias"] else "no",
+            "yes" if r["emulate_precision_casts"] else "no",
+            *(
+                ("bitwise" if r[k] is None else f(r[k]))
+                for k in ("out_sqnr_db", "grad_input_sqnr_db", "grad_weight_sqnr_db")
+            ),
+        ]
+        for r in d["rows"]
+    ]
+    return f"{gpu_caption('compile_precision.json')}; SQNR of compiled against eager\n\n" + table(
+        ["recipe", "bias", "emulate_precision_casts", "output", "grad_input", "grad_weight"], rows
+    )
+
+
+def _gpu_speedup(rel: str, recipe: str, lib: str) -> Callable[[], str]:
+    def get() -> str:
+        (r,) = [r for r in gpu_result(rel)["rows"] if r["recipe"] == recipe]
+        return f"{r[lib + '_speedup']:.2f}x"
+
+    return get
+
+
+def _gpu_train_speedup(variant: str) -> Callable[[], str]:
+    def get() -> str:
+        (r,) = [r for r in gpu_result("acceptance/train.json")["rows"] if r["variant"] == variant]
+        return f"{r['speedup_vs_bf16']:.2f}x"
+
+    return get
 
 
 # ---------------------------------------------------------------------------- recipes
@@ -1273,6 +1384,10 @@ TABLES: dict[str, Callable[[], str]] = {
     "auto_filter": auto_filter_table,
     "bench_train": lambda: bench_train_table("bench_train"),
     "bench_train_compiled": lambda: bench_train_table("bench_train_compiled"),
+    "gpu_linear_compiled": lambda: gpu_linear_table("linear_compiled.json"),
+    "gpu_linear_eager": lambda: gpu_linear_table("linear_eager.json"),
+    "gpu_train": gpu_train_table,
+    "gpu_compile": gpu_compile_table,
 }
 
 
@@ -1333,6 +1448,16 @@ def _bf16_ratio(kind: str) -> str:
 
 
 INLINE: dict[str, Callable[[], str]] = {
+    "gpu.tensorwise_fk": _gpu_speedup("linear_compiled.json", "tensorwise", "float8kit"),
+    "gpu.tensorwise_ao": _gpu_speedup("linear_compiled.json", "tensorwise", "torchao"),
+    "gpu.rowwise_fk": _gpu_speedup("linear_compiled.json", "rowwise", "float8kit"),
+    "gpu.rowwise_ao": _gpu_speedup("linear_compiled.json", "rowwise", "torchao"),
+    "gpu.delayed_fk": _gpu_speedup("linear_compiled.json", "delayed", "float8kit"),
+    "gpu.train_tensorwise_fk": _gpu_train_speedup("float8kit:tensorwise"),
+    "gpu.compile_sqnr": lambda: "{:.0f} dB".format(
+        gpu_result("compile_precision.json")["rows"][0]["out_sqnr_db"]
+    ),
+    "gpu.train_tensorwise_ao": _gpu_train_speedup("torchao:tensorwise"),
     "fsdp.ag_ratio": lambda: "{:.3f}x".format(
         load("fsdp")["data"]["all_gather_bytes_fp8"] / load("fsdp")["data"]["all_gather_bytes_bf16"]
     ),
