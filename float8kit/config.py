@@ -549,6 +549,9 @@ class Float8LinearConfig:
         return _RECIPES[name]()
 
 
+WGRAD_OPERANDS = ("hp", "dequantized")
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8ExpertsConfig:
     """How ``convert_experts_to_float8_training`` runs MoE expert weights' grouped gemms.
@@ -585,6 +588,12 @@ class Float8ExpertsConfig:
     # torch._grouped_mm(x, w.transpose(-2, -1)) (most Hugging Face MoE models, torchtitan).
     # Only the float8 all-gather reads it; a gathered weight used the other way than set raises.
     weight_layout: str | None = None
+    # what the weight-gradient gemm casts along the tokens: "hp" (default) the saved hp input
+    # and grad_output; "dequantized" the values of the row casts the output and grad_input
+    # gemms used (exact for power-of-two scales), the only values an expert-parallel rank has
+    # for tokens dispatched in float8 (float8kit.expert_parallel): with it, one rank computes
+    # exactly what expert parallelism computes, and saves float8 rows instead of hp ones
+    wgrad_operands: str = "hp"
 
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8ExpertsConfig:
@@ -611,6 +620,18 @@ class Float8ExpertsConfig:
                 "gemms take DYNAMIC e4m3 operands, AXISWISE or MX; use CastConfig("
                 "scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3), the "
                 'default, or Float8ExpertsConfig.from_recipe_name("mxfp8")'
+            )
+        if self.wgrad_operands not in WGRAD_OPERANDS:
+            raise ValueError(
+                f"Float8ExpertsConfig.wgrad_operands={self.wgrad_operands!r}: use one of "
+                f"{WGRAD_OPERANDS}"
+            )
+        if self.wgrad_operands == "dequantized" and not (
+            c.is_mx or self.round_scales_to_power_of_2
+        ):
+            raise ValueError(
+                'Float8ExpertsConfig.wgrad_operands="dequantized" needs power-of-two row '
+                "scales (exact dequantization): set round_scales_to_power_of_2=True"
             )
         if c.is_mx and self.enable_fsdp_float8_all_gather:
             raise ValueError(

@@ -61,6 +61,7 @@ from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.distributed.fsdp import local_scale_inputs, local_scale_outputs
 from float8kit.grouped_gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
+from float8kit.quantized_rows import QuantizedRows, dequantize, quantize_rows
 
 aten = torch.ops.aten
 
@@ -216,13 +217,14 @@ class _Float8GroupedMM(torch.autograd.Function):
                     weight._layout.value = weight._source[2]  # the first guess was right
             else:
                 w_data, w_scale = _cast_gathered_the_other_way(weight)
-            ctx.save_for_backward(x, offs, w_data, w_scale)
+            w_saved = (w_data, w_scale)
         else:
             w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
             w_data, w_scale = cast.cast_rowwise(w_hp, 1, config.round_scales_to_power_of_2)
-            ctx.save_for_backward(x, offs, w_hp)
-        x_data, x_scale = cast.cast_rowwise(x, -1, config.round_scales_to_power_of_2)
-        ctx.config, ctx.w_dtype = config, weight.dtype
+            w_saved = (w_hp,)
+        x_data, x_scale, x_saved = _input_rows(x, "rowwise", config)
+        ctx.save_for_backward(*x_saved, offs, *w_saved)
+        ctx.n_x, ctx.config, ctx.w_dtype, ctx.x_dtype = len(x_saved), config, weight.dtype, x.dtype
         return scaled_grouped_mm(
             x_data,
             x_scale.reshape(-1),
@@ -237,9 +239,9 @@ class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         c = ctx.config
-        x, offs, *w_saved = ctx.saved_tensors
+        x_saved, (offs, *w_saved) = ctx.saved_tensors[: ctx.n_x], ctx.saved_tensors[ctx.n_x :]
         groups, k, n = w_saved[0].shape
-        grad_output = grad_output.contiguous()
+        go_rows = _GradRows(grad_output, "rowwise", c)
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
             if len(w_saved) == 2:
@@ -250,7 +252,7 @@ class _Float8GroupedMM(torch.autograd.Function):
             # the same numbers whether that float8 weight came from this cast or from an
             # FSDP2 float8 all-gather, so sharded and single-device training agree bitwise.
             w_hp = w_data.to(torch.float32) / w_scale
-            go_data, go_scale = cast.cast_rowwise(grad_output, -1, c.round_scales_to_power_of_2)
+            go_data, go_scale = go_rows.cast()
             # one scale per expert and K: reduce N
             w_data, w_scale = cast.cast_rowwise(w_hp, 2, c.round_scales_to_power_of_2)
             grad_input = scaled_grouped_mm(
@@ -259,16 +261,17 @@ class _Float8GroupedMM(torch.autograd.Function):
                 w_data.transpose(-2, -1),
                 w_scale.reshape(groups, k),
                 offs,
-                out_dtype=x.dtype,
+                out_dtype=ctx.x_dtype,
                 emulate=c.emulate,
             )
         if ctx.needs_input_grad[1]:
+            x = _wgrad_rows(x_saved, "rowwise")
             token_group = token_groups(offs, x.size(0))
             x_data, x_scale = cast.cast_per_group(
                 x, token_group, groups, c.round_scales_to_power_of_2
             )
             go_data, go_scale = cast.cast_per_group(
-                grad_output, token_group, groups, c.round_scales_to_power_of_2
+                go_rows.wgrad(), token_group, groups, c.round_scales_to_power_of_2
             )
             grad_weight = scaled_grouped_mm(
                 x_data.t(),
@@ -306,10 +309,10 @@ class _MXGroupedMM(torch.autograd.Function):
                 "Float8ExpertsConfig.enable_fsdp_float8_all_gather=False"
             )
         rounding = config.cast_config.mx_scale_rounding
-        x_data, x_scale = cast.to_mx(x, 1, E4M3, rounding)
+        x_data, x_scale, x_saved = _input_rows(x, "mx", config)
         w_data, w_scale = cast.to_mx(w_hp, 1, E4M3, rounding)
-        ctx.save_for_backward(x, offs, w_hp)
-        ctx.config, ctx.w_dtype = config, weight.dtype
+        ctx.save_for_backward(*x_saved, offs, w_hp)
+        ctx.n_x, ctx.config, ctx.w_dtype, ctx.x_dtype = len(x_saved), config, weight.dtype, x.dtype
         return mx_scaled_grouped_mm(
             x_data, x_scale, w_data, w_scale, offs, out_dtype=x.dtype, emulate=config.emulate
         )
@@ -318,11 +321,11 @@ class _MXGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_output):
         c = ctx.config
         rounding = c.cast_config.mx_scale_rounding
-        x, offs, w_hp = ctx.saved_tensors
-        grad_output = grad_output.contiguous()
+        x_saved, (offs, w_hp) = ctx.saved_tensors[: ctx.n_x], ctx.saved_tensors[ctx.n_x :]
+        go_rows = _GradRows(grad_output, "mx", c)
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
-            go_data, go_scale = cast.to_mx(grad_output, 1, E4M3, rounding)
+            go_data, go_scale = go_rows.cast()
             w_data, w_scale = cast.to_mx(w_hp, 2, E4M3, rounding)  # along N
             grad_input = mx_scaled_grouped_mm(
                 go_data,
@@ -330,12 +333,12 @@ class _MXGroupedMM(torch.autograd.Function):
                 w_data.transpose(-2, -1),
                 w_scale.transpose(-2, -1),
                 offs,
-                out_dtype=x.dtype,
+                out_dtype=ctx.x_dtype,
                 emulate=c.emulate,
             )
         if ctx.needs_input_grad[1]:
-            x_pad, offs_pad, _ = pad_token_groups(x, offs, 32)
-            go_pad, _, _ = pad_token_groups(grad_output, offs, 32)
+            x_pad, offs_pad, _ = pad_token_groups(_wgrad_rows(x_saved, "mx"), offs, 32)
+            go_pad, _, _ = pad_token_groups(go_rows.wgrad(), offs, 32)
             x_data, x_scale = cast.to_mx(x_pad, 0, E4M3, rounding)
             go_data, go_scale = cast.to_mx(go_pad, 0, E4M3, rounding)
             grad_weight = mx_scaled_grouped_mm(
@@ -348,6 +351,69 @@ class _MXGroupedMM(torch.autograd.Function):
                 emulate=c.emulate,
             )
         return grad_input, grad_weight, None, None
+
+
+def _input_rows(x, kind: str, config: Float8ExpertsConfig):
+    """The output gemm's ``(data, scale)`` for input rows ``x`` (cast along K, or taken as
+    dispatched: ``QuantizedRows``) and what the weight-gradient gemm needs saved of them: hp
+    ``x`` (``wgrad_operands="hp"``), else the float8 rows and their scales."""
+    if isinstance(x, QuantizedRows):
+        _check_rows(x, kind, config, "input")
+        data, scale = x._data, x._scale
+    else:
+        data, scale = quantize_rows(
+            x, kind, config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
+        )
+    if config.wgrad_operands == "hp":
+        return data, scale, (x,)
+    return data, scale, (data, scale)
+
+
+def _wgrad_rows(saved: tuple, kind: str) -> torch.Tensor:
+    """The input rows the weight-gradient gemm casts along the tokens: hp, or dequantized."""
+    return saved[0] if len(saved) == 1 else dequantize(*saved, kind)
+
+
+class _GradRows:
+    """grad_output rows of a grouped gemm: ``cast()`` along N for the grad_input gemm (taken
+    as sent when they arrive as ``QuantizedRows``: expert parallelism's combine backward),
+    ``wgrad()`` for the weight-gradient gemm (hp, or the dequantized cast)."""
+
+    def __init__(self, grad_output, kind: str, config: Float8ExpertsConfig):
+        self.kind, self.config = kind, config
+        if isinstance(grad_output, QuantizedRows):
+            _check_rows(grad_output, kind, config, "grad_output")
+            self.hp, self.data, self.scale = None, grad_output._data, grad_output._scale
+        else:
+            self.hp, self.data = grad_output.contiguous(), None
+
+    def cast(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.data is None:
+            c = self.config
+            self.data, self.scale = quantize_rows(
+                self.hp, self.kind, c.round_scales_to_power_of_2, c.cast_config.mx_scale_rounding
+            )
+        return self.data, self.scale
+
+    def wgrad(self) -> torch.Tensor:
+        if self.config.wgrad_operands == "hp" and self.hp is not None:
+            return self.hp
+        return dequantize(*self.cast(), self.kind)
+
+
+def _check_rows(rows: QuantizedRows, kind: str, config: Float8ExpertsConfig, what: str) -> None:
+    if rows._kind != kind:
+        raise ValueError(
+            f"float8kit: the expert gemm's {what} arrived as {rows._kind} float8 rows, but its "
+            f"Float8ExpertsConfig casts {kind}: dispatch with the experts' config"
+        )
+    if config.wgrad_operands != "dequantized":
+        raise ValueError(
+            f"float8kit: the expert gemm's {what} arrived in float8 (expert parallelism), so "
+            "its weight-gradient gemm has no hp values to cast: set "
+            'Float8ExpertsConfig.wgrad_operands="dequantized" (or dispatch in hp: '
+            'EPConfig(comm="hp"))'
+        )
 
 
 def _grouped_function(config: Float8ExpertsConfig):

@@ -166,28 +166,68 @@ class MoEFeedForward(nn.Module):
         self.w3 = nn.Parameter(torch.empty(e, d, h))  # up
         self.w2 = nn.Parameter(torch.empty(e, h, d))  # down
         self.aux_loss = torch.zeros(())
+        self.n_experts = e
+        self.ep = None  # (process group, EPConfig) once shard_experts ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape, n_experts = x.shape, self.w1.shape[0]
+        shape = x.shape
         x = x.reshape(-1, shape[-1])
         probs = F.softmax(self.router(x).float(), dim=-1)  # (tokens, experts)
         weights, experts = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(-1, keepdim=True)
+        out, counts = self.routed(x, weights, experts)
+        share = counts.float() / experts.numel()
+        self.aux_loss = self.n_experts * (share * probs.mean(0)).sum()
+        return out.view(shape)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor):
+        """The experts' weighted sum for tokens ``x`` (T, dim) routed to ``experts`` (T, k)
+        with ``weights`` (T, k); also the assignments per expert (all experts, this rank's
+        tokens). With ``self.ep`` set (``shard_experts``), this rank holds only its experts
+        and the tokens cross the expert-parallel group (float8kit.distributed.expert_parallel)."""
         # Sort the (token, expert) pairs by expert: each expert's tokens become one group.
         order = experts.flatten().argsort(stable=True)
-        token = order // self.top_k
-        counts = torch.bincount(experts.flatten(), minlength=n_experts)
-        offs = counts.cumsum(0).to(torch.int32)
-        xs = x[token]
+        token = order // experts.size(1)
+        row_expert = experts.flatten()[order]
+        counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, row_expert, torch.ones_like(row_expert))  # no host sync
+        dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):  # grouped_mm has no autocast rule
-            xs = xs.to(torch.get_autocast_dtype(x.device.type))
+            dtype = torch.get_autocast_dtype(x.device.type)
+        if self.ep is None:
+            offs = counts.cumsum(0).to(torch.int32)
+            ys = self.expert_gemms(x[token].to(dtype), offs)
+        else:
+            from float8kit.distributed import expert_parallel as ep
+
+            group, ep_config = self.ep
+            config = getattr(self.w1, "_config", None)  # None: hp experts
+            plan = ep.plan_dispatch(row_expert, self.n_experts, group)
+            xs = ep.dispatch(x.to(dtype), token, plan, config, ep_config)
+            ys = ep.combine(self.expert_gemms(xs, plan.offs), plan, config, ep_config)
+        ys = ys * weights.flatten()[order, None].to(dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype)), counts
+
+    def expert_gemms(self, xs: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """SwiGLU over rows ``xs`` sorted by (this rank's) expert, groups ending at ``offs``."""
         w1, w2, w3 = (w.to(xs.dtype) for w in (self.w1, self.w2, self.w3))
         h = F.silu(torch._grouped_mm(xs, w1, offs=offs)) * torch._grouped_mm(xs, w3, offs=offs)
-        ys = torch._grouped_mm(h, w2, offs=offs) * weights.flatten()[order, None].to(xs.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, ys.to(x.dtype))
-        share = counts.float() / order.numel()
-        self.aux_loss = n_experts * (share * probs.mean(0)).sum()
-        return out.view(shape)
+        return torch._grouped_mm(h, w2, offs=offs)
+
+    def shard_experts(self, group, ep_config=None) -> None:
+        """Keep only this rank's experts (rank r of ``group``: experts [r * E / ep, (r + 1) *
+        E / ep)) and route tokens across ``group``. Call before converting the experts."""
+        import torch.distributed as dist
+
+        from float8kit.distributed import expert_parallel as ep
+
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        local = self.n_experts // size
+        for name in ("w1", "w2", "w3"):
+            full = getattr(self, name)
+            mine = full.detach()[rank * local : (rank + 1) * local].clone()
+            setattr(self, name, nn.Parameter(mine, requires_grad=full.requires_grad))
+        self.ep = (group, ep_config or ep.EPConfig())
 
 
 class Block(nn.Module):

@@ -1,0 +1,194 @@
+"""Expert parallelism on real gloo ranks: bitwise one rank, bytes per all-to-all, host syncs.
+
+``_worker_ep(rank, world, tmp)`` (through ``gloo.spawn``) runs recipes/model.py's
+``MoEFeedForward.routed`` with given routings, once with this rank's experts and the tokens
+crossing the group (``shard_experts``), once with every expert on this rank over the whole
+group's batch (the one-rank reference, the same float8 experts config), and reports, per
+case, whether outputs, input gradients and the local experts' weight gradients are equal bit
+for bit, the bytes each all-to-all sent, and the host reads a step made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training
+from float8kit.distributed import expert_parallel as ep
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "recipes"))
+
+DIM, HIDDEN, EXPERTS = 64, 64, 8
+ROWWISE = dataclasses.replace(
+    Float8ExpertsConfig.from_recipe_name("rowwise"), wgrad_operands="dequantized"
+)
+MXFP8 = dataclasses.replace(
+    Float8ExpertsConfig.from_recipe_name("mxfp8"), wgrad_operands="dequantized"
+)
+CONFIGS = {"rowwise": ROWWISE, "mxfp8": MXFP8, "rowwise_hp_wgrad": None, "hp": None}
+
+
+def moe(seed: int = 0):
+    from model import ModelArgs, MoEFeedForward
+
+    torch.manual_seed(seed)
+    args = ModelArgs(dim=DIM, n_experts=EXPERTS, top_k=2, moe_hidden=HIDDEN)
+    m = MoEFeedForward(args)
+    for w in (m.w1, m.w2, m.w3):
+        torch.nn.init.normal_(w, std=DIM**-0.5)
+    return m
+
+
+def convert(m, config: Float8ExpertsConfig | None):
+    if config is not None:
+        convert_experts_to_float8_training(m, config=config)
+    return m
+
+
+def routing(case: str, world: int, tokens: list[int], k: int, seed: int = 1):
+    """Every rank's (x, weights, experts, grad) for ``case``: the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    local = EXPERTS // world
+    for rank, t in enumerate(tokens):
+        x = torch.randn(t, DIM, generator=g)
+        w = torch.rand(t, k, generator=g) + 0.1
+        if case == "skewed":  # experts 3 and 5 get nothing; expert 0 most
+            pool = torch.tensor([0, 0, 0, 1, 2, 4, 6, 7])
+        elif case == "last_rank_receives_none":
+            pool = torch.arange(EXPERTS - local)
+        else:
+            pool = torch.arange(EXPERTS)
+        picks = [pool[torch.randperm(len(pool), generator=g)[:k]] for _ in range(t)]
+        e = torch.stack(picks) if t else torch.zeros(0, k, dtype=torch.long)
+        grad = torch.randn(t, DIM, generator=g)
+        out.append((x, w / w.sum(-1, keepdim=True), e, grad))
+    return out
+
+
+def fwd_bwd(m, x, w, e, grad, dtype):
+    x = x.detach().to(dtype).clone().requires_grad_()
+    out, _ = m.routed(x, w, e)
+    out.backward(grad.to(out.dtype))
+    grads = {n: getattr(m, n).grad for n in ("w1", "w2", "w3")}
+    return out.detach(), x.grad, grads
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (NaN payloads and -0 included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    bits = _BITS[a.element_size()]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
+class _CountAllToAll:
+    """Bytes every ``dist.all_to_all_single`` of this process sends, in call order."""
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def __enter__(self):
+        self.real = dist.all_to_all_single
+
+        def counted(output, input, *args, **kwargs):
+            self.calls.append(input.numel() * input.element_size())
+            return self.real(output, input, *args, **kwargs)
+
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self.real
+
+
+class _CountHostReads:
+    """Calls that read a tensor to the host (a device sync on a GPU)."""
+
+    NAMES = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+    def __enter__(self):
+        self.n = 0
+        self.real = {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def wrap(name):
+            real = self.real[name]
+
+            def f(t, *a, **kw):
+                self.n += 1
+                return real(t, *a, **kw)
+
+            return f
+
+        for n in self.NAMES:
+            setattr(torch.Tensor, n, wrap(n))
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.real.items():
+            setattr(torch.Tensor, n, f)
+
+
+CASES = [
+    # name, routing, tokens per rank (world -> list), top-k, config, comm, dtype
+    ("uneven_top2", "uniform", lambda w: [37 + 11 * r for r in range(w)], 2),
+    ("skewed_top1", "skewed", lambda w: [29] * w, 1),
+    ("last_rank_receives_none_top3", "last_rank_receives_none", lambda w: [23] * w, 3),
+    ("rank1_sends_none_top2", "uniform", lambda w: [40 if r != 1 else 0 for r in range(w)], 2),
+]
+
+
+def run_case(rank, world, group, case, config_name, comm, dtype) -> dict:
+    name, how, tokens, k = case
+    config = CONFIGS[config_name]
+    if config_name == "rowwise_hp_wgrad":
+        config = Float8ExpertsConfig.from_recipe_name("rowwise")
+    data = routing(how, world, tokens(world), k)
+    x, w, e, grad = data[rank]
+    local = EXPERTS // world
+    # expert parallel
+    m = moe()
+    m.shard_experts(group, ep.EPConfig(comm=comm))
+    convert(m, config)
+    with _CountAllToAll() as a2a, _CountHostReads() as reads:
+        out, gx, gw = fwd_bwd(m, x, w, e, grad, dtype)
+    # one rank, every expert, the whole group's batch
+    ref = convert(moe(), config)
+    cat = [torch.cat([d[i] for d in data]) for i in range(4)]
+    r_out, r_gx, r_gw = fwd_bwd(ref, *cat, dtype)
+    lo = sum(tokens(world)[:rank])
+    mine = slice(lo, lo + x.size(0))
+    experts = slice(rank * local, (rank + 1) * local)
+    return {
+        "out": _equal(out, r_out[mine]),
+        "grad_input": _equal(gx, r_gx[mine]),
+        "grad_weight": {n: _equal(gw[n], r_gw[n][experts]) for n in gw},
+        "all_to_all_bytes": a2a.calls,
+        "host_reads": reads.n,
+        "rows_sent": int(x.size(0) * k),
+        "rows_received": int(sum(1 for d in data for ee in d[2].flatten() if ee // local == rank)),
+        "finite": bool(torch.isfinite(out).all()),
+    }
+
+
+def _worker_ep(rank: int, world: int, tmp: str) -> dict:
+    group = dist.group.WORLD
+    res = {}
+    for case in CASES:
+        for config_name, comm, dtype in [
+            ("rowwise", "float8", torch.float32),
+            ("rowwise", "float8", torch.bfloat16),
+            ("mxfp8", "float8", torch.bfloat16),
+            ("rowwise_hp_wgrad", "hp", torch.bfloat16),
+            ("hp", "hp", torch.bfloat16),
+        ]:
+            key = f"{case[0]}/{config_name}/{comm}/{str(dtype)[6:]}"
+            res[key] = run_case(rank, world, group, case, config_name, comm, dtype)
+    return res

@@ -1,0 +1,310 @@
+"""Expert parallelism: MoE tokens cross ranks already cast for the expert's grouped gemm.
+
+Each rank of an expert-parallel group holds ``n_experts / ep`` consecutive experts (rank r:
+experts ``[r * E_local, (r + 1) * E_local)``). A MoE layer's tokens take three steps:
+
+1. the model routes its local tokens and sorts the (token, expert) rows stably by expert
+   (``order = experts.flatten().argsort(stable=True)``, ``token = order // top_k``): the
+   rows are then grouped by destination rank too;
+2. ``dispatch`` casts the local tokens once, in exactly the form the experts' first grouped
+   gemm consumes (rowwise e4m3 + one scale per row, or e4m3 + one e8m0 byte per 32 along K
+   for MXFP8), gathers the float8 rows, packs data and scales into one uint8 buffer and sends
+   it with one ``all_to_all_single``; the receiver reorders the rows from rank-major to
+   expert-major (device indices, no host sync) and hands the gemm ``QuantizedRows`` it does
+   not cast again;
+3. the experts run their grouped gemms on the rows; ``combine`` sends the outputs back in hp
+   and returns them in the rows' local sorted order: the model weights and sums them as it
+   would without expert parallelism.
+
+Backward: the combine's backward casts the output gradient rows on the rank that owns the
+tokens and sends float8 (the gemm's grad_input cast, along N); the dispatch's backward sends
+hp input gradients. ``EPConfig(comm="hp")`` sends everything in hp (the bf16 baseline).
+
+**Exact.** A per-row cast commutes with permuting rows, and the rows of each expert arrive
+in the order one rank would hold them (ranks in order, each rank's rows in its stable sort:
+the stable sort of the concatenated batch). So an expert-parallel step computes the same
+bits as the same MoE with every expert on one rank, for the same tokens: outputs, input
+gradients and expert weight gradients, provided the weight-gradient gemm casts the
+dequantized rows on both (``Float8ExpertsConfig.wgrad_operands="dequantized"``; an expert
+rank has no hp values of the tokens it received).
+
+**Host syncs.** One per dispatch: the all-to-all's split sizes (a ``.tolist()`` of the
+rank's send and receive counts, exchanged on the device first). The backward and the combine
+reuse them.
+
+**Bytes per (token, expert) row** with K the model dim and N the expert output dim (= K):
+bf16 dispatch 2K, float8 K + s (s = 1 e8m0 byte per row for power-of-two rowwise scales, 4
+for fp32 scales, K/32 for MX); combine 2N both ways in hp; combine backward N + s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from float8kit.config import Float8ExpertsConfig
+from float8kit.quantized_rows import QuantizedRows, quantize_rows
+
+COMMS = ("float8", "hp")
+SCALE_FORMATS = ("auto", "e8m0", "fp32")
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+    """How tokens cross the expert-parallel group.
+
+    ``comm``: "float8" (default) dispatches float8 rows in the experts' gemm form and sends
+    the combine's backward in float8; "hp" sends every exchange in the activations' dtype.
+    ``scale_format``: how a rowwise scale travels: "e8m0" one byte (its exponent: exact for
+    the power-of-two scales the rowwise recipes use; a row whose scale is not a power of two,
+    an amax within 12% of fp32's max, arrives as NaN: visible, never wrong), "fp32" four
+    bytes (always exact), "auto" (default) e8m0 when the experts round their scales to powers
+    of two. MX scales are e8m0 bytes already.
+    """
+
+    comm: str = "float8"
+    scale_format: str = "auto"
+
+    def __post_init__(self):
+        if self.comm not in COMMS:
+            raise ValueError(f"EPConfig.comm={self.comm!r}: use one of {COMMS}")
+        if self.scale_format not in SCALE_FORMATS:
+            raise ValueError(
+                f"EPConfig.scale_format={self.scale_format!r}: use one of {SCALE_FORMATS}"
+            )
+
+
+@dataclasses.dataclass
+class EPPlan:
+    """One MoE layer's routing across the group, for one forward (and its backward).
+
+    ``send_sizes[r]`` rows go to rank r (this rank's rows for r's experts, in sorted order);
+    ``recv_sizes[r]`` come from rank r. ``recv_order`` takes the received (rank-major) rows
+    to expert-major order; ``offs`` are the local experts' cumulative group ends (int32), the
+    ``offs`` of their grouped gemms."""
+
+    group: dist.ProcessGroup
+    n_experts: int
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    recv_order: torch.Tensor
+    offs: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this rank sends (its tokens times top-k)."""
+        return sum(self.send_sizes)
+
+    @property
+    def num_received(self) -> int:
+        return sum(self.recv_sizes)
+
+
+def plan_dispatch(
+    row_expert: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None = None
+) -> EPPlan:
+    """The plan for rows routed to ``row_expert`` (non-decreasing: the rows sorted by
+    expert). Exchanges the per-expert counts (one small all-to-all) and reads the split sizes
+    to the host (the one sync of a dispatch)."""
+    group = group or dist.group.WORLD
+    ep = dist.get_world_size(group)
+    if n_experts % ep:
+        raise ValueError(
+            f"float8kit: {n_experts} experts cannot be split evenly over an expert-parallel "
+            f"group of {ep} ranks"
+        )
+    local = n_experts // ep
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=row_expert.device)
+    counts.scatter_add_(0, row_expert.long(), torch.ones_like(row_expert, dtype=torch.int64))
+    recv = torch.empty_like(counts)
+    dist.all_to_all_single(recv, counts, group=group)
+    recv = recv.view(ep, local)  # [source rank, local expert]
+    sizes = torch.cat([counts.view(ep, local).sum(1), recv.sum(1)]).tolist()
+    send_sizes, recv_sizes = sizes[:ep], sizes[ep:]
+    # rank-major -> expert-major: segment (src, e) starts at start[src, e] in the buffer
+    start = (recv.flatten().cumsum(0) - recv.flatten()).view(ep, local)
+    lengths, starts = recv.t().flatten(), start.t().flatten()
+    total = sum(recv_sizes)
+    out_start = lengths.cumsum(0) - lengths
+    recv_order = torch.repeat_interleave(starts - out_start, lengths, output_size=total)
+    recv_order += torch.arange(total, device=recv_order.device)
+    offs = recv.sum(0).cumsum(0).to(torch.int32)
+    return EPPlan(group, n_experts, send_sizes, recv_sizes, recv_order, offs)
+
+
+# ---------------------------------------------------------------------------- the wire
+
+
+def _exchange(send: torch.Tensor, out_sizes: list[int], in_sizes: list[int], group):
+    """One ``all_to_all_single`` of 2-D ``send`` (rows split by ``in_sizes``), returning the
+    rows received (split by ``out_sizes``)."""
+    out = send.new_empty((sum(out_sizes), *send.shape[1:]))
+    dist.all_to_all_single(out, send.contiguous(), out_sizes, in_sizes, group=group)
+    return out
+
+
+def _scale_bytes(scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A rowwise (R, 1) fp32 scale as bytes on the wire: its exponent field (e8m0: exact
+    for a positive power of two and for 0, byte 255 = NaN otherwise) or its 4 bytes."""
+    if fmt == "fp32":
+        return scale.contiguous().view(torch.uint8)
+    bits = scale.contiguous().view(torch.int32)
+    pow2 = (bits >= 0) & ((bits & 0x7FFFFF) == 0)  # positive, mantissa 0 (0.0 too)
+    return torch.where(pow2, bits >> 23, 255).to(torch.uint8)
+
+
+def _scale_from_bytes(b: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "fp32":
+        return b.contiguous().view(torch.float32)
+    bits = b.to(torch.int32) << 23
+    return torch.where(b == 255, torch.nan, bits.view(torch.float32))
+
+
+def _pack(data: torch.Tensor, scale: torch.Tensor, kind: str, fmt: str) -> torch.Tensor:
+    sb = scale if kind == "mx" else _scale_bytes(scale, fmt)
+    return torch.cat([data.view(torch.uint8), sb], dim=1)
+
+
+def _unpack(buf: torch.Tensor, k: int, kind: str, fmt: str, fp8_dtype):
+    # copies with row-major strides (.contiguous() keeps an empty slice's strides)
+    data = buf.new_empty((buf.size(0), k)).copy_(buf[:, :k]).view(fp8_dtype)
+    sb = buf.new_empty((buf.size(0), buf.size(1) - k)).copy_(buf[:, k:])
+    return data, (sb if kind == "mx" else _scale_from_bytes(sb, fmt))
+
+
+def _kind(config: Float8ExpertsConfig) -> str:
+    return "mx" if config.cast_config.is_mx else "rowwise"
+
+
+def _scale_format(config: Float8ExpertsConfig, ep: EPConfig) -> str:
+    if ep.scale_format != "auto":
+        return ep.scale_format
+    return "e8m0" if config.round_scales_to_power_of_2 else "fp32"
+
+
+def _quantize(hp: torch.Tensor, config: Float8ExpertsConfig):
+    return quantize_rows(
+        hp, _kind(config), config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
+    )
+
+
+def _to_expert_major(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
+    return rows.index_select(0, plan.recv_order)
+
+
+def _to_rank_major(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
+    out = torch.empty_like(rows)
+    return out.index_copy_(0, plan.recv_order, rows)
+
+
+def _send_quantized(
+    data, scale, token, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig, hp_dtype
+):
+    """Float8 rows to their experts' ranks, ``data[token]`` (or ``data`` for ``token``
+    None) in this rank's sorted order: QuantizedRows in expert-major order on arrival."""
+    kind, fmt = _kind(config), _scale_format(config, ep)
+    packed = _pack(data, scale, kind, fmt)
+    if token is not None:  # each token was cast once: its top-k copies are byte rows
+        packed = packed.index_select(0, token)
+    buf = _exchange(packed, plan.recv_sizes, plan.send_sizes, plan.group)
+    buf = _to_expert_major(buf, plan)
+    r_data, r_scale = _unpack(buf, data.size(1), kind, fmt, data.dtype)
+    return QuantizedRows(r_data, r_scale, hp_dtype, kind)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, token, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):
+        ctx.plan, ctx.x_shape = plan, x.shape
+        ctx.save_for_backward(token)
+        if ep.comm == "hp":
+            rows = _exchange(x[token], plan.recv_sizes, plan.send_sizes, plan.group)
+            return _to_expert_major(rows, plan)
+        data, scale = _quantize(x, config)  # each token once, before its top-k copies
+        return _send_quantized(data, scale, token, plan, config, ep, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        plan, (token,) = ctx.plan, ctx.saved_tensors
+        back = _exchange(
+            _to_rank_major(grad_rows, plan), plan.send_sizes, plan.recv_sizes, plan.group
+        )
+        # x[token]'s own backward (index_put_ accumulating), so the sums of a token's rows
+        # happen in the order one rank would add them
+        grad_x = back.new_zeros(ctx.x_shape).index_put_((token,), back, accumulate=True)
+        return grad_x, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ys, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):
+        ctx.plan, ctx.config, ctx.ep, ctx.dtype = plan, config, ep, ys.dtype
+        return _exchange(_to_rank_major(ys, plan), plan.send_sizes, plan.recv_sizes, plan.group)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        plan, config, ep = ctx.plan, ctx.config, ctx.ep
+        grad_rows = grad_rows.contiguous()
+        if ep.comm == "hp":
+            back = _exchange(grad_rows, plan.recv_sizes, plan.send_sizes, plan.group)
+            return _to_expert_major(back, plan), None, None, None
+        data, scale = _quantize(grad_rows, config)  # the grad_input gemm's cast, along N
+        rows = _send_quantized(data, scale, None, plan, config, ep, ctx.dtype)
+        return rows, None, None, None
+
+
+def dispatch(
+    x: torch.Tensor,
+    token: torch.Tensor,
+    plan: EPPlan,
+    config: Float8ExpertsConfig | None,
+    ep: EPConfig = EPConfig(),
+) -> torch.Tensor:
+    """This rank's tokens ``x`` (T, K) to the ranks of their experts: row i of the sorted
+    rows is ``x[token[i]]``. Returns the rows this rank's experts process, expert-major
+    (their groups end at ``plan.offs``): ``QuantizedRows`` cast as ``config``'s first gemm
+    casts them (``ep.comm="float8"``), or hp rows. ``config``: the float8 experts' config
+    (``weight._config``), None for hp experts. Differentiable in ``x``."""
+    if x.dim() != 2 or token.dim() != 1:
+        raise ValueError(
+            f"float8kit: dispatch takes x (tokens, dim) and token (rows,), got x "
+            f"{tuple(x.shape)}, token {tuple(token.shape)}"
+        )
+    if token.numel() != plan.num_rows:
+        raise ValueError(
+            f"float8kit: dispatch got {token.numel()} rows but its plan routes {plan.num_rows}"
+        )
+    if ep.comm == "float8" and config is None:
+        raise ValueError(
+            'float8kit: EPConfig(comm="float8") sends rows cast for float8 experts, but these '
+            "experts are hp (config None): convert them with "
+            'convert_experts_to_float8_training, or use EPConfig(comm="hp")'
+        )
+    if ep.comm == "float8" and config.wgrad_operands != "dequantized":
+        raise ValueError(
+            'float8kit: EPConfig(comm="float8") sends float8 rows, which the experts\' '
+            "weight-gradient gemm can only dequantize: set "
+            'Float8ExpertsConfig.wgrad_operands="dequantized" on the experts, or '
+            'EPConfig(comm="hp")'
+        )
+    return _Dispatch.apply(x, token, plan, config, ep)
+
+
+def combine(
+    ys: torch.Tensor,
+    plan: EPPlan,
+    config: Float8ExpertsConfig | None,
+    ep: EPConfig = EPConfig(),
+) -> torch.Tensor:
+    """The experts' outputs ``ys`` (expert-major rows, hp) back to the ranks that own the
+    tokens: (rows, N) in the order of ``dispatch``'s ``token``. Its backward sends the
+    gradient rows cast as the experts' grad_input gemm casts them (``ep.comm="float8"``).
+    ``ys`` must be the output of the last expert gemm itself, used by nothing else."""
+    if ys.dim() != 2 or ys.size(0) != plan.num_received:
+        raise ValueError(
+            f"float8kit: combine takes the {plan.num_received} rows this rank received, got "
+            f"{tuple(ys.shape)}"
+        )
+    return _Combine.apply(ys, plan, config, ep)
