@@ -54,7 +54,7 @@ def routing(case: str, world: int, tokens: list[int], k: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     out = []
     local = EXPERTS // world
-    for rank, t in enumerate(tokens):
+    for t in tokens:
         x = torch.randn(t, DIM, generator=g)
         w = torch.rand(t, k, generator=g) + 0.1
         if case == "skewed":  # experts 3 and 5 get nothing; expert 0 most

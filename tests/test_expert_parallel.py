@@ -1,0 +1,118 @@
+"""Expert parallelism (float8kit/distributed/expert_parallel.py) on real gloo ranks: one
+rank's bits at EP 2 and 4, the bytes every all-to-all sends, one host read per step, and the
+scale bytes on the wire."""
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.measures.expert_parallel import CASES, DIM, HIDDEN
+from benchmarks.measures.gloo import spawn
+from float8kit import Float8ExpertsConfig
+from float8kit.distributed import expert_parallel as ep
+from float8kit.scaling import amax_to_scale
+
+
+@pytest.fixture(scope="module")
+def ep_ranks(request, tmp_path_factory):
+    world = request.param
+    name = "benchmarks.measures.expert_parallel:_worker_ep"
+    return world, spawn(name, world, tmp_path_factory.mktemp(f"ep{world}"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_ranks", [2, 4], indirect=True)
+def test_expert_parallel_step_is_one_ranks_bits(ep_ranks):
+    world, results = ep_ranks
+    for rank, res in enumerate(results):
+        # every case x {rowwise fp32, rowwise bf16, mxfp8 bf16, hp comm float8 experts, hp}
+        assert len(res) == len(CASES) * 5
+        for key, r in res.items():
+            ok = r["out"] and r["grad_input"] and all(r["grad_weight"].values())
+            assert ok, f"EP{world} rank {rank} {key}: {r}"
+            assert r["finite"]
+    # the routings reach the edges they are named for
+    received = {k: [res[k]["rows_received"] for res in results] for k in results[0]}
+    assert all(n[-1] == 0 for k, n in received.items() if k.startswith("last_rank_receives"))
+    sent = {k: [res[k]["rows_sent"] for res in results] for k in results[0]}
+    assert all(n[1] == 0 for k, n in sent.items() if k.startswith("rank1_sends_none"))
+
+
+def _phases(calls: list[int]) -> dict[str, int]:
+    names = ["counts", "dispatch", "combine", "combine_backward", "dispatch_backward"]
+    assert len(calls) == len(names)
+    return dict(zip(names, calls, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_ranks", [2, 4], indirect=True)
+def test_bytes_per_all_to_all_against_the_bf16_exchange(ep_ranks):
+    world, results = ep_ranks
+    for rank, res in enumerate(results):
+        for case, *_ in CASES:
+            f8 = _phases(res[f"{case}/rowwise/float8/bfloat16"]["all_to_all_bytes"])
+            mx = _phases(res[f"{case}/mxfp8/float8/bfloat16"]["all_to_all_bytes"])
+            bf16 = _phases(res[f"{case}/hp/hp/bfloat16"]["all_to_all_bytes"])
+            sent = res[f"{case}/hp/hp/bfloat16"]["rows_sent"]
+            got = res[f"{case}/hp/hp/bfloat16"]["rows_received"]
+            # per row: K fp8 bytes + 1 e8m0 scale byte; MX: K + K/32; bf16: 2K
+            assert f8["dispatch"] == sent * (DIM + 1) and bf16["dispatch"] == sent * 2 * DIM
+            assert mx["dispatch"] == sent * (DIM + DIM // 32)
+            assert f8["combine"] == bf16["combine"] == got * 2 * DIM  # hp out
+            assert f8["combine_backward"] == sent * (DIM + 1)  # grad rows along N = DIM
+            assert f8["dispatch_backward"] == bf16["dispatch_backward"] == got * 2 * DIM
+            assert f8["counts"] == bf16["counts"] == 8 * 8  # the expert counts, int64
+            if sent:
+                ratio, mx_ratio = (
+                    f8["dispatch"] / bf16["dispatch"],
+                    mx["dispatch"] / bf16["dispatch"],
+                )
+                print(f"EP{world} rank {rank} {case}: dispatch {ratio:.4f}x (mx {mx_ratio:.4f}x)")
+                assert ratio <= 0.53 and mx_ratio <= 0.52
+        # a whole step over the group: <= 0.80x the bf16 step's all-to-all bytes
+        total = {
+            how: sum(sum(res[f"{c}/{how}/bfloat16"]["all_to_all_bytes"]) for c, *_ in CASES)
+            for how in ("rowwise/float8", "hp/hp")
+        }
+        assert total["rowwise/float8"] / total["hp/hp"] <= 0.80
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep_ranks", [2], indirect=True)
+def test_one_host_read_per_step(ep_ranks):
+    # the dispatch's split sizes (.tolist()): forward, backward and combine reuse them
+    _, results = ep_ranks
+    for res in results:
+        assert {r["host_reads"] for r in res.values()} == {1}
+
+
+def test_e8m0_scale_bytes_are_exact_for_every_power_of_two_scale():
+    amax = torch.cat([torch.logspace(-30, 38, 2000), torch.tensor([0.0, 1e-45, 448.0])])
+    scale = amax_to_scale(amax, torch.float8_e4m3fn, round_to_pow2=True).view(-1, 1)
+    pow2 = (scale.view(torch.int32) & 0x7FFFFF) == 0
+    back = ep._scale_from_bytes(ep._scale_bytes(scale, "e8m0"), "e8m0")
+    assert torch.equal(back[pow2], scale[pow2])
+    # the quotients kept for amaxes within 12% of fp32's max, a NaN, and an inf amax (scale 0)
+    odd = amax_to_scale(torch.tensor([3.1e38, math.nan, math.inf]), torch.float8_e4m3fn, True)
+    back = ep._scale_from_bytes(ep._scale_bytes(odd.view(-1, 1), "e8m0"), "e8m0").view(-1)
+    assert back[0].isnan() and back[1].isnan() and back[2] == 0.0 == odd[2]
+    fp32 = ep._scale_from_bytes(ep._scale_bytes(odd.view(-1, 1), "fp32"), "fp32").view(-1)
+    assert torch.equal(fp32[[0, 2]], odd[[0, 2]]) and fp32[1].isnan()
+
+
+def test_configs_and_misuse_name_the_field():
+    with pytest.raises(ValueError, match="EPConfig.comm"):
+        ep.EPConfig(comm="fp8")
+    with pytest.raises(ValueError, match="EPConfig.scale_format"):
+        ep.EPConfig(scale_format="bf16")
+    plan = ep.EPPlan(None, 8, [3], [3], torch.arange(3), torch.tensor([3], dtype=torch.int32))
+    x, token = torch.randn(2, DIM), torch.tensor([0, 1, 1])
+    with pytest.raises(ValueError, match='wgrad_operands="dequantized"'):
+        ep.dispatch(x, token, plan, Float8ExpertsConfig())
+    with pytest.raises(ValueError, match="experts are hp"):
+        ep.dispatch(x, token, plan, None)
+    with pytest.raises(ValueError, match="routes 3"):
+        ep.dispatch(x, token[:2], plan, None, ep.EPConfig(comm="hp"))
+    with pytest.raises(ValueError, match="received"):
+        ep.combine(torch.randn(2, HIDDEN), plan, None)
