@@ -19,7 +19,8 @@ CPU (CI smoke test and the published CPU table, numbers/bench_train.json):
     python benchmarks/bench_train.py --preset tiny --device cpu --no-compile
 
 Writes ``runs/benchmarks/<date>-<device>-train-PRESET-{compiled,eager}.json`` (+ ``.md``)
-with ``device, torch, torchao, date, command, rows``.
+with ``device, torch, torchao, date, command, rows`` and ``skipped``: the recipes this GPU
+cannot run (mxfp8 before sm100), each with the reason.
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def main() -> int:
         if args.recipes == "all"
         else [r.strip() for r in args.recipes.split(",")]
     )
+    # mxfp8 before sm100 (H100, H200): skipped and recorded (float8kit would raise)
+    recipes, skipped = common.runnable_recipes(device, recipes)
+    for why in skipped:
+        print(f"skipped: {why}", flush=True)
     libs = [x.strip() for x in args.libs.split(",")]
     ao_float8, ao_note = common.import_torchao_float8()
     info = common.run_info(device)
@@ -246,6 +251,7 @@ def main() -> int:
         "optimizer": "AdamW",
         "timing": "CUDA events" if on_cuda else "perf_counter",
         "rows": rows,
+        "skipped": skipped,
         "failures": bad,
     }
     columns = [

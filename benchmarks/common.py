@@ -111,6 +111,32 @@ def float8kit_recipes() -> list[str]:
     return [r.value for r in float8kit.Float8Recipe]
 
 
+def runnable_recipes(device: torch.device, recipes: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``recipes`` split into those ``device`` runs and, for the rest, ``"<recipe>: <why
+    not>"``: an MX recipe on a CUDA GPU before sm100 (``float8kit.versions.
+    mx_kernels_supported``), whose gemms would raise float8kit's error at the first call."""
+    import float8kit
+    from float8kit import versions
+
+    run, skipped = [], []
+    for recipe in recipes:
+        if recipe not in float8kit_recipes():
+            run.append(recipe)  # not ours to judge: the script records what float8kit says
+            continue
+        config = float8kit.Float8LinearConfig.from_recipe_name(recipe)
+        uses = config.operand_uses().values()
+        mx = any(getattr(config, name).is_mx for names in uses for name in names)
+        if mx and device.type == "cuda" and not versions.mx_kernels_supported(device.index):
+            major, minor = torch.cuda.get_device_capability(device)
+            skipped.append(
+                f"{recipe}: its MX gemms need an sm100 (Blackwell) GPU; "
+                f"{torch.cuda.get_device_name(device)} is sm{major}{minor}"
+            )
+        else:
+            run.append(recipe)
+    return run, skipped
+
+
 def torchao_recipe_config(ao_float8, recipe: str):
     """torchao's config for ``recipe``, or raise ``ValueError`` saying why there is none."""
     try:

@@ -33,12 +33,14 @@ import torch
 import torch.nn.functional as F
 
 from float8kit import versions
-from float8kit.config import GEMMS
+from float8kit.config import GEMMS, Float8Recipe
 from float8kit.granularity import MX
 from float8kit.tensor import Float8TrainingTensor
 
 # cuBLAS fp8 gemms need these dims to be multiples of 16; the CPU kernel takes any size.
 _CUDA_ALIGN = 16
+# what an sm90 GPU runs instead of mxfp8 (named in versions.require_mx_kernels' error)
+_NOT_MX_RECIPES = ", ".join(r.value for r in Float8Recipe if r is not Float8Recipe.MXFP8)
 
 
 def _is_row_major(t: torch.Tensor) -> bool:
@@ -339,12 +341,14 @@ def mx_scaled_mm(
     gemm: str | None = None,
 ) -> torch.Tensor:
     """``a @ b`` for MX operands (use ``scaled_mm``). CUDA: ``torch._scaled_mm`` with e8m0
-    scales in cuBLAS's blocked layout (``to_blocked``), bf16 out (SM100). Elsewhere, and with
+    scales in cuBLAS's blocked layout (``to_blocked``), bf16 out (SM100; an older GPU raises
+    ``versions.require_mx_kernels``' error before any kernel). Elsewhere, and with
     ``emulate``: both operands dequantized to fp32 (exact: float8 values times powers of two)
     and multiplied in fp32, the kernel's math up to the order of its fp32 sums."""
     _check_mx(a, b)
     if emulate or not a._data.is_cuda:
         return _mx_emulated_mm(a._data, a._scale, b._data, b._scale).to(out_dtype)
+    versions.require_mx_kernels(a._data.device, "Float8LinearConfig", _NOT_MX_RECIPES)
     a_data, b_data, scale_a, scale_b = mx_kernel_operands(a, b, gemm)
     out = _kernel(a_data, b_data, scale_a, scale_b, torch.bfloat16, False)
     return out.to(out_dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from float8kit import versions
 from float8kit.gemm import _CUDA_ALIGN, _is_col_major, _is_row_major, to_blocked
 from float8kit.granularity import MX
 
@@ -264,7 +265,8 @@ def mx_scaled_grouped_mm(
       ``a_scale`` (M, T / 32), ``b_scale`` (T / 32, N); every group a multiple of 32 tokens
       (``pad_token_groups``: a 32-block must not straddle two experts); result (G, M, N).
 
-    CUDA (SM100): ``torch._scaled_grouped_mm`` with the scales as ``torch.float8_e8m0fnu`` in
+    CUDA (SM100; an older GPU raises ``versions.require_mx_kernels``' error before any
+    kernel): ``torch._scaled_grouped_mm`` with the scales as ``torch.float8_e8m0fnu`` in
     the kernel's blocked layouts (per group for the 2-D operands, per expert for the 3-D
     one), token groups of the 2-D x 3-D gemm padded to 32 rows (zeros, no host sync), bf16
     out. Elsewhere, and with ``emulate``: both operands dequantized to fp32 (exact), the fp32
@@ -273,6 +275,7 @@ def mx_scaled_grouped_mm(
     """
     if not (a.is_cuda and not emulate):
         return _emulated_mx_grouped_mm(a, a_scale, b, b_scale, offs).to(out_dtype)
+    versions.require_mx_kernels(a.device, "Float8ExpertsConfig", "rowwise, the default")
     e8m0 = torch.float8_e8m0fnu
     if b.dim() == 3:
         groups, k, n = b.shape

@@ -1,4 +1,5 @@
-"""Every torch-version probe of float8kit, in one place: what the running torch can do.
+"""Every torch-version probe of float8kit, in one place: what the running torch can do (and,
+``mx_kernels_supported``, what the GPU can: the MX kernels need sm100).
 
 The library supports torch 2.11 to 2.15. Where releases differ, the code asks one of these
 (by capability where torch offers a probe, by version where only the version tells), never
@@ -102,3 +103,49 @@ def cuda_device_name(index: int | None = None) -> str | None:
     if index is not None and not 0 <= index < count:
         raise ValueError(f"cuda:{index}: this machine has {count} CUDA device(s)")
     return torch.cuda.get_device_name(index)
+
+
+# The MX kernels (``torch._scaled_mm`` with e8m0 blocked scales, ``torch._scaled_grouped_mm``
+# with MX operands) run on Blackwell (sm100) and later; on sm90 cuBLAS answers
+# CUBLAS_STATUS_NOT_SUPPORTED from its heuristic, deep inside the first gemm.
+MX_MIN_CAPABILITY: tuple[int, int] = (10, 0)
+
+
+def _cuda_capability(index: int | None) -> tuple[int, int] | None:
+    """CUDA device ``index``'s (default: the current one's) capability; None without a GPU."""
+    if not torch.cuda.is_available():
+        return None
+    return _capability_of(torch.cuda.current_device() if index is None else index)
+
+
+@functools.cache
+def _capability_of(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+# A constant to torch.compile: dynamo calls it while tracing and bakes its answer into the
+# graph, so the check costs no graph break and nothing per step.
+@torch.compiler.assume_constant_result
+def mx_kernels_supported(index: int | None = None) -> bool:
+    """Whether CUDA device ``index`` (default: the current one) runs the MX kernels: CUDA
+    capability >= 10.0 (sm100, Blackwell). True where there is no GPU to ask: a CUDA build of
+    torch without one traces the CUDA paths on fake tensors (tests/test_fake_cuda.py)."""
+    capability = _cuda_capability(index)
+    return capability is None or capability >= MX_MIN_CAPABILITY
+
+
+def require_mx_kernels(device: torch.device, config: str, instead: str) -> None:
+    """Raise before any MX kernel runs on a CUDA ``device`` that cannot run it (see
+    ``mx_kernels_supported``). The message names the way out: ``config`` the config class
+    (``Float8LinearConfig``, ``Float8ExpertsConfig``) whose ``emulate`` field runs MX in fp32,
+    ``instead`` the recipes this GPU runs."""
+    if mx_kernels_supported(device.index):
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    major, minor = _cuda_capability(index)
+    raise RuntimeError(
+        f"float8kit: the mxfp8 recipe's MX gemms need an sm100 (Blackwell) GPU, CUDA "
+        f"capability >= 10.0; {torch.cuda.get_device_name(index)} (cuda:{index}) is "
+        f"sm{major}{minor}. Use a float8 recipe ({instead}) on this GPU, or "
+        f"{config}(emulate=True) to emulate MX in fp32"
+    )

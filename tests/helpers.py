@@ -37,6 +37,19 @@ def count_scaled_mm():
         torch._scaled_mm = real
 
 
+class OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0 (``t.as_subclass(OnCuda)``): it drives
+    float8kit's CUDA branches on a machine without a GPU, up to a kernel call a test spies on."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+
 # torch 2.11's inductor does not keep eager's roundings in every fused kernel on CPU (with
 # emulate_precision_casts on, e.g. an activation between two float8 layers): its compiled
 # float8 models differ from eager by float8 rounding flips. From torch 2.13 on, bitwise.

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "benchmarks"
@@ -80,6 +81,26 @@ def test_bench_linear_sqnr_vs_bf16(tmp_path):
             sqnr = row[f"{lib}_sqnr_db"]
             assert sqnr is None or sqnr >= 20.0, (lib, row)
     assert data["failures"] == []
+
+
+def test_recipes_a_gpu_cannot_run_are_skipped_with_the_reason(pretend_gpu):
+    # what bench_linear / bench_train run and record as skipped (no GPU here: pretended)
+    from benchmarks import common
+
+    recipes = common.float8kit_recipes()
+    assert "mxfp8" in recipes
+    assert common.runnable_recipes(torch.device("cpu"), recipes) == (recipes, [])  # emulated
+    pretend_gpu((9, 0))
+    why = "mxfp8: its MX gemms need an sm100 (Blackwell) GPU; NVIDIA H200 is sm90"
+    no_mx = [r for r in recipes if r != "mxfp8"]
+    assert common.runnable_recipes(torch.device("cuda", 0), recipes) == (no_mx, [why])
+    # named on the command line: skipped likewise; a name float8kit lacks is left to the script
+    assert common.runnable_recipes(torch.device("cuda"), ["mxfp8", "rowwise", "nvfp9"]) == (
+        ["rowwise", "nvfp9"],
+        [why],
+    )
+    pretend_gpu((10, 0))
+    assert common.runnable_recipes(torch.device("cuda", 0), recipes) == (recipes, [])
 
 
 def test_bench_overhead_ratio(tmp_path):

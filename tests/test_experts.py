@@ -38,7 +38,7 @@ from float8kit.experts import token_groups
 from float8kit.gemm import _cpu_kernel
 from float8kit.grouped_gemm import scaled_grouped_mm, token_group_padding
 from float8kit.scaling import group_amax
-from tests.helpers import assert_compiled_matches_eager, sqnr
+from tests.helpers import OnCuda, assert_compiled_matches_eager, sqnr
 
 
 def test_sqnr_vs_fp32_and_an_expert_without_tokens_gets_exact_zero_grads():
@@ -631,6 +631,46 @@ def test_mx_blocked_scale_layouts_are_torchaos():
         size = int(want_offs[g]) - glo
         assert torch.equal(padded[lo : lo + size], want[glo : glo + size]), g
         assert (padded[lo + size : hi] == 0).all(), g
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_mx_grouped_gemm_on_cuda_checks_the_gpu_before_the_kernel(
+    pretend_gpu, monkeypatch, capability
+):
+    # an H200 (sm90) gets float8kit's error before any kernel; an sm100 GPU goes on to the
+    # kernel's operands (their token-group padding, spied: this machine has no GPU to pad on)
+    from float8kit import grouped_gemm
+    from float8kit.cast import to_mx
+
+    pretend_gpu(capability)
+    offs = torch.tensor([37, 37, 87, 128], dtype=torch.int32)
+    x_data, x_scale = to_mx(torch.randn(128, 64), 1, torch.float8_e4m3fn, "rceil")
+    w_data, w_scale = to_mx(torch.randn(4, 64, 96), 1, torch.float8_e4m3fn, "rceil")
+    reached = []
+
+    def spy(name):
+        def record(*args, **kwargs):
+            reached.append(name)
+            raise NotImplementedError(name)
+
+        return record
+
+    monkeypatch.setattr(grouped_gemm, "pad_token_groups", spy("pad_token_groups"))
+    monkeypatch.setattr(grouped_gemm, "_grouped_kernel", spy("_grouped_kernel"))
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", spy("torch._scaled_grouped_mm"))
+    with pytest.raises((RuntimeError, NotImplementedError)) as e:
+        grouped_gemm.mx_scaled_grouped_mm(
+            x_data.as_subclass(OnCuda), x_scale, w_data, w_scale, offs, out_dtype=torch.bfloat16
+        )
+    if capability < (10, 0):
+        assert str(e.value) == (
+            "float8kit: the mxfp8 recipe's MX gemms need an sm100 (Blackwell) GPU, CUDA "
+            "capability >= 10.0; NVIDIA H200 (cuda:0) is sm90. Use a float8 recipe (rowwise, "
+            "the default) on this GPU, or Float8ExpertsConfig(emulate=True) to emulate MX in fp32"
+        )
+        assert reached == []
+    else:
+        assert reached == ["pad_token_groups"]
 
 
 def _same_prefix_then_zeros(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -15,7 +15,13 @@ from float8kit.gemm import (
     scaled_mm,
     to_blocked,
 )
-from tests.helpers import blocked_scale_index, blocked_scale_reference, count_scaled_mm, sqnr
+from tests.helpers import (
+    OnCuda,
+    blocked_scale_index,
+    blocked_scale_reference,
+    count_scaled_mm,
+    sqnr,
+)
 
 TW = Float8LinearConfig()
 RW = Float8LinearConfig.from_recipe_name("rowwise")
@@ -279,6 +285,42 @@ def test_mx_kernel_operands_are_the_operands_bytes_in_the_kernel_layout(gemm_nam
     # and the CPU path (dequantize, fp32 mm) is that product
     out = scaled_mm(a, b, out_dtype=torch.float32, gemm=gemm_name)
     assert sqnr(a_vals @ b_vals, out.double()) > 130
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0)])
+def test_mx_gemm_on_cuda_checks_the_gpu_before_the_kernel(pretend_gpu, monkeypatch, capability):
+    # an H200 (sm90) gets float8kit's error, not cuBLAS's NOT_SUPPORTED from the kernel; an
+    # sm100 GPU gets the kernel call (spied: this machine has no GPU)
+    pretend_gpu(capability)
+    a, b = mx_operand(torch.randn(37, 64), 1), mx_operand(torch.randn(48, 64), 1).t()
+    a._data, b._data = a._data.as_subclass(OnCuda), b._data.as_subclass(OnCuda)
+    kernel_calls = []
+
+    def kernel(a_data, b_data, scale_a, scale_b, out_dtype, use_fast_accum):
+        kernel_calls.append((scale_a.dtype, out_dtype))
+        return torch.zeros(a_data.shape[0], b_data.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(gemm, "_kernel", kernel)
+    with count_scaled_mm() as scaled_mm_calls:
+        if capability < (10, 0):
+            with pytest.raises(RuntimeError) as e:
+                scaled_mm(a, b, out_dtype=torch.float32)
+            assert str(e.value) == (
+                "float8kit: the mxfp8 recipe's MX gemms need an sm100 (Blackwell) GPU, CUDA "
+                "capability >= 10.0; NVIDIA H200 (cuda:0) is sm90. Use a float8 recipe "
+                "(tensorwise, rowwise, rowwise_with_gw_hp, delayed, blockwise) on this GPU, or "
+                "Float8LinearConfig(emulate=True) to emulate MX in fp32"
+            )
+            assert kernel_calls == []
+        else:
+            out = scaled_mm(a, b, out_dtype=torch.float32)
+            assert out.shape == (37, 48)
+            assert kernel_calls == [(torch.float8_e8m0fnu, torch.bfloat16)]
+    assert scaled_mm_calls == []
+    # emulate=True needs no MX kernel, whatever the GPU: the fp32 definition, no kernel call
+    emulated = gemm.mx_scaled_mm(a, b, emulate=True, out_dtype=torch.float32)
+    assert sqnr(reference(a, b), emulated.double()) > 130
+    assert len(kernel_calls) == (capability >= (10, 0))
 
 
 def test_mx_scaled_mm_needs_both_operands_in_mx_blocks_along_k():
