@@ -239,7 +239,8 @@ class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         c = ctx.config
-        x_saved, (offs, *w_saved) = ctx.saved_tensors[: ctx.n_x], ctx.saved_tensors[ctx.n_x :]
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
+        x_saved, (offs, *w_saved) = saved[: ctx.n_x], saved[ctx.n_x :]
         groups, k, n = w_saved[0].shape
         go_rows = _GradRows(grad_output, "rowwise", c)
         grad_input = grad_weight = None
@@ -321,7 +322,8 @@ class _MXGroupedMM(torch.autograd.Function):
     def backward(ctx, grad_output):
         c = ctx.config
         rounding = c.cast_config.mx_scale_rounding
-        x_saved, (offs, w_hp) = ctx.saved_tensors[: ctx.n_x], ctx.saved_tensors[ctx.n_x :]
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
+        x_saved, (offs, w_hp) = saved[: ctx.n_x], saved[ctx.n_x :]
         go_rows = _GradRows(grad_output, "mx", c)
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:

@@ -44,7 +44,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from float8kit.config import Float8ExpertsConfig
+from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.quantized_rows import QuantizedRows, quantize_rows
 
 COMMS = ("float8", "hp")
@@ -102,6 +102,31 @@ class EPPlan:
         return sum(self.recv_sizes)
 
 
+def expert_counts(row_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Rows per expert (int64, all ``n_experts``), on the device: no host sync."""
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=row_expert.device)
+    return counts.scatter_add_(0, row_expert.long(), torch.ones_like(row_expert, dtype=torch.int64))
+
+
+def make_plan(counts: torch.Tensor, recv: torch.Tensor, group, n_experts: int) -> EPPlan:
+    """The plan from this rank's ``counts`` per expert and ``recv`` (ep, E_local): the rows
+    each rank sends each of this rank's experts (what the counts all-to-all delivers). Reads
+    the split sizes to the host: the one sync of a dispatch."""
+    ep, local = recv.shape
+    sizes = torch.cat([counts.view(ep, local).sum(1), recv.sum(1)]).tolist()
+    send_sizes, recv_sizes = sizes[:ep], sizes[ep:]
+    # rank-major -> expert-major: segment (src, e) starts at start[src, e] in the buffer
+    flat = recv.flatten()
+    start = (flat.cumsum(0) - flat).view(ep, local)
+    lengths, starts = recv.t().flatten(), start.t().flatten()
+    total = sum(recv_sizes)
+    out_start = lengths.cumsum(0) - lengths
+    recv_order = torch.repeat_interleave(starts - out_start, lengths, output_size=total)
+    recv_order += torch.arange(total, device=recv_order.device)
+    offs = recv.sum(0).cumsum(0).to(torch.int32)
+    return EPPlan(group, n_experts, send_sizes, recv_sizes, recv_order, offs)
+
+
 def plan_dispatch(
     row_expert: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None = None
 ) -> EPPlan:
@@ -115,23 +140,10 @@ def plan_dispatch(
             f"float8kit: {n_experts} experts cannot be split evenly over an expert-parallel "
             f"group of {ep} ranks"
         )
-    local = n_experts // ep
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=row_expert.device)
-    counts.scatter_add_(0, row_expert.long(), torch.ones_like(row_expert, dtype=torch.int64))
+    counts = expert_counts(row_expert, n_experts)
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts, group=group)
-    recv = recv.view(ep, local)  # [source rank, local expert]
-    sizes = torch.cat([counts.view(ep, local).sum(1), recv.sum(1)]).tolist()
-    send_sizes, recv_sizes = sizes[:ep], sizes[ep:]
-    # rank-major -> expert-major: segment (src, e) starts at start[src, e] in the buffer
-    start = (recv.flatten().cumsum(0) - recv.flatten()).view(ep, local)
-    lengths, starts = recv.t().flatten(), start.t().flatten()
-    total = sum(recv_sizes)
-    out_start = lengths.cumsum(0) - lengths
-    recv_order = torch.repeat_interleave(starts - out_start, lengths, output_size=total)
-    recv_order += torch.arange(total, device=recv_order.device)
-    offs = recv.sum(0).cumsum(0).to(torch.int32)
-    return EPPlan(group, n_experts, send_sizes, recv_sizes, recv_order, offs)
+    return make_plan(counts, recv.view(ep, n_experts // ep), group, n_experts)
 
 
 # ---------------------------------------------------------------------------- the wire
@@ -199,19 +211,36 @@ def _to_rank_major(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
     return out.index_copy_(0, plan.recv_order, rows)
 
 
-def _send_quantized(
-    data, scale, token, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig, hp_dtype
-):
-    """Float8 rows to their experts' ranks, ``data[token]`` (or ``data`` for ``token``
-    None) in this rank's sorted order: QuantizedRows in expert-major order on arrival."""
+def pack_rows(
+    hp: torch.Tensor, token: torch.Tensor | None, config: Float8ExpertsConfig, ep: EPConfig
+) -> torch.Tensor:
+    """What this rank sends: ``hp`` (T, K) cast once per row as the experts' gemm casts it,
+    data and scale bytes side by side (uint8 (R, K + s)), rows ``token`` (or all, for
+    ``token`` None) in this rank's sorted order."""
+    data, scale = _quantize(hp, config)
+    packed = _pack(data, scale, _kind(config), _scale_format(config, ep))
+    return packed if token is None else packed.index_select(0, token)
+
+
+def unpack_rows(
+    received: torch.Tensor,
+    plan: EPPlan,
+    k: int,
+    config: Float8ExpertsConfig,
+    ep: EPConfig,
+    hp_dtype: torch.dtype,
+) -> QuantizedRows:
+    """What this rank received (rank-major packed rows) as ``QuantizedRows`` of its experts,
+    expert-major."""
     kind, fmt = _kind(config), _scale_format(config, ep)
-    packed = _pack(data, scale, kind, fmt)
-    if token is not None:  # each token was cast once: its top-k copies are byte rows
-        packed = packed.index_select(0, token)
-    buf = _exchange(packed, plan.recv_sizes, plan.send_sizes, plan.group)
-    buf = _to_expert_major(buf, plan)
-    r_data, r_scale = _unpack(buf, data.size(1), kind, fmt, data.dtype)
-    return QuantizedRows(r_data, r_scale, hp_dtype, kind)
+    data, scale = _unpack(_to_expert_major(received, plan), k, kind, fmt, E4M3)
+    return QuantizedRows(data, scale, hp_dtype, kind)
+
+
+def _send_quantized(hp, token, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):
+    packed = pack_rows(hp, token, config, ep)
+    received = _exchange(packed, plan.recv_sizes, plan.send_sizes, plan.group)
+    return unpack_rows(received, plan, hp.size(1), config, ep, hp.dtype)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -222,8 +251,7 @@ class _Dispatch(torch.autograd.Function):
         if ep.comm == "hp":
             rows = _exchange(x[token], plan.recv_sizes, plan.send_sizes, plan.group)
             return _to_expert_major(rows, plan)
-        data, scale = _quantize(x, config)  # each token once, before its top-k copies
-        return _send_quantized(data, scale, token, plan, config, ep, x.dtype)
+        return _send_quantized(x, token, plan, config, ep)  # each token cast once
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -240,7 +268,7 @@ class _Dispatch(torch.autograd.Function):
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ys, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):
-        ctx.plan, ctx.config, ctx.ep, ctx.dtype = plan, config, ep, ys.dtype
+        ctx.plan, ctx.config, ctx.ep = plan, config, ep
         return _exchange(_to_rank_major(ys, plan), plan.send_sizes, plan.recv_sizes, plan.group)
 
     @staticmethod
@@ -250,9 +278,8 @@ class _Combine(torch.autograd.Function):
         if ep.comm == "hp":
             back = _exchange(grad_rows, plan.recv_sizes, plan.send_sizes, plan.group)
             return _to_expert_major(back, plan), None, None, None
-        data, scale = _quantize(grad_rows, config)  # the grad_input gemm's cast, along N
-        rows = _send_quantized(data, scale, None, plan, config, ep, ctx.dtype)
-        return rows, None, None, None
+        # the grad_input gemm's cast, along N, on the rank that owns the tokens
+        return _send_quantized(grad_rows, None, plan, config, ep), None, None, None
 
 
 def dispatch(
