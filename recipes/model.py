@@ -217,16 +217,9 @@ class MoEFeedForward(nn.Module):
     def shard_experts(self, group, ep_config=None) -> None:
         """Keep only this rank's experts (rank r of ``group``: experts [r * E / ep, (r + 1) *
         E / ep)) and route tokens across ``group``. Call before converting the experts."""
-        import torch.distributed as dist
-
         from float8kit.distributed import expert_parallel as ep
 
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        local = self.n_experts // size
-        for name in ("w1", "w2", "w3"):
-            full = getattr(self, name)
-            mine = full.detach()[rank * local : (rank + 1) * local].clone()
-            setattr(self, name, nn.Parameter(mine, requires_grad=full.requires_grad))
+        ep.shard_experts(self, ("w1", "w2", "w3"), group)
         self.ep = (group, ep_config or ep.EPConfig())
 
 

@@ -116,3 +116,45 @@ def test_configs_and_misuse_name_the_field():
         ep.dispatch(x, token[:2], plan, None, ep.EPConfig(comm="hp"))
     with pytest.raises(ValueError, match="received"):
         ep.combine(torch.randn(2, HIDDEN), plan, None)
+
+
+def _whole(results: list[dict]) -> dict:
+    """Every rank's outputs per step and local experts, concatenated in rank order."""
+    steps = len(results[0]["outs"])
+    return {
+        "outs": [torch.cat([r["outs"][s] for r in results]) for s in range(steps)],
+        **{n: torch.cat([r["experts"][n] for r in results]) for n in ("w1", "w2", "w3")},
+    }
+
+
+@pytest.mark.slow
+def test_checkpoint_resumes_bitwise_on_another_expert_parallel_degree(tmp_path):
+    saved = spawn("benchmarks.measures.expert_parallel:_worker_ep_save", 2, tmp_path)
+    # the state_dict shows each expert weight whole: a DTensor sharded over the EP group
+    assert saved[0]["keys"]["w1"] == ("DTensor", (8, DIM, HIDDEN))
+    want = _whole(saved)
+    for world in (4, 1):
+        got = _whole(spawn("benchmarks.measures.expert_parallel:_worker_ep_load", world, tmp_path))
+        for key, value in want.items():
+            same = (
+                all(map(torch.equal, value, got[key]))
+                if key == "outs"
+                else torch.equal(value, got[key])
+            )
+            assert same, f"EP2 -> EP{world}: {key}"
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_of_the_experts_sends_nothing_again(tmp_path):
+    results = spawn("benchmarks.measures.expert_parallel:_worker_ep_ac", 2, tmp_path)
+    for res in results:
+        want = res["none"]["result"]
+        for how in ("expert_gemms", "whole_block"):
+            got = res[how]["result"]
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), how
+            assert all(torch.equal(want[2][n], got[2][n]) for n in want[2]), how
+        # counts, dispatch, combine forward; combine and dispatch backward
+        assert res["none"]["all_to_alls"] == res["expert_gemms"]["all_to_alls"] == 5
+        assert res["none"]["host_reads"] == res["expert_gemms"]["host_reads"] == 1
+        # checkpointing the whole block runs the counts, the dispatch and the combine again
+        assert res["whole_block"]["all_to_alls"] == 8 and res["whole_block"]["host_reads"] == 2

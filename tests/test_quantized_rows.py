@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 from torch import nn
 
 from benchmarks.measures.experts import DIM, HIDDEN, OFFS, TOKENS, Experts, run
@@ -134,3 +135,25 @@ def test_dequantized_wgrad_saves_float8_rows_not_hp_ones():
     fewer = (TOKENS * DIM * 3 - TOKENS * 4) + (TOKENS * HIDDEN * 3 - TOKENS * 4)
     print(f"saved for backward: hp operands {saved['hp']} B, dequantized {saved['dequantized']} B")
     assert saved["hp"] - saved["dequantized"] == fewer and x_bytes > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["rowwise", "mx"])
+@inductor_config.patch(emulate_precision_casts=True)  # SiLU's bf16 rounding, as eager
+def test_compiled_experts_take_quantized_rows_bitwise_eager(kind):
+    # the expert block compiled (fullgraph) on rows dispatched in float8
+    config = DEQ[kind]
+    x, grad = _data(torch.bfloat16)
+    data, scale = quantize_rows(
+        x, kind, config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
+    )
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        m = experts(config, torch.bfloat16)
+        rows = QuantizedRows(data, scale, torch.bfloat16, kind).requires_grad_()
+        out = (torch.compile(m, fullgraph=True) if compiled else m)(rows, OFFS)
+        out.backward(grad)
+        results.append((out.detach(), rows.grad, m.w1.grad, m.w2.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -192,3 +192,87 @@ def _worker_ep(rank: int, world: int, tmp: str) -> dict:
             key = f"{case[0]}/{config_name}/{comm}/{str(dtype)[6:]}"
             res[key] = run_case(rank, world, group, case, config_name, comm, dtype)
     return res
+
+
+# ---------------------------------------------------------------------------- resuming
+
+
+RESUME_TOKENS, RESUME_STEPS = 48, 2
+
+
+def _resume_model(group):
+    m = moe()
+    m.shard_experts(group, ep.EPConfig())
+    return convert(m, ROWWISE)
+
+
+def _resume_steps(m, rank, world, first_step, steps) -> list[torch.Tensor]:
+    """SGD steps on this rank's share of each step's global batch: the outputs per step."""
+    opt = torch.optim.SGD([m.w1, m.w2, m.w3], lr=0.5)
+    outs = []
+    per = RESUME_TOKENS // world
+    for step in range(first_step, first_step + steps):
+        (x, w, e, grad), *_ = routing("uniform", 1, [RESUME_TOKENS], 2, seed=100 + step)
+        mine = slice(rank * per, (rank + 1) * per)
+        opt.zero_grad()
+        out, _ = m.routed(x[mine], w[mine], e[mine])
+        out.backward(grad[mine])
+        opt.step()
+        outs.append(out.detach())
+    return outs
+
+
+def _worker_ep_save(rank: int, world: int, tmp: str) -> dict:
+    """Train, save with torch.distributed.checkpoint, train on: the reference to resume."""
+    import torch.distributed.checkpoint as dcp
+
+    m = _resume_model(dist.group.WORLD)
+    _resume_steps(m, rank, world, 0, RESUME_STEPS)
+    sd = m.state_dict()
+    dcp.save({"model": sd}, checkpoint_id=f"{tmp}/ckpt")
+    keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()}
+    outs = _resume_steps(m, rank, world, RESUME_STEPS, RESUME_STEPS)
+    return {
+        "outs": outs,
+        "experts": {n: getattr(m, n).detach() for n in ("w1", "w2", "w3")},
+        "keys": keys,
+    }
+
+
+def _worker_ep_load(rank: int, world: int, tmp: str) -> dict:
+    """Load the checkpoint into another expert-parallel degree and train on."""
+    import torch.distributed.checkpoint as dcp
+
+    m = _resume_model(dist.group.WORLD)
+    sd = m.state_dict()
+    dcp.load({"model": sd}, checkpoint_id=f"{tmp}/ckpt")
+    m.load_state_dict(sd)
+    outs = _resume_steps(m, rank, world, RESUME_STEPS, RESUME_STEPS)
+    return {"outs": outs, "experts": {n: getattr(m, n).detach() for n in ("w1", "w2", "w3")}}
+
+
+# ---------------------------------------------------------------------------- checkpointing
+
+
+def _worker_ep_ac(rank: int, world: int, tmp: str) -> dict:
+    """Activation checkpointing under EP: of the expert gemms (what to do: nothing crosses
+    the group again), and of the whole routed block (recomputes the dispatch)."""
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    data = routing("uniform", world, [37 + 5 * r for r in range(world)], 2)
+    x, w, e, grad = data[rank]
+    res = {}
+    for how in ("none", "expert_gemms", "whole_block"):
+        m = moe()
+        m.shard_experts(dist.group.WORLD, ep.EPConfig())
+        convert(m, ROWWISE)
+        if how == "expert_gemms":
+            m.expert_gemms = partial(checkpoint, m.expert_gemms, use_reentrant=False)
+        if how == "whole_block":
+            m.routed = partial(checkpoint, m.routed, use_reentrant=False)
+        with _CountAllToAll() as a2a, _CountHostReads() as reads:
+            got = fwd_bwd(m, x, w, e, grad, torch.bfloat16)
+        res[how] = {"result": got, "all_to_alls": len(a2a.calls), "host_reads": reads.n}
+    return res

@@ -40,9 +40,11 @@ for fp32 scales, K/32 for MX); combine 2N both ways in hp; combine backward N + 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.quantized_rows import QuantizedRows, quantize_rows
@@ -335,3 +337,66 @@ def combine(
             f"{tuple(ys.shape)}"
         )
     return _Combine.apply(ys, plan, config, ep)
+
+
+# ---------------------------------------------------------------------------- the weights
+
+
+def shard_experts(module: nn.Module, names: Sequence[str], group=None) -> tuple[int, int]:
+    """Keep only this rank's experts of ``module``'s parameters ``names`` (experts along dim
+    0; rank r of ``group`` keeps ``[r * E / ep, (r + 1) * E / ep)``), as plain local
+    parameters. Call it before ``convert_experts_to_float8_training`` and before building the
+    optimizer. Returns ``(first expert, experts kept)``.
+
+    Checkpoints: ``module.state_dict()`` shows each as a DTensor of the global (E, ...)
+    shape, ``Shard(0)`` over the group (sharing the parameter's storage), so
+    ``torch.distributed.checkpoint`` saves every expert once and loads it into any other
+    expert-parallel degree (or none: a plain state_dict of the whole tensor loads too, each
+    rank taking its slice)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    group = group or dist.group.WORLD
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = {getattr(module, n).size(0) for n in names}
+    if len(sizes) != 1 or next(iter(sizes)) % ep:
+        raise ValueError(
+            f"float8kit: shard_experts needs {list(names)} to hold the same number of experts, "
+            f"divisible by the {ep} expert-parallel ranks; got {sorted(sizes)}"
+        )
+    local = next(iter(sizes)) // ep
+    for name in names:
+        full = getattr(module, name)
+        if isinstance(full, DTensor) or type(full.data) is not torch.Tensor:
+            raise ValueError(
+                f"float8kit: shard_experts({name!r}) got a {type(full.data).__name__}: shard "
+                "the experts before converting them to float8 and before fully_shard"
+            )
+        mine = full.detach()[rank * local : (rank + 1) * local].clone()
+        setattr(module, name, nn.Parameter(mine, requires_grad=full.requires_grad))
+    mesh = DeviceMesh.from_group(group, getattr(module, names[0]).device.type)
+
+    def to_global(mod, state_dict, prefix, local_metadata):
+        from float8kit.hp_weight import store_plain_weight
+
+        for name in names:
+            key = prefix + name
+            if key in state_dict and not isinstance(state_dict[key], nn.Parameter):
+                store_plain_weight(state_dict, prefix, name)  # a float8 expert weight's hp
+                state_dict[key] = DTensor.from_local(
+                    state_dict[key], mesh, [Shard(0)], run_check=False
+                )
+
+    def to_local(mod, state_dict, prefix, *args):
+        for name in names:
+            value = state_dict.get(prefix + name)
+            if isinstance(value, DTensor):
+                value = value.full_tensor() if value.placements != (Shard(0),) else value
+            if isinstance(value, DTensor):
+                state_dict[prefix + name] = value.to_local()
+            elif isinstance(value, torch.Tensor) and value.size(0) == local * ep != local:
+                state_dict[prefix + name] = value[rank * local : (rank + 1) * local]
+
+    module.register_state_dict_post_hook(to_global)
+    module.register_load_state_dict_pre_hook(to_local)
+    return rank * local, local
