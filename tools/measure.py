@@ -109,6 +109,7 @@ MEASURES = {
     ],
     "fsdp_blockwise": [f"{_M}/fsdp_blockwise.py", f"{_M}/gloo.py"],
     "fsdp_mx": [f"{_M}/fsdp_mx.py", f"{_M}/gloo.py"],
+    "expert_parallel": [f"{_M}/expert_parallel.py", f"{_M}/gloo.py", "recipes/model.py"],
     "fsdp_mesh": [f"{_M}/fsdp_mesh.py", f"{_M}/gloo.py"],
     "qgz": [f"{_M}/qgz.py", f"{_M}/gloo.py", f"{_M}/refs.py", "benchmarks/common.py"],
     "tp": [f"{_M}/tp.py", f"{_M}/gloo.py"],
@@ -575,6 +576,44 @@ def fsdp_mx() -> None:
     write("fsdp_mx", MEASURES["fsdp_mx"], data, time.perf_counter() - t0)
 
 
+def expert_parallel() -> None:
+    """Expert parallelism on 2 and 4 gloo ranks (benchmarks/measures/expert_parallel.py, which
+    tests/test_expert_parallel.py asserts on): all-to-all bytes per phase summed over the
+    ranks and the routing cases, against the bf16 (hp) exchange; bitwise one rank; host
+    reads per step."""
+    from benchmarks.measures import expert_parallel as m
+    from benchmarks.measures.gloo import spawn
+
+    t0 = time.perf_counter()
+    phases = ["counts", "dispatch", "combine", "combine_backward", "dispatch_backward"]
+    data: dict = {"dim": m.DIM, "hidden": m.HIDDEN, "experts": m.EXPERTS, "phases": phases}
+    data["cases"] = [c[0] for c in m.CASES]
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 4):
+            (Path(tmp) / str(world)).mkdir()
+            ranks = spawn(
+                "benchmarks.measures.expert_parallel:_worker_ep", world, Path(tmp) / str(world)
+            )
+            runs: dict = {}
+            for key in ranks[0]:
+                _, config, comm, dtype = key.split("/")
+                run = runs.setdefault(f"{config}/{comm}/{dtype}", {p: 0 for p in phases})
+                run.setdefault("bitwise_one_rank", True)
+                run.setdefault("host_reads_per_step", set())
+                for r in ranks:
+                    x = r[key]
+                    for p, b in zip(phases, x["all_to_all_bytes"], strict=True):
+                        run[p] += b
+                    run["bitwise_one_rank"] &= bool(
+                        x["out"] and x["grad_input"] and all(x["grad_weight"].values())
+                    )
+                    run["host_reads_per_step"].add(x["host_reads"])
+            for run in runs.values():
+                run["host_reads_per_step"] = sorted(run["host_reads_per_step"])
+            data[f"ep{world}"] = runs
+    write("expert_parallel", MEASURES["expert_parallel"], data, time.perf_counter() - t0)
+
+
 def fsdp_mesh() -> None:
     """benchmarks/measures/fsdp_mesh.py's run (4 gloo ranks: FSDP2 x TP 2x2 and 1x2, HSDP
     2x2), every recipe with and without float8 all-gather; losses of all ranks, bytes of rank 0."""
@@ -997,6 +1036,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "fsdp_mx": fsdp_mx,
+    "expert_parallel": expert_parallel,
     "fsdp_mesh": fsdp_mesh,
     "qgz": qgz,
     "qgz_train": qgz_train,

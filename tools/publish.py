@@ -406,6 +406,55 @@ def fsdp_mx_table() -> str:
     return caption("fsdp_mx") + "\n\n" + table(header, rows)
 
 
+EP_RUNS = {
+    "rowwise/float8/bfloat16": "float8: rowwise e4m3 + e8m0 scale byte",
+    "mxfp8/float8/bfloat16": "float8: MXFP8 (e4m3 + e8m0 per 32)",
+    "rowwise_hp_wgrad/hp/bfloat16": "hp, float8 experts",
+    "hp/hp/bfloat16": "hp, bf16 experts (the baseline)",
+}
+
+
+def _ep_ratio(world: int, run: str, phase: str | None) -> float:
+    d = load("expert_parallel")["data"][f"ep{world}"]
+    total = lambda r: sum(r[p] for p in load("expert_parallel")["data"]["phases"])
+    if phase is None:
+        return total(d[run]) / total(d["hp/hp/bfloat16"])
+    return d[run][phase] / d["hp/hp/bfloat16"][phase]
+
+
+def expert_parallel_table() -> str:
+    """Expert parallelism: all-to-all bytes per phase against bf16, bitwise one rank."""
+    if missing := not_measured("expert_parallel"):
+        return missing
+    d = load("expert_parallel")["data"]
+    rows = []
+    for world in (2, 4):
+        for run, label in EP_RUNS.items():
+            r = d[f"ep{world}"][run]
+            rows.append(
+                [
+                    str(world),
+                    label,
+                    f"{r['dispatch']:,}",
+                    f"{_ep_ratio(world, run, 'dispatch'):.3f}x",
+                    f"{r['combine_backward']:,}",
+                    f"{_ep_ratio(world, run, 'combine_backward'):.3f}x",
+                    f"{sum(r[p] for p in d['phases']):,}",
+                    f"{_ep_ratio(world, run, None):.3f}x",
+                    "yes" if r["bitwise_one_rank"] else "NO",
+                    ", ".join(map(str, r["host_reads_per_step"])),
+                ]
+            )
+    header = ["EP", "tokens cross as", "dispatch B", "vs bf16", "combine bwd B", "vs bf16"]
+    header += ["step all-to-alls B", "vs bf16", "bitwise one rank", "host reads / step"]
+    return (
+        f"{caption('expert_parallel')}; dim {d['dim']}, expert hidden {d['hidden']}, "
+        f"{d['experts']} experts, bf16 activations; bytes summed over the ranks and the routing "
+        f"cases ({', '.join(d['cases'])}); a step: the count exchange, dispatch, combine and "
+        "their backwards\n\n" + table(header, rows)
+    )
+
+
 def outliers_table() -> str:
     d = load("outliers")["data"]
     db = {(r["recipe"], r["gemm"]): r["float8kit_vs_fp32"] for r in d["rows"]}
@@ -1361,6 +1410,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "outliers": outliers_table,
     "mx_numerics": mx_numerics_table,
     "fsdp_mx": fsdp_mx_table,
+    "expert_parallel": expert_parallel_table,
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "fsdp_mesh": fsdp_mesh_table,
@@ -1448,6 +1498,9 @@ def _bf16_ratio(kind: str) -> str:
 
 
 INLINE: dict[str, Callable[[], str]] = {
+    "ep.dispatch_rowwise": lambda: f"{_ep_ratio(2, 'rowwise/float8/bfloat16', 'dispatch'):.3f}x",
+    "ep.dispatch_mx": lambda: f"{_ep_ratio(2, 'mxfp8/float8/bfloat16', 'dispatch'):.3f}x",
+    "ep.step_rowwise": lambda: f"{_ep_ratio(2, 'rowwise/float8/bfloat16', None):.3f}x",
     "gpu.tensorwise_fk": _gpu_speedup("linear_compiled.json", "tensorwise", "float8kit"),
     "gpu.tensorwise_ao": _gpu_speedup("linear_compiled.json", "tensorwise", "torchao"),
     "gpu.rowwise_fk": _gpu_speedup("linear_compiled.json", "rowwise", "float8kit"),
