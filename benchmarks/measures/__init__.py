@@ -16,4 +16,7 @@ published number is stale when the library or this code changed, not when a test
                        fsdp_blockwise.py, fsdp_mesh.py: the other granularities and meshes
     qgz.py             the float8 gradient reduce-scatter's gloo worker
     tp.py              tensor / sequence parallel and FSDP2 x TP workers
+    expert_parallel.py expert parallelism's gloo worker (EP 2 and 4)
+    ep_simulated.py    expert parallelism at 8..256 ranks simulated in one process; torchao's
+                       MXFP8 EP dispatch rebuilt from its CPU parts
 """
