@@ -41,6 +41,7 @@ from float8kit import (
 from float8kit.config import GEMM_ROLES
 from float8kit.experts import Float8ExpertWeight, _Float8GroupedMM
 from float8kit.linear import _Float8Matmul
+from float8kit.quantized_rows import QuantizedRows, quantize_rows
 from tests.helpers import blocked_scale_reference
 
 pytestmark = pytest.mark.skipif(
@@ -221,10 +222,26 @@ def test_fsdp_float8_all_gather_hooks_on_fake_cuda(recipe):
 ROUTINGS = [[37, 0, 463, 37], [0, 0, 537, 0], [5, 16, 379, 30], [16, 16, 16, 16]]
 
 
-@pytest.mark.parametrize("fsdp_gathered", [False, True], ids=["hp", "fp8_all_gather"])
-def test_experts_grouped_gemms_on_fake_cuda(fsdp_gathered):
+def dispatched(hp: torch.Tensor, config: Float8ExpertsConfig) -> QuantizedRows:
+    """``hp`` rows as expert parallelism delivers them: cast for the grouped gemm."""
+    kind = "mx" if config.cast_config.is_mx else "rowwise"
+    data, scale = quantize_rows(hp, kind, config.round_scales_to_power_of_2)
+    return QuantizedRows(data, scale, hp.dtype, kind)
+
+
+@pytest.mark.parametrize(
+    "fsdp_gathered, rows",
+    [(False, "hp"), (True, "hp"), (False, "dispatched")],
+    ids=["hp", "fp8_all_gather", "ep_dispatched"],
+)
+def test_experts_grouped_gemms_on_fake_cuda(fsdp_gathered, rows):
+    # rows="dispatched": the input and the grad_output arrive as expert parallelism's float8
+    # rows (QuantizedRows), the weight gradient casts their dequantized values
     groups, dim, hidden = 4, 256, 512
-    config = Float8ExpertsConfig(enable_fsdp_float8_all_gather=fsdp_gathered)
+    config = Float8ExpertsConfig(
+        enable_fsdp_float8_all_gather=fsdp_gathered,
+        wgrad_operands="dequantized" if rows == "dispatched" else "hp",
+    )
     for counts in ROUTINGS:
         tokens = sum(counts) + (7 if counts[0] == 5 else 0)  # rows past offs[-1]
         with fake_cuda(), torch.device("cuda"):
@@ -241,9 +258,12 @@ def test_experts_grouped_gemms_on_fake_cuda(fsdp_gathered):
             x = torch.randn(tokens, dim, dtype=torch.bfloat16)
             ctx = Ctx(4)
             try:
-                out = _Float8GroupedMM.forward(ctx, x, weight, offs, config)
+                inp = dispatched(x, config) if rows == "dispatched" else x
+                out = _Float8GroupedMM.forward(ctx, inp, weight, offs, config)
                 assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
-                grad_x, grad_w, *_ = _Float8GroupedMM.backward(ctx, torch.randn_like(out))
+                go = torch.randn_like(out)
+                go = dispatched(go, config) if rows == "dispatched" else go
+                grad_x, grad_w, *_ = _Float8GroupedMM.backward(ctx, go)
             except Exception as e:
                 raise AssertionError(f"experts, tokens per expert {counts}") from e
             assert grad_x.shape == x.shape and grad_w.shape == hp.shape
@@ -359,7 +379,8 @@ def test_every_cuda_call_site_was_traced():
     assert not unknown, f"CUDA call sites missing from CALL_SITES: {unknown}"
 
 
-def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch):
+@pytest.mark.parametrize("rows", ["hp", "dispatched"], ids=["hp", "ep_dispatched"])
+def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch, rows):
     # MXFP8 experts: all three grouped gemms reach torch._scaled_grouped_mm with e8m0 scales
     # that pass torch's meta checks (2-D per-group blocked scales, 3-D per-expert
     # (G, round_up(K / 32, 4) * round_up(N, 128))), token groups off multiples of 32, an
@@ -376,6 +397,8 @@ def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_grouped_mm", grouped)
     groups, dim, hidden = 4, 256, 512
     config = Float8ExpertsConfig.from_recipe_name("mxfp8")
+    if rows == "dispatched":
+        config = dataclasses.replace(config, wgrad_operands="dequantized")
     e8m0 = torch.float8_e8m0fnu
     for counts in ROUTINGS:
         seen.clear()
@@ -386,8 +409,11 @@ def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch):
             x = torch.randn(tokens, dim, dtype=torch.bfloat16)
             ctx = Ctx(4)
             try:
-                out = _MXGroupedMM.forward(ctx, x, weight, offs, config)
-                grad_x, grad_w, *_ = _MXGroupedMM.backward(ctx, torch.randn_like(out))
+                inp = dispatched(x, config) if rows == "dispatched" else x
+                out = _MXGroupedMM.forward(ctx, inp, weight, offs, config)
+                go = torch.randn_like(out)
+                go = dispatched(go, config) if rows == "dispatched" else go
+                grad_x, grad_w, *_ = _MXGroupedMM.backward(ctx, go)
             except Exception as e:
                 raise AssertionError(f"MX experts, tokens per expert {counts}") from e
             assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
