@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
         "over the remaining WORLD_SIZE / TP ranks",
     )
     p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel degree (MoE presets): each group of EP consecutive ranks splits "
+        "the experts (rank r keeps n_experts / EP of them) and sends each token to its "
+        "experts' ranks, float8 rows with --float8; the dense parameters stay FSDP2-sharded "
+        "over every rank, the experts over the WORLD_SIZE / EP ranks that hold the same ones",
+    )
+    p.add_argument(
         "--device",
         default="auto",
         choices=["auto", "cpu", "cuda"],
@@ -225,7 +234,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.warmup = max(1, args.steps // 10)
     if args.out is None:
         args.out = f"runs/{args.preset}_{args.float8}"
-    for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every", "tp"):
+    for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every", "tp", "ep"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     for flag in ("warmup", "eval_every", "checkpoint_every", "threads", "monitor"):

@@ -19,6 +19,12 @@ Tensor parallel (with sequence parallel) over --tp ranks, FSDP2 over the rest (2
     python -m torch.distributed.run --nproc_per_node=4 recipes/train.py --preset tiny \
         --float8 tensorwise --tp 2 --steps 5
 
+Expert parallel (MoE presets) over --ep ranks: each rank keeps n_experts / EP experts and the
+tokens travel to them (as float8 rows with --float8); FSDP2 shards the rest over every rank:
+
+    python -m torch.distributed.run --nproc_per_node=2 recipes/train.py --preset moe-tiny \
+        --float8 rowwise --ep 2 --steps 5
+
 Checkpoint every 30 steps, then continue a run (bitwise the same as never stopping):
 
     python recipes/train.py --preset tiny --steps 60 --checkpoint-every 30 --out runs/a
@@ -26,9 +32,10 @@ Checkpoint every 30 steps, then continue a run (bitwise the same as never stoppi
         --out runs/b
 
 Outputs: OUT/config.json, OUT/metrics.jsonl (one JSON object per step: step, loss, lr,
-tokens_per_s, and val_loss every --eval-every steps), OUT/checkpoints/step_NNNNNN/ (dcp,
-plus manifest.json: the sha256 of every file; --resume verifies it and refuses a corrupt or
-incomplete checkpoint, naming the bad file), OUT/monitor.jsonl with --monitor N (every N
+grad_norm (the global gradient norm before clipping), tokens_per_s, and val_loss every
+--eval-every steps), OUT/checkpoints/step_NNNNNN/ (dcp, plus manifest.json: the sha256 of
+every file; --resume verifies it and refuses a corrupt or incomplete checkpoint, naming the
+bad file), OUT/monitor.jsonl with --monitor N (every N
 steps, each float8 layer's SQNR per gemm: docs/monitor.md). Evaluation runs in eval mode
 and never changes the training losses. On CPU each process uses --threads intra-op threads
 (default 1).
@@ -103,7 +110,32 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
         raise UsageError("--device cuda: no CUDA device is available")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checked before the process group exists: every rank fails alike, nothing hangs.
-    if args.tp > 1 and ModelArgs.from_name(args.preset).n_experts:
+    n_experts = ModelArgs.from_name(args.preset).n_experts
+    if args.ep > 1:
+        if not n_experts:
+            raise UsageError(
+                f"--ep {args.ep} needs a MoE preset (moe-tiny): {args.preset!r} has no experts"
+            )
+        if args.tp > 1:
+            # one model-parallel dimension at a time keeps the mesh and the data split simple
+            raise UsageError(
+                f"--ep {args.ep} does not combine with --tp {args.tp}: use one of them"
+            )
+        if world_size % args.ep:
+            raise UsageError(f"--ep {args.ep} must divide the {world_size} processes")
+        if n_experts % args.ep:
+            raise UsageError(
+                f"--ep {args.ep} must divide the {n_experts} experts of --preset {args.preset}"
+            )
+        if args.checkpoint_every or args.resume:
+            # each rank's experts are plain local tensors (or FSDP2 shards over its dp ranks)
+            # under the same names on every expert-parallel rank: dcp would keep one rank's
+            # experts and drop the others'. Resharding experts in checkpoints is not built yet.
+            raise UsageError(
+                f"--ep {args.ep} does not support --checkpoint-every or --resume yet (dcp "
+                "cannot tell the expert-parallel ranks' experts apart)"
+            )
+    if args.tp > 1 and n_experts:
         # model.tp_plan shards dense feed-forwards; experts would need expert parallelism
         raise UsageError(f"--tp > 1 is not supported with the MoE preset {args.preset!r}")
     if world_size % args.tp:
@@ -173,12 +205,15 @@ def layer_filter(args: argparse.Namespace, config, tokens: int | None = None):
     return keep_float8
 
 
-def experts_config(recipe: str) -> float8kit.Float8ExpertsConfig:
+def experts_config(recipe: str, ep: int = 1) -> float8kit.Float8ExpertsConfig:
     """The MoE experts' grouped-gemm config for --float8: MX blocks for mxfp8, rowwise (the
-    float8 grouped kernel's scales, Float8ExpertsConfig's default) for every other recipe."""
-    return float8kit.Float8ExpertsConfig.from_recipe_name(
+    float8 grouped kernel's scales, Float8ExpertsConfig's default) for every other recipe.
+    Under --ep the tokens reach their experts as float8 rows, with no hp copy: the
+    weight-gradient gemm then casts the dequantized rows (exact: power-of-two scales)."""
+    config = float8kit.Float8ExpertsConfig.from_recipe_name(
         "mxfp8" if recipe == "mxfp8" else "rowwise"
     )
+    return replace(config, wgrad_operands="dequantized") if ep > 1 else config
 
 
 def build_model(
@@ -189,6 +224,20 @@ def build_model(
     margs = replace(margs, max_seq_len=max(margs.max_seq_len, args.seq_len))
     with device:
         model = Transformer(margs)
+    ep = args.ep if world_size > 1 else 1  # --memory builds the one-process model
+    if ep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from float8kit.distributed.expert_parallel import EPConfig
+
+        # Ranks (i, j) of the (dp, ep) mesh: each row of ep consecutive ranks splits the
+        # experts (rank j keeps experts [j * E / ep, (j + 1) * E / ep)); each column holds
+        # the same experts, which FSDP2 shards over it (below). Before the float8 conversion:
+        # it converts the experts each rank keeps.
+        ep_mesh = init_device_mesh(device.type, (world_size // ep, ep), mesh_dim_names=("dp", "ep"))
+        comm = EPConfig(comm="hp" if args.float8 == "none" else "float8")
+        for block in model.layers:
+            block.feed_forward.shard_experts(ep_mesh["ep"].get_group(), comm)
     # Convert before FSDP wraps the model, as torchtitan does: FSDP then shards the
     # Float8Linear weights and (tensorwise) all-gathers them as fp8.
     if args.float8 != "none":
@@ -204,7 +253,7 @@ def build_model(
                     args, config, args.batch_size * args.seq_len // (world_size // args.tp)
                 ),
             ),
-            config=experts_config(args.float8),
+            config=experts_config(args.float8, ep),
         )
     if args.recompute_norms:
         float8kit.recompute_norms(model)
@@ -225,12 +274,72 @@ def build_model(
         # single-process run, so 1 and N processes train the same model.
         mp = MixedPrecisionPolicy(param_dtype=hp_dtype(args, device), reduce_dtype=torch.float32)
         if dp > 1:
+            experts: set[torch.nn.Parameter] = set()
             for block in model.layers:
-                fully_shard(block, mesh=mesh["dp"], mp_policy=mp)
-            fully_shard(model, mesh=mesh["dp"], mp_policy=mp)
+                if ep > 1:
+                    experts |= fsdp_experts(block.feed_forward, mesh["dp"], ep_mesh["dp"], mp)
+                fully_shard(block, mesh=mesh["dp"], mp_policy=mp, ignored_params=experts or None)
+            fully_shard(model, mesh=mesh["dp"], mp_policy=mp, ignored_params=experts or None)
             if args.float8_reduce_scatter:  # opt-in: float8 gradient reduce-scatter (qgZ)
                 float8kit.enable_float8_reduce_scatter(model)
     return model
+
+
+def fsdp_experts(moe: torch.nn.Module, mesh, expert_mesh, mp) -> set[torch.nn.Parameter]:
+    """FSDP2 for one MoE layer's local experts under --ep; returns the parameters its block's
+    FSDP2 unit must leave alone.
+
+    The gradient scale: each rank's loss is the mean over its own tokens, and FSDP2 divides
+    the dense gradients by the world size (the mean over ranks). An expert's gradient on its
+    rank already sums the contributions of the tokens of its whole expert-parallel group
+    (the combine's backward brings them), so over the ranks holding the same experts it
+    must be summed, then divided by the world size too, not by that group's size."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = mesh.size()
+    experts = {moe.w1, moe.w2, moe.w3}
+    if expert_mesh.size() == 1:
+        # --ep = world size: one copy of each expert, nothing to shard or reduce
+        for w in experts:
+            w.register_hook(lambda grad: grad / world)
+        return experts
+    # The router is dense (every rank's tokens): its own unit over every rank, so that the
+    # experts' unit over expert_mesh holds nothing else.
+    fully_shard(moe.router, mesh=mesh, mp_policy=mp)
+    fully_shard(moe, mesh=expert_mesh, mp_policy=mp)
+    moe.set_gradient_divide_factor(world)
+    if dist.get_backend() == "gloo":  # a custom factor is a PREMUL_SUM, which gloo lacks:
+        moe.set_force_sum_reduction_for_comms(True)  # SUM, then divide
+    return set()
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float, ep: int) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ over every rank's gradients; returns the global norm
+    before clipping. Under --ep the gradients live on two meshes (or outside FSDP2): each
+    rank holds a distinct piece of the whole (its FSDP2 shards; its experts, or their
+    shards), so the squared norm is the sum over all ranks of the local pieces' squares."""
+    if ep == 1:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    sq = sum(torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in local)
+    dist.all_reduce(sq)
+    coef = (max_norm / (sq.sqrt() + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s rule
+    for g in local:
+        g.mul_(coef.to(g.dtype))
+    return sq.sqrt()
+
+
+def n_params(model: torch.nn.Module, ep: int) -> int:
+    """The model's parameter count; under --ep each rank holds 1 / ep of the experts."""
+    n = sum(p.numel() for p in model.parameters())
+    if ep > 1:
+        n += (ep - 1) * sum(
+            sum(w.numel() for w in (b.feed_forward.w1, b.feed_forward.w2, b.feed_forward.w3))
+            for b in model.layers
+        )
+    return n
 
 
 def float8_coverage(model: torch.nn.Module) -> dict:
@@ -641,7 +750,7 @@ def train(args: argparse.Namespace) -> list[dict]:
                 "bytes": corpus.n_bytes,
                 "sha256": corpus.sha256,
             },
-            "n_params": sum(p.numel() for p in model.parameters()),
+            "n_params": n_params(model, args.ep),
             "threads": torch.get_num_threads(),
         }
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -678,7 +787,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         with autocast(device, dtype):
             loss = fwd(x.to(device), y.to(device))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        grad_norm = clip_grad_norm(model, args.grad_clip, args.ep)
         optimizer.step()
         float8kit.precompute_scales(model)  # float8: next step's scales, one collective
         optimizer.zero_grad(set_to_none=True)
@@ -688,7 +797,13 @@ def train(args: argparse.Namespace) -> list[dict]:
             loss /= world_size
         loss_val = loss.item()  # also syncs the device, so the timing below is real
         dt = time.perf_counter() - t0
-        rec = {"step": step + 1, "loss": loss_val, "lr": lr, "tokens_per_s": tokens_per_step / dt}
+        rec = {
+            "step": step + 1,
+            "loss": loss_val,
+            "lr": lr,
+            "grad_norm": grad_norm.item(),
+            "tokens_per_s": tokens_per_step / dt,
+        }
         if not math.isfinite(loss_val):
             raise FloatingPointError(f"loss is {loss_val} at step {step + 1}")
         last = step + 1 == args.steps
