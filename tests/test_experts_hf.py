@@ -26,7 +26,9 @@ from benchmarks.measures.experts_hf import (
     VOCAB,
     _train,
     batch,
+    gpt_oss,
     hf_numbers,
+    mixtral,
     qwen3_moe,
 )
 from float8kit import Float8ExpertsConfig, Float8ExpertWeight, convert_experts_to_float8_training
@@ -35,42 +37,6 @@ from tests.helpers import sqnr
 transformers = pytest.importorskip("transformers")
 # registers transformers::grouped_mm_fallback
 pytest.importorskip("transformers.integrations.moe")
-
-
-def gpt_oss(seed=0):
-    """(experts, in, out) weights with biases, used as is: gate_up (4, 32, 64)."""
-    torch.manual_seed(seed)
-    config = transformers.GptOssConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        layer_types=["full_attention"] * LAYERS,
-    )
-    return transformers.GptOssForCausalLM(config)
-
-
-def mixtral(seed=0):
-    torch.manual_seed(seed)
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=32,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    return transformers.MixtralForCausalLM(config)
 
 
 def deepseek_v3(seed=0):

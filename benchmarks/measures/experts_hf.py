@@ -21,7 +21,7 @@ def _transformers():
     return transformers
 
 
-def qwen3_moe(seed=0):
+def qwen3_moe(seed=0, experts=EXPERTS):
     """(experts, out, in) weights, used as w.transpose(-2, -1): gate_up (4, 64, 32)."""
     transformers = _transformers()
     torch.manual_seed(seed)
@@ -34,11 +34,50 @@ def qwen3_moe(seed=0):
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        num_experts=EXPERTS,
+        num_experts=experts,
         num_experts_per_tok=2,
         max_position_embeddings=64,
     )
     return transformers.Qwen3MoeForCausalLM(config)
+
+
+def gpt_oss(seed=0):
+    """(experts, in, out) weights with biases, used as is: gate_up (4, 32, 64)."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        layer_types=["full_attention"] * LAYERS,
+    )
+    return transformers.GptOssForCausalLM(config)
+
+
+def mixtral(seed=0):
+    """(experts, out, in) weights, used as w.transpose(-2, -1): gate_up (4, 64, 32)."""
+    transformers = _transformers()
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+    )
+    return transformers.MixtralForCausalLM(config)
 
 
 def batch(seed=1, batch_size=2, seq=16):

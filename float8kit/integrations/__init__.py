@@ -2,6 +2,8 @@
 
 - ``float8kit.integrations.hf``: a ``transformers.TrainerCallback`` (HF ``Trainer``, and the
   trainers built on it).
+- ``float8kit.integrations.hf_experts``: expert parallelism for Hugging Face MoE models
+  (``shard_hf_experts``: an experts implementation registered in transformers).
 - ``float8kit.integrations.lightning``: a Lightning ``Callback``.
 - ``float8kit.integrations.torchtitan``: a torchtitan 0.3 model-config converter, its
   float8 ``Linear`` module, the post-optimizer hook and a config-registry entry.
