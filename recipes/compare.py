@@ -8,7 +8,8 @@ Every flag compare.py does not know is passed to train.py unchanged (--preset, -
 --float8, --seed and --out are set per run. Each mode trains once per seed (--seeds N: seed,
 seed+1, ..., a different init and batch order each), every mode over the same seeds. Each
 run is a train.py process writing OUT/MODE_seedS/ (its own config.json and metrics.jsonl);
-on CPU up to one run per core at a time (--jobs), each with train.py's one thread. Runs
+on CPU up to one run per core at a time (--jobs), each with train.py's one thread;
+--nproc N runs each under torchrun with N ranks (with train.py's --ep: expert parallel). Runs
 are independent and single-threaded, so running them side by side changes no loss. Then
 OUT/report.md (the table printed at the end) and OUT/loss.png (loss curves) are written
 from those metrics.jsonl files, so every number in the report can be recomputed from them
@@ -273,16 +274,20 @@ def _forward(name: str, stream) -> None:
         sys.stdout.flush()
 
 
-def run_modes(runs: dict[str, list[str]], out: Path, jobs: int) -> None:
+def run_modes(runs: dict[str, list[str]], out: Path, jobs: int, nproc: int = 1) -> None:
     """train.py once per run (name -> its flags), as child processes, at most ``jobs`` at a
-    time; every line a run prints is prefixed with its name."""
+    time (``nproc`` > 1: each under ``torchrun --standalone``, ``nproc`` ranks); every line a
+    run prints is prefixed with its name."""
     script = str(Path(__file__).resolve().parent / "train.py")
+    launch = [sys.executable]
+    if nproc > 1:  # torchrun picks a free port per run and gives each rank one thread
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     pending = list(runs)
     running: dict[str, tuple[subprocess.Popen, threading.Thread]] = {}
     while pending or running:
         while pending and len(running) < jobs:
             name = pending.pop(0)
-            cmd = [sys.executable, script, *runs[name], "--out", str(out / name), "--overwrite"]
+            cmd = [*launch, script, *runs[name], "--out", str(out / name), "--overwrite"]
             proc = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
             )
@@ -358,6 +363,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="runs at a time (default 0 = one per CPU core on CPU, 1 on a GPU)",
     )
     p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="processes per run (torchrun --standalone, gloo on CPU): data parallel, and "
+        "expert parallel with train.py's --ep (default 1)",
+    )
+    p.add_argument(
         "--no-plot",
         action="store_true",
         help="write no loss.png / monitor.png (then matplotlib is not needed)",
@@ -376,8 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
         flag = "--" + dest.replace("_", "-")
         if any(a == flag or a.startswith(flag + "=") for a in train_argv):
             p.error(f"{flag} is set by compare.py per run; leave it out")
-    if args.jobs < 0 or args.seeds < 1:
-        p.error("--jobs must be >= 0 and --seeds >= 1")
+    if args.jobs < 0 or args.seeds < 1 or args.nproc < 1:
+        p.error("--jobs must be >= 0, --seeds >= 1 and --nproc >= 1")
     base = cli.parse_args(train_argv)  # validates the shared flags once, up front
     missing = missing_extras(not args.no_plot)
     if missing:  # before the first run, not after all of them
@@ -394,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch  # only now: --help and usage errors above never wait for it
 
     on_gpu = base.device == "cuda" or (base.device == "auto" and torch.cuda.is_available())
-    jobs = args.jobs or (1 if on_gpu else os.cpu_count() or 1)
+    jobs = args.jobs or (1 if on_gpu else max(1, (os.cpu_count() or 1) // args.nproc))
     seeds = [base.seed + i for i in range(args.seeds)]
     # Seed-major, float8 modes before hp within a seed: the runs that overlap on the machine
     # are the modes of one seed, and the slower float8 runs start first (on 2 cores the last
@@ -405,7 +417,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    run_modes(runs_argv, out, jobs)
+    run_modes(runs_argv, out, jobs, args.nproc)
     wall = time.perf_counter() - t0
     records, configs = {}, {}
     for name in runs_argv:

@@ -865,3 +865,23 @@ def test_float8_run_with_no_float8_layer_is_refused(tmp_path):
     assert err.startswith("train.py: error: --float8 tensorwise: no layer runs float8 (0 of 15")
     assert "--filter default" in err and "--float8 none" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_compare_runs_each_mode_under_torchrun_with_expert_parallelism(tmp_path):
+    # --nproc 2 --ep 2: each run is a 2-rank torchrun whose experts are split over the ranks
+    out = tmp_path / "cmp"
+    argv = ["--preset", "moe-tiny", "--steps", "4", "--eval-every", "4", "--seeds", "1"]
+    argv += ["--modes", "none,rowwise", "--nproc", "2", "--ep", "2", "--no-plot", "--quiet"]
+    r = subprocess.run(
+        [sys.executable, str(RECIPES / "compare.py"), *argv, "--out", str(out)],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    for run in ("none_seed0", "rowwise_seed0"):
+        cfg = json.loads((out / run / "config.json").read_text())
+        assert cfg["world_size"] == 2 and cfg["args"]["ep"] == 2, cfg
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(math.isfinite(summary["runs"][r]["val_loss"]) for r in summary["runs"])
+    bad = run_script(str(RECIPES / "compare.py"), "--preset", "moe-tiny", "--nproc", "0")
+    assert bad.returncode == 2 and "--nproc >= 1" in bad.stderr

@@ -390,6 +390,22 @@ def moe_tiny() -> None:
     compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8"])
 
 
+EP_COMPARE = ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8", "--nproc", "2"]
+
+
+def moe_tiny_ep() -> None:
+    """The moe-tiny preset on 2 gloo ranks with expert parallelism (train.py --ep 2: each rank
+    holds 4 of the 8 experts, tokens cross in float8; mode none = bf16 experts, hp exchange),
+    3 seeds per mode."""
+    compare_runs("moe_tiny_ep", [*EP_COMPARE, "--ep", "2"])
+
+
+def moe_tiny_dp2() -> None:
+    """The same 2-rank runs without expert parallelism (every rank holds every expert): what
+    moe_tiny_ep's losses are held against."""
+    compare_runs("moe_tiny_dp2", EP_COMPARE)
+
+
 def fsdp() -> None:
     """FSDP2's multi-process runs (2 and 3 gloo ranks; benchmarks/measures/fsdp.py and
     fsdp_rowwise.py, which tests/test_fsdp.py and tests/test_fsdp_rowwise.py assert on); rank
@@ -1037,6 +1053,8 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp_blockwise": fsdp_blockwise,
     "fsdp_mx": fsdp_mx,
     "expert_parallel": expert_parallel,
+    "moe_tiny_ep": moe_tiny_ep,
+    "moe_tiny_dp2": moe_tiny_dp2,
     "fsdp_mesh": fsdp_mesh,
     "qgz": qgz,
     "qgz_train": qgz_train,

@@ -422,6 +422,39 @@ def _ep_ratio(world: int, run: str, phase: str | None) -> float:
     return d[run][phase] / d["hp/hp/bfloat16"][phase]
 
 
+def moe_tiny_ep_table() -> str:
+    """train.py --ep 2 against the same 2-rank runs without expert parallelism, per mode and
+    seed: the largest loss difference."""
+    if missing := not_measured("moe_tiny_ep") or not_measured("moe_tiny_dp2"):
+        return missing
+    ep, dp = load("moe_tiny_ep")["data"], load("moe_tiny_dp2")["data"]
+    rows = []
+    for mode in ep["modes"]:
+        diffs = {
+            key: max(
+                abs(ep["runs"][f"{mode}_seed{s}"][key] - dp["runs"][f"{mode}_seed{s}"][key])
+                for s in ep["seeds"]
+            )
+            for key in ("train_loss", "val_loss")
+        }
+        st_ep, st_dp = ep["stats"][mode]["val_loss"], dp["stats"][mode]["val_loss"]
+        rows.append(
+            [
+                "none (bf16 experts, hp exchange)" if mode == "none" else mode,
+                f"{st_ep['mean']:.4f} ± {st_ep['sd']:.4f}",
+                f"{st_dp['mean']:.4f} ± {st_dp['sd']:.4f}",
+                sci(diffs["train_loss"]),
+                sci(diffs["val_loss"]),
+            ]
+        )
+    header = ["mode", "val loss, --ep 2", "val loss, no EP", "max train-loss diff"]
+    header += ["max val-loss diff"]
+    return (
+        f"{caption('moe_tiny_ep')}; against {caption('moe_tiny_dp2')}; seeds "
+        f"{', '.join(map(str, ep['seeds']))}, differences per seed\n\n" + table(header, rows)
+    )
+
+
 def expert_parallel_table() -> str:
     """Expert parallelism: all-to-all bytes per phase against bf16, bitwise one rank."""
     if missing := not_measured("expert_parallel"):
@@ -1411,6 +1444,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "mx_numerics": mx_numerics_table,
     "fsdp_mx": fsdp_mx_table,
     "expert_parallel": expert_parallel_table,
+    "moe_tiny_ep": moe_tiny_ep_table,
     "fsdp": fsdp_table,
     "fsdp_rowwise": fsdp_rowwise_table,
     "fsdp_mesh": fsdp_mesh_table,
