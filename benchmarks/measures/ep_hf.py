@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.measures.experts_hf import VOCAB, gpt_oss, mixtral, qwen3_moe
+from benchmarks.measures.refs import bit_equal
 from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training
 from float8kit.distributed.expert_parallel import EPConfig
 from float8kit.integrations.hf_experts import (
@@ -39,16 +40,6 @@ ROWWISE = dataclasses.replace(
 SETUPS = {"float8": (ROWWISE, EPConfig()), "bf16": (None, EPConfig(comm="hp"))}
 TOKENS = [(3, 8), (2, 8)]  # (batch, seq) per rank: uneven
 STEPS, LR, BATCH, SEQ = 4, 1e-3, 2, 16
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (NaN payloads and -0 included)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    bits = _BITS[a.element_size()]
-    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 def build(name: str, setup: str, group=None, convert_first: bool = False):
@@ -105,14 +96,14 @@ def block_check(rank: int, world: int, name: str, setup: str, convert_first=Fals
     for n, p in block.named_parameters():
         want = ref_params[n].grad
         if id(p) in sharded:
-            bitwise[n] = _equal(p.grad, want[experts])
+            bitwise[n] = bit_equal(p.grad, want[experts])
         else:  # data parallel: the group's sum against the one-rank gradient
             total = p.grad.clone()
             dist.all_reduce(total)
             replicated[n] = (total - want).abs().max().item()
     return {
-        "out": _equal(out, r_out[mine]),
-        "grad_input": _equal(gx, r_gx[mine]),
+        "out": bit_equal(out, r_out[mine]),
+        "grad_input": bit_equal(gx, r_gx[mine]),
         "grad_experts": bitwise,
         "replicated_grad_max_abs_diff": replicated,
         "finite": bool(torch.isfinite(out).all()),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.measures.refs import bit_equal
 from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training
 from float8kit.distributed import expert_parallel as ep
 
@@ -76,17 +77,6 @@ def fwd_bwd(m, x, w, e, grad, dtype):
     out.backward(grad.to(out.dtype))
     grads = {n: getattr(m, n).grad for n in ("w1", "w2", "w3")}
     return out.detach(), x.grad, grads
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit (NaN payloads and -0 included)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    bits = _BITS[a.element_size()]
-    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 class _CountAllToAll:
@@ -167,9 +157,9 @@ def run_case(rank, world, group, case, config_name, comm, dtype) -> dict:
     mine = slice(lo, lo + x.size(0))
     experts = slice(rank * local, (rank + 1) * local)
     return {
-        "out": _equal(out, r_out[mine]),
-        "grad_input": _equal(gx, r_gx[mine]),
-        "grad_weight": {n: _equal(gw[n], r_gw[n][experts]) for n in gw},
+        "out": bit_equal(out, r_out[mine]),
+        "grad_input": bit_equal(gx, r_gx[mine]),
+        "grad_weight": {n: bit_equal(gw[n], r_gw[n][experts]) for n in gw},
         "all_to_all_bytes": a2a.calls,
         "host_reads": reads.n,
         "rows_sent": int(x.size(0) * k),
