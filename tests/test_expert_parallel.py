@@ -158,3 +158,44 @@ def test_activation_checkpointing_of_the_experts_sends_nothing_again(tmp_path):
         assert res["none"]["host_reads"] == res["expert_gemms"]["host_reads"] == 1
         # checkpointing the whole block runs the counts, the dispatch and the combine again
         assert res["whole_block"]["all_to_alls"] == 8 and res["whole_block"]["host_reads"] == 2
+
+
+@pytest.mark.slow
+def test_ep_by_fsdp2_gathers_the_experts_in_float8_bitwise_the_hp_all_gather(tmp_path):
+    # 4 ranks, (dp, ep) = (2, 2): the ranks that hold the same experts FSDP2-shard them and
+    # all-gather them in float8 (rowwise, per expert column) or in hp, for every gemm
+    results = spawn("benchmarks.measures.ep_compose:_worker_ep_fsdp", 4, tmp_path)
+    for rank, r in enumerate(results):
+        fp8, hp = r["fp8"], r["hp"]
+        assert fp8["losses"] == hp["losses"], rank
+        assert all(torch.equal(fp8["experts"][n], hp["experts"][n]) for n in hp["experts"])
+        # float8 data (1 byte for fp32's 4) + an fp32 scale per expert column (4 / 64)
+        ratio = sum(fp8["all_gather_bytes"]) / sum(hp["all_gather_bytes"])
+        print(f"rank {rank}: expert all-gather bytes, float8 / fp32: {ratio:.3f}")
+        assert 0.25 < ratio < 0.28
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same NaNs and infs in the same places, and the same bits everywhere else."""
+    finite = torch.isfinite(a)
+    return (
+        torch.equal(torch.isnan(a), torch.isnan(b))
+        and torch.equal(a.isinf(), b.isinf())
+        and torch.equal(a[finite], b[finite])
+    )
+
+
+@pytest.mark.slow
+def test_inf_and_nan_tokens_stay_visible_as_on_one_rank(tmp_path):
+    results = spawn("benchmarks.measures.ep_compose:_worker_ep_nonfinite", 2, tmp_path)
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            (out, gx, gw), (r_out, r_gx, r_gw) = r["got"], r["want"]
+            mine = slice(20 * rank, 20 * (rank + 1))
+            bad = 3 if rank == 0 else 5
+            assert out[bad].isnan().all(), (name, rank)  # the token's output: NaN, not 448s
+            assert torch.isfinite(out[[i for i in range(20) if i != bad]]).all()
+            assert _same(out, r_out[mine]) and _same(gx, r_gx[mine]), (name, rank)
+            local = gw["w1"].size(0)
+            for n in gw:
+                assert _same(gw[n], r_gw[n][rank * local : (rank + 1) * local]), (name, n)
