@@ -27,7 +27,10 @@ def _train(fp8_all_gather: bool, mesh, rank: int) -> dict:
 
     m = moe()
     m.shard_experts(mesh["ep"].get_group(), ep.EPConfig())  # 4 of the 8 experts
-    config = dataclasses.replace(ROWWISE, enable_fsdp_float8_all_gather=fp8_all_gather)
+    # (experts, in, out) weights used as torch._grouped_mm(x, w): gathered scaled along K
+    config = dataclasses.replace(
+        ROWWISE, enable_fsdp_float8_all_gather=fp8_all_gather, weight_layout="in_out"
+    )
     convert_experts_to_float8_training(m, config=config)
     fully_shard(m, mesh=mesh["dp"])  # 2 experts per rank, gathered (fp32 or float8) per use
     register_fsdp_forward_method(m, "routed")  # called directly (not through forward)
