@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from benchmarks.measures.gloo import _Count
 from benchmarks.measures.refs import bit_equal
 from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training
 from float8kit.distributed import expert_parallel as ep
@@ -79,26 +80,6 @@ def fwd_bwd(m, x, w, e, grad, dtype):
     return out.detach(), x.grad, grads
 
 
-class _CountAllToAll:
-    """Bytes every ``dist.all_to_all_single`` of this process sends, in call order."""
-
-    def __init__(self):
-        self.calls: list[int] = []
-
-    def __enter__(self):
-        self.real = dist.all_to_all_single
-
-        def counted(output, input, *args, **kwargs):
-            self.calls.append(input.numel() * input.element_size())
-            return self.real(output, input, *args, **kwargs)
-
-        dist.all_to_all_single = counted
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_to_all_single = self.real
-
-
 class _CountHostReads:
     """Calls that read a tensor to the host (a device sync on a GPU)."""
 
@@ -147,7 +128,7 @@ def run_case(rank, world, group, case, config_name, comm, dtype) -> dict:
     m = moe()
     m.shard_experts(group, ep.EPConfig(comm=comm))
     convert(m, config)
-    with _CountAllToAll() as a2a, _CountHostReads() as reads:
+    with _Count("all_to_all_single") as a2a, _CountHostReads() as reads:
         out, gx, gw = fwd_bwd(m, x, w, e, grad, dtype)
     # one rank, every expert, the whole group's batch
     ref = convert(moe(), config)
@@ -160,7 +141,7 @@ def run_case(rank, world, group, case, config_name, comm, dtype) -> dict:
         "out": bit_equal(out, r_out[mine]),
         "grad_input": bit_equal(gx, r_gx[mine]),
         "grad_weight": {n: bit_equal(gw[n], r_gw[n][experts]) for n in gw},
-        "all_to_all_bytes": a2a.calls,
+        "all_to_all_bytes": a2a.sizes,
         "host_reads": reads.n,
         "rows_sent": int(x.size(0) * k),
         "rows_received": int(sum(1 for d in data for ee in d[2].flatten() if ee // local == rank)),
@@ -262,7 +243,7 @@ def _worker_ep_ac(rank: int, world: int, tmp: str) -> dict:
             m.expert_gemms = partial(checkpoint, m.expert_gemms, use_reentrant=False)
         if how == "whole_block":
             m.routed = partial(checkpoint, m.routed, use_reentrant=False)
-        with _CountAllToAll() as a2a, _CountHostReads() as reads:
+        with _Count("all_to_all_single") as a2a, _CountHostReads() as reads:
             got = fwd_bwd(m, x, w, e, grad, torch.bfloat16)
-        res[how] = {"result": got, "all_to_alls": len(a2a.calls), "host_reads": reads.n}
+        res[how] = {"result": got, "all_to_alls": len(a2a.sizes), "host_reads": reads.n}
     return res
