@@ -212,9 +212,20 @@ def test_roofline_measured(tmp_path):
         "--modes",
         "fwd_bwd",
     )
-    assert data["rates"]["source"] == "measured"
-    rows = sorted(data["rows"], key=lambda r: r["gflop"])
-    assert rows[-1]["predicted_speedup"] > rows[0]["predicted_speedup"]
+    rates = data["rates"]
+    assert rates["source"] == "measured"
+    assert rates["bf16_tflops"] > 0 and rates["fp8_tflops"] > 0 and rates["bw_tbps"] > 0
+    # every row is the model applied to the rates this run measured (the rates themselves
+    # are timings: how they compare across shapes is the benchmark's to report, not a test's)
+    sys.path.insert(0, str(BENCH))
+    try:
+        import roofline
+    finally:
+        sys.path.remove(str(BENCH))
+    assert len(data["rows"]) >= 2
+    for row in data["rows"]:
+        want = roofline.predict(row["M"], row["K"], row["N"], row["mode"], rates)
+        assert row["predicted_speedup"] == pytest.approx(want["predicted_speedup"], rel=1e-3)
 
 
 def test_roofline_model_arithmetic():
