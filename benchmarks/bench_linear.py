@@ -112,7 +112,7 @@ def make_layers(base: nn.Module, recipe: str, ao_float8) -> dict[str, nn.Module 
 
     layers: dict[str, nn.Module | str] = {"bf16": base}
     layers["float8kit"] = float8kit.convert_to_float8_training(
-        copy.deepcopy(base), config=float8kit.Float8LinearConfig.from_recipe_name(recipe)
+        copy.deepcopy(base), config=common.float8kit_config(recipe)
     )
     if ao_float8 is None:
         layers["torchao"] = "torchao.float8 not importable"
@@ -169,7 +169,8 @@ def main() -> int:
         "--recipes",
         default=None,
         help="comma list of recipes; default: every recipe this float8kit has "
-        "(tensorwise, rowwise, rowwise_with_gw_hp, delayed, ...)",
+        "(tensorwise, rowwise, rowwise_with_gw_hp, delayed, ...); also static (all three "
+        "operands STATIC, scale 1)",
     )
     p.add_argument("--modes", default="fwd,fwd_bwd", help="comma list of fwd, fwd_bwd")
     p.add_argument(
@@ -245,8 +246,9 @@ def main() -> int:
     for m in modes:
         if m not in ("fwd", "fwd_bwd"):
             raise SystemExit(f"bench_linear: unknown mode {m!r}: use fwd, fwd_bwd")
-    known = common.float8kit_recipes()
-    recipes = [r.strip() for r in args.recipes.split(",")] if args.recipes else known
+    named = common.float8kit_recipes()
+    known = named + list(common.BENCH_RECIPES)
+    recipes = [r.strip() for r in args.recipes.split(",")] if args.recipes else named
     for r in recipes:
         if r not in known:
             raise SystemExit(f"bench_linear: float8kit has no recipe {r!r} here: {known}")
@@ -281,7 +283,7 @@ def main() -> int:
             bf16_ms: dict[str, float] = {}  # mode -> ms; the bf16 layer is the same per recipe
             bf16_ref: dict[str, list[torch.Tensor]] = {}
             for recipe in recipes:
-                config = float8kit.Float8LinearConfig.from_recipe_name(recipe)
+                config = common.float8kit_config(recipe)
                 if not float8kit.default_module_filter(base[0], "0", config):
                     # e.g. blockwise below 128-multiples: the layer would stay bf16
                     skipped.append(f"{label} {M}x{K}x{N} {recipe}: kept hp by the default filter")

@@ -10,14 +10,21 @@ number Triton's ``num_bytes_accessed`` metric sums, which stays 0 on CPU). A row
 ``bytes`` and ``kernels`` count what runs *outside the gemms* (amax reductions, casts,
 layout copies, scale math); the gemms' own operand bytes go to ``gemm_bytes``.
 
-The count is a property of the compiled graph, not of the device: inductor schedules and
-fuses the same graph on CPU and on CUDA with the same rules, except where a backend
-declines a fusion (C++ and Triton agree on the ones counted here: a full reduction is
-never fused with its pointwise consumer). On CPU float8kit's gemm is its custom op
-``float8kit::cpu_scaled_mm`` (torch._scaled_mm on CUDA, same operands); the blockwise
-gemm, which CPU only emulates in fp32, is replaced for the count by an opaque op that
-takes the operands the CUDA kernel takes (``float8kit.gemm._kernel_block_mm``'s layout and
-padding code runs, only the kernel is stubbed).
+The count is a property of the compiled graph and of the backend that fuses it:
+``--device cpu`` (the default) counts inductor's C++ kernels, ``--device cuda`` its Triton
+kernels on a GPU (benchmarks/results/ holds such runs). float8kit's own opaque ops count
+their operands: ``float8kit::cast_tensorwise`` reads the hp operand once and writes each
+float8 layout it is asked for, which is what its CUDA kernel moves (on CPU its torch
+reference runs, with more passes: CPU is not where speed is measured). On CPU float8kit's
+gemm is its custom op ``float8kit::cpu_scaled_mm`` (torch._scaled_mm on CUDA, same
+operands); the blockwise gemm, which CPU only emulates in fp32, is replaced for the CPU
+count by an opaque op that takes the operands the CUDA kernel takes
+(``float8kit.gemm._kernel_block_mm``'s layout and padding code runs, only the kernel is
+stubbed).
+
+``eager_passes`` (rows at a shape whose M*K, K*N and M*N differ): the kernels one eager
+fwd+bwd runs over each operand outside the gemms (``eager_passes``: the profiler's
+innermost data-moving ops that read an operand-sized tensor, float8kit's ops as one each).
 
 ``minimum`` rows are the least traffic each recipe's math needs with no producer fusion
 (the operand arrives in memory in bf16), from ``minimum_bytes``; docs/performance.md
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -56,6 +64,8 @@ GEMM_OPS = (
     "extern_kernels.bmm",
     "aten.mm",
     "aten._scaled_mm",
+    "extern_kernels._scaled_mm",
+    "extern_kernels.scaled_mm",
     "float8kit.cpu_scaled_mm",
     "bench_traffic.block_scaled_mm",
 )
@@ -83,6 +93,23 @@ def _numel(name: str) -> int | None:
     return int(V.graph.sizevars.optimization_hint(sympy_product(size), fallback=0))
 
 
+def _outputs(node) -> list[tuple[int, int]]:
+    """(numel, bytes) of each output of a multi-output extern call (its ``MultiOutput``
+    views, which run nothing), for the writes its tuple buffer stands for."""
+    from torch._inductor.virtualized import V
+
+    got = []
+    for out in getattr(node, "outputs", None) or []:
+        try:
+            numel = int(
+                V.graph.sizevars.optimization_hint(sympy_product(out.get_size()), fallback=0)
+            )
+        except (AttributeError, NotImplementedError):
+            continue
+        got.append((numel, numel * out.get_dtype().itemsize))
+    return got
+
+
 def sympy_product(xs):
     from torch._inductor.utils import sympy_product as prod
 
@@ -106,7 +133,12 @@ def kernel_record(snode) -> dict | None:
     by_numel: dict[int, int] = {}
     accesses = snode.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
     for buf, nbytes in accesses.items():
-        key = _numel(buf) or 0
+        key = _numel(buf)
+        if key is None:  # a multi-output extern call writes its outputs: split by output
+            for size, out_bytes in _outputs(snode.node):
+                by_numel[size] = by_numel.get(size, 0) + out_bytes
+                nbytes -= out_bytes
+            key = 0
         by_numel[key] = by_numel.get(key, 0) + nbytes
     record = {"bytes": snode.get_read_write_buffers_sizes(), "by_numel": by_numel}
     if isinstance(snode, sched.ExternKernelSchedulerNode):
@@ -259,20 +291,6 @@ FLOAT8KIT_RECIPES = [
 TORCHAO_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 
-def float8kit_config(recipe: str):
-    import float8kit
-    from float8kit import CastConfig, ScalingType
-
-    if recipe == "static":
-        # fixed scales for all three operands (calibrate() would set input and weight the
-        # same way; the traffic does not depend on the values)
-        static = CastConfig(scaling_type=ScalingType.STATIC, static_scale=1.0)
-        return float8kit.Float8LinearConfig(
-            cast_config_input=static, cast_config_weight=static, cast_config_grad_output=static
-        )
-    return float8kit.Float8LinearConfig.from_recipe_name(recipe)
-
-
 def make_layer(impl: str, recipe: str, k: int, n: int, ao_float8=None) -> nn.Module:
     torch.manual_seed(0)
     layer = nn.Sequential(nn.Linear(k, n, bias=False)).to(torch.bfloat16)
@@ -282,7 +300,7 @@ def make_layer(impl: str, recipe: str, k: int, n: int, ao_float8=None) -> nn.Mod
         import float8kit
 
         return float8kit.convert_to_float8_training(
-            layer, config=float8kit_config(recipe), module_filter_fn=lambda mod, fqn: True
+            layer, config=common.float8kit_config(recipe), module_filter_fn=lambda mod, fqn: True
         )
     cfg = common.torchao_recipe_config(ao_float8, recipe)
     return ao_float8.convert_to_float8_training(
@@ -290,27 +308,141 @@ def make_layer(impl: str, recipe: str, k: int, n: int, ao_float8=None) -> nn.Mod
     )
 
 
-def count(impl: str, recipe: str, m: int, k: int, n: int, ao_float8=None) -> dict:
-    """Compile fwd+bwd of one layer and summarize its kernels (``summarize``), with the
-    per-kernel records under ``"detail"``."""
+def count(
+    impl: str, recipe: str, m: int, k: int, n: int, ao_float8=None, device: str = "cpu"
+) -> dict:
+    """Compile fwd+bwd of one layer on ``device`` and summarize its kernels (``summarize``),
+    with the per-kernel records under ``"detail"``."""
     torch._dynamo.reset()
-    layer = make_layer(impl, recipe, k, n, ao_float8)
-    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
-    go = torch.randn(m, n, dtype=torch.bfloat16)
+    layer = make_layer(impl, recipe, k, n, ao_float8).to(device)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    go = torch.randn(m, n, dtype=torch.bfloat16, device=device)
     if recipe == "delayed":
-        # the steady state: one eager step records amaxes, precompute_scales sets the scales
-        # (before that a delayed cast is a dynamic one)
+        # the steady state: an eager step records amaxes, precompute_scales sets the scales
+        # (before that a delayed cast is a dynamic one); on CUDA the host learns that they
+        # are set at the next precompute_scales, once the device has written them
         import float8kit
 
-        layer(x).backward(go)
-        float8kit.precompute_scales(layer)
+        for _ in range(2):
+            layer(x).backward(go)
+            float8kit.precompute_scales(layer)
+            if device != "cpu":
+                torch.cuda.synchronize()
     compiled = torch.compile(layer, fullgraph=True)
-    block = cuda_block_gemm_path() if recipe == "blockwise" else contextlib.nullcontext()
+    # CPU emulates the blockwise gemm in fp32: count the CUDA kernel's operands instead
+    stub = recipe == "blockwise" and device == "cpu"
+    block = cuda_block_gemm_path() if stub else contextlib.nullcontext()
     # a cached graph skips the scheduler: compile every time
     with block, record_kernels() as graphs, inductor_config.patch(force_disable_caches=True):
         compiled(x).backward(go)
     torch._dynamo.reset()
     return {**summarize(graphs, m, k, n), "detail": graphs}
+
+
+# ----------------------------------------------------------------------------
+# eager: elementwise passes per operand
+
+# Profiler leaves that move no operand data (allocation, views, metadata).
+_NO_DATA = {
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::empty_like",
+    "aten::as_strided",
+    "aten::view",
+    "aten::_reshape_alias",
+    "aten::_unsafe_view",
+    "aten::reshape",
+    "aten::t",
+    "aten::transpose",
+    "aten::permute",
+    "aten::expand",
+    "aten::unsqueeze",
+    "aten::squeeze",
+    "aten::select",
+    "aten::slice",
+    "aten::detach",
+    "aten::alias",
+    "aten::lift_fresh",
+    "aten::resolve_conj",
+    "aten::resolve_neg",
+    "aten::result_type",
+    "aten::set_",
+    "aten::resize_",
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "aten::is_nonzero",
+    "aten::zeros_like",
+    "aten::fill_",
+    "aten::zero_",
+    "aten::to",  # a leaf only when it converts nothing (a real one calls aten::_to_copy)
+    "aten::as_strided_",
+    "detach",
+}
+_EAGER_GEMMS = ("aten::mm", "aten::addmm", "aten::_scaled_mm", "float8kit::cpu_scaled_mm")
+
+
+def eager_passes(
+    impl: str,
+    recipe: str,
+    m: int,
+    k: int,
+    n: int,
+    ao_float8=None,
+    device: str = "cpu",
+    verbose: bool = False,
+) -> dict[str, int]:
+    """Elementwise passes per operand of one eager fwd+bwd (steady state): the kernels that
+    read an operand-sized tensor (M*K input, K*N weight, M*N grad_output), gemms aside.
+
+    From the profiler's leaf ops (each launches one kernel on a GPU); float8kit's own ops
+    (``float8kit::cast_tensorwise``) count as one pass each, as their CUDA kernel runs, not
+    as the torch ops of their CPU reference."""
+    layer = make_layer(impl, recipe, k, n, ao_float8).to(device)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    go = torch.randn(m, n, dtype=torch.bfloat16, device=device)
+    if impl == "float8kit":
+        import float8kit
+
+        for _ in range(2):  # DELAYED: the steady state (scales set, amaxes recorded)
+            layer(x).backward(go)
+            float8kit.precompute_scales(layer)
+    # a fresh input (a cast of the same tensor could be shared across steps: shared_cast),
+    # and no gradient to accumulate into: the profiled step's .grad are new tensors
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
+    for p in layer.parameters():
+        p.grad = None
+    sizes = {"input": m * k, "weight": k * n, "grad_output": m * n}
+    passes = dict.fromkeys(sizes, 0)
+    seen: dict[str, list[str]] = {op: [] for op in sizes}
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+    ) as prof:
+        layer(x).backward(go)
+
+    def kernels(ev):
+        """The ops under ``ev`` that run a kernel: the innermost ones that move data (an op
+        whose only children move none, e.g. clamp's scalar conversions, is one)."""
+        if ev.name.startswith("float8kit::"):
+            return [ev]
+        inner = [kr for child in ev.cpu_children for kr in kernels(child)]
+        if inner:
+            return inner
+        if ev.name in _NO_DATA or not ev.name.startswith("aten::"):
+            return []  # (autograd's nodes, the subclass's dispatch: their ops are children)
+        return [ev]
+
+    roots = [e for e in prof.events() if e.cpu_parent is None]
+    for ev in (kr for root in roots for kr in kernels(root)):
+        if ev.name in _EAGER_GEMMS:
+            continue
+        numels = {math.prod(s) for s in ev.input_shapes if s}
+        for op, size in sizes.items():
+            if size in numels:
+                passes[op] += 1
+                seen[op].append(ev.name)
+    if verbose:
+        print(f"    eager {impl} {recipe}: {seen}")
+    return passes
 
 
 # ----------------------------------------------------------------------------
@@ -335,11 +467,16 @@ def main() -> int:
     p.add_argument("--recipes", default=None, help="comma list (default: all, and bf16)")
     p.add_argument("--no-torchao", action="store_true", help="skip torchao.float8's rows")
     p.add_argument("--json", type=Path, default=None, help="write the rows here")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where inductor compiles (cpu: its C++ kernels; cuda: its Triton kernels)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="print every kernel")
     args = p.parse_args()
 
     torch.set_num_threads(1)  # compile time on a shared CPU; the counts do not depend on it
-    info = common.run_info(torch.device("cpu"))
+    info = common.run_info(torch.device(args.device))
     ao_float8 = None
     if not args.no_torchao:
         ao_float8, ao_version = common.import_torchao_float8()
@@ -359,7 +496,9 @@ def main() -> int:
         )
         for impl, recipe in jobs:
             t0 = time.perf_counter()
-            got = count("float8kit" if impl == "bf16" else impl, recipe, m, k, n, ao_float8)
+            got = count(
+                "float8kit" if impl == "bf16" else impl, recipe, m, k, n, ao_float8, args.device
+            )
             row = {
                 "recipe": recipe,
                 "impl": impl,
@@ -378,6 +517,17 @@ def main() -> int:
                 },
                 "compile_s": round(time.perf_counter() - t0, 1),
             }
+            if got["per_element"] is not None:  # M*K, K*N, M*N differ: passes per operand
+                row["eager_passes"] = eager_passes(
+                    "float8kit" if impl == "bf16" else impl,
+                    recipe,
+                    m,
+                    k,
+                    n,
+                    ao_float8,
+                    args.device,
+                    args.verbose,
+                )
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.verbose:

@@ -111,6 +111,32 @@ def float8kit_recipes() -> list[str]:
     return [r.value for r in float8kit.Float8Recipe]
 
 
+# Benchmark-only recipe names beside float8kit's named recipes (``float8kit_config``).
+BENCH_RECIPES = ("static",)
+
+
+def float8kit_config(recipe: str):
+    """float8kit's config for a named recipe, or for ``"static"``: STATIC scaling of all
+    three operands with fixed power-of-two scales fit for the benchmarks' operands (what
+    ``calibrate`` would set for them): randn inputs (|x| < 6: scale 32, amax 192 of e4m3's
+    448), ``nn.Linear``'s default init (|w| <= 1 / sqrt(K), K >= 256: 4096) and randn
+    gradients (e5m2: 4096). Bytes and time do not depend on the values."""
+    import float8kit
+    from float8kit import CastConfig, ScalingType
+
+    if recipe == "static":
+
+        def static(scale: float) -> CastConfig:
+            return CastConfig(scaling_type=ScalingType.STATIC, static_scale=scale)
+
+        return float8kit.Float8LinearConfig(
+            cast_config_input=static(32.0),
+            cast_config_weight=static(4096.0),
+            cast_config_grad_output=static(4096.0),
+        )
+    return float8kit.Float8LinearConfig.from_recipe_name(recipe)
+
+
 def runnable_recipes(device: torch.device, recipes: Sequence[str]) -> tuple[list[str], list[str]]:
     """``recipes`` split into those ``device`` runs and, for the rest, ``"<recipe>: <why
     not>"``: an MX recipe on a CUDA GPU before sm100 (``float8kit.versions.
@@ -320,7 +346,8 @@ class OpCounter(TorchDispatchMode):
     runs while it is active (below autograd), with the dtype it was asked to produce.
 
     ``counts``: calls per op name; ``kernels``: the ops that are not views (each may launch
-    a kernel); ``float8_casts``: hp -> float8 conversions (``_to_copy`` to a float8 dtype)."""
+    a kernel); ``float8_casts``: hp -> float8 conversions (``_to_copy`` to a float8 dtype,
+    or float8kit's one-pass tensorwise cast, ``float8kit::cast_tensorwise``)."""
 
     def __init__(self):
         super().__init__()
@@ -328,7 +355,10 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.calls.append((func, kwargs.get("dtype")))
+        dtype = kwargs.get("dtype")
+        if func is torch.ops.float8kit.cast_tensorwise.default:  # (hp, scale, fp8 dtype, ...)
+            dtype = args[2]
+        self.calls.append((func, dtype))
         return func(*args, **kwargs)
 
     @property
@@ -342,7 +372,8 @@ class OpCounter(TorchDispatchMode):
     @property
     def float8_casts(self) -> int:
         fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-        return sum(f is torch.ops.aten._to_copy.default and d in fp8 for f, d in self.calls)
+        casts = (torch.ops.aten._to_copy.default, torch.ops.float8kit.cast_tensorwise.default)
+        return sum(f in casts and d in fp8 for f, d in self.calls)
 
 
 def count_aten_ops(module, m: int, k: int, n: int, backward: bool) -> int:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from float8kit import granularity, scaling, versions
 from float8kit.config import (
     E4M3,
+    E5M2,
     CastConfig,
     Float8LinearConfig,
     GemmRole,
@@ -60,6 +61,124 @@ def to_fp8_saturated(
     if fp8_dtype == E4M3:
         return (clamped + (scaled - scaled)).to(fp8_dtype)
     return torch.where(torch.isfinite(scaled), clamped, scaled).to(fp8_dtype)
+
+
+def cast_tensorwise_reference(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    guard: bool,
+    row: bool,
+    col: bool,
+    amax: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What ``float8kit::cast_tensorwise`` returns, in torch ops (its CPU implementation, and
+    the reference its CUDA kernel is checked against): the float8 data of a 2-D ``hp``
+    (``to_fp8_saturated``) row-major if ``row``, its transpose made contiguous if ``col``,
+    ``max(|hp|)`` as an fp32 scalar if ``amax`` (0 for an empty tensor, NaN if any NaN); an
+    empty tensor in place of each output not asked for."""
+    data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard)
+    nothing = data.new_empty((0,))
+    amax_value = hp.new_empty((0,), dtype=torch.float32)
+    if amax:
+        amax_value = (
+            scaling.recorded_amax(hp).to(torch.float32)
+            if hp.numel()
+            else hp.new_zeros((), dtype=torch.float32)
+        )
+    return (
+        data if row else nothing,
+        # (clone: .contiguous() of a transposed (1, n) or (m, 1) would be a view of ``data``)
+        data.t().clone(memory_format=torch.contiguous_format) if col else nothing,
+        amax_value,
+    )
+
+
+# One pass over a 2-D hp operand: its tensorwise float8 data in the layouts asked for and,
+# if asked, its amax (``cast_tensorwise_reference``, the CPU implementation). An opaque op to
+# a compiled graph, whose bytes are its operands: 2 per hp element read (bf16), 1 per float8
+# byte written per layout. On CUDA one Triton kernel (float8kit/triton_cast.py) moves
+# exactly those; elsewhere the reference runs (torch ops, more passes: CPU is not where
+# speed is measured). Without it inductor re-reads the hp tensor for the transposed layout
+# (it inlines the cheap cast into the transposing copy) and, for DELAYED, for the amax
+# record (a separate reduction): docs/performance.md.
+_cast_tensorwise = torch.library.custom_op("float8kit::cast_tensorwise", mutates_args=())(
+    cast_tensorwise_reference
+)
+
+
+@_cast_tensorwise.register_fake
+def _(hp, scale, fp8_dtype, guard, row, col, amax):
+    m, n = hp.shape
+    return (
+        hp.new_empty((m, n) if row else (0,), dtype=fp8_dtype),
+        hp.new_empty((n, m) if col else (0,), dtype=fp8_dtype),
+        hp.new_empty(() if amax else (0,), dtype=torch.float32),
+    )
+
+
+@_cast_tensorwise.register_kernel("cuda")
+def _(hp, scale, fp8_dtype, guard, row, col, amax):
+    from float8kit import triton_cast
+
+    limit = scaling.fp8_max(fp8_dtype)
+    return triton_cast.cast_tensorwise(hp, scale, fp8_dtype, guard, row, col, amax, limit)
+
+
+def fused_cast_applies(
+    hp: torch.Tensor,
+    gran: Granularity,
+    fp8_dtype: torch.dtype,
+    role: GemmRole = GemmRole.WEIGHT,
+    kind: ScalingType = ScalingType.STATIC,
+) -> bool:
+    """Whether ``cast_tensorwise`` casts ``hp``: a plain 2-D tensor (not a DTensor or other
+    subclass), tensorwise, to e4m3fn or e5m2; while compiling, not a DYNAMIC activation.
+
+    Under ``torch.compile`` an activation's cast stays inductor's to fuse with the op that
+    produces it (a norm, SiLU, their backward), whose bf16 result inductor may feed to the
+    cast unrounded: an opaque op would round it first and move the cast's bits (to eager's).
+    A DYNAMIC cast keeps those bits (bitwise torchao's compiled); a DELAYED or STATIC one
+    takes the op, which is what gives it its byte minimum (the amax record in the cast pass,
+    both layouts from one read), and then has eager's bits; a weight (a parameter, read from
+    memory) has the same bits either way."""
+    if torch.compiler.is_compiling() and role is not GemmRole.WEIGHT:
+        if kind is ScalingType.DYNAMIC:
+            return False
+    return (
+        gran is TENSORWISE
+        and hp.dim() == 2
+        and fp8_dtype in (E4M3, E5M2)
+        and type(hp) in (torch.Tensor, torch.nn.Parameter)
+    )
+
+
+def cast_tensorwise(
+    hp: torch.Tensor,
+    scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    role: GemmRole,
+    config: Float8LinearConfig | None,
+    *,
+    guard: bool,
+    row: bool = True,
+    col: bool = False,
+    amax: bool = False,
+) -> tuple[Float8TrainingTensor | None, Float8TrainingTensor | None, torch.Tensor | None]:
+    """``float8kit::cast_tensorwise`` of a 2-D ``hp``, wrapped: ``(row-major float8, the same
+    values column-major, amax)``, None for what was not asked. Both tensors have ``hp``'s
+    shape and the same scale; the column-major one is what a gemm that takes this operand
+    transposed reads without a copy."""
+    data, data_t, amax_value = _cast_tensorwise(hp, scale, fp8_dtype, guard, row, col, amax)
+
+    def wrap(d):
+        return Float8TrainingTensor(d, scale, hp.dtype, role, TENSORWISE, config)
+
+    return (
+        wrap(data) if row else None,
+        wrap(data_t.t()) if col else None,
+        amax_value if amax else None,
+    )
 
 
 def to_fp8_blocks(
@@ -237,8 +356,14 @@ def recast_with_scale(
     gran: Granularity,
 ) -> Float8TrainingTensor:
     """Redo a tensorwise or blockwise cast of ``hp`` with the ``scale`` (and float8 dtype and
-    granularity) it used before: bitwise the float8 tensor that cast made."""
+    granularity) it used before: bitwise the float8 tensor that cast made. A tensorwise one
+    is made column-major (the weight's grad_input gemm takes it so): one pass, no copy."""
     guard = cast.scaling_type is not ScalingType.DYNAMIC
+    if fused_cast_applies(hp, gran, fp8_dtype):
+        _, fp8_col, _ = cast_tensorwise(
+            hp, scale, fp8_dtype, role, config, guard=guard, row=False, col=True
+        )
+        return fp8_col
     return hp_to_float8(hp, scale, fp8_dtype, role, gran, config, guard_non_finite=guard)
 
 
@@ -261,37 +386,70 @@ def cast_to_float8(
     scale_set: bool = False,
     *,
     recorded: list[torch.Tensor] | None = None,
-) -> Float8TrainingTensor:
+    col: bool = False,
+    one_pass: bool = True,
+):
     """Cast ``hp`` to float8 with the scale ``operand_scale`` picks: dynamic from its own
     amax (one scale, or one per slice along ``reduce_dim`` when axiswise), delayed or static
     from the layer's state (``state_scale``, ``amax_record``, ``scale_set``: see
     ``operand_scale``). The amax is computed only when that scale needs it: STATIC never,
     DELAYED in train mode (to record it) or before its scale is set. ``recorded``: a list
     the amax folded into ``amax_record`` is appended to (plain tensors), for a layer that
-    reuses this cast and records the same amax (float8kit/shared_cast.py)."""
+    reuses this cast and records the same amax (float8kit/shared_cast.py).
+
+    A tensorwise cast of a plain 2-D tensor is one ``float8kit::cast_tensorwise`` pass, which
+    also finds a DELAYED cast's recorded amax (its scale is known before the cast). ``col``:
+    return ``(row-major, column-major)`` float8 tensors of the same cast, for an operand two
+    gemms take with different major-ness (the column-major one comes from the same pass
+    where that op applies, from a copy of the float8 data otherwise). ``one_pass=False``:
+    never that op (a compiled graph's cast that the partitioner should be free to redo in
+    backward rather than keep)."""
     if isinstance(hp, DTensor):  # tensor parallel
-        return _cast_dtensor(
-            hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set
-        )
+        fp8 = _cast_dtensor(hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set)
+        return (fp8, fp8) if col else fp8
     gran = granularity.of(cast, role, reduce_dim, hp.dim())
     if gran.mx_dim is not None:  # MX is DYNAMIC only (CastConfig)
         data, scale = to_mx(hp, gran.mx_dim, cast.dtype_for(role), cast.mx_scale_rounding)
-        return Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
+        fp8 = Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
+        return (fp8, fp8) if col else fp8
+    fp8_dtype = cast.dtype_for(role)
+    fused = one_pass and fused_cast_applies(hp, gran, fp8_dtype, role, cast.scaling_type)
     amax = None
+    record_in_cast = False  # DELAYED with its scale set: the cast pass finds the amax
     if gran.block is not None:
         amax = gran.amax(hp)  # blockwise is DYNAMIC only (CastConfig)
     elif needs_amax(cast, amax_record is not None, scale_set):
         if scale_set and hp.numel() > 0:
-            # only recorded (DELAYED, scale set): one reduction op, in hp
-            amax = scaling.recorded_amax(hp)
+            # only recorded (DELAYED, scale set): in the cast pass, or one reduction op in hp
+            record_in_cast = fused
+            if not fused:
+                amax = scaling.recorded_amax(hp)
         else:
             amax = gran.amax(hp)
-    scale = operand_scale(cast, role, config, amax, state_scale, amax_record, scale_set)
-    if recorded is not None and amax_record is not None and amax is not None:
-        recorded.append(amax)
+    scale = operand_scale(
+        cast,
+        role,
+        config,
+        amax,
+        state_scale,
+        None if record_in_cast else amax_record,
+        scale_set,
+    )
     # A dynamic scale already turns inf/NaN into NaN (scale 0 or NaN): no guard pass needed.
     guard = cast.scaling_type is not ScalingType.DYNAMIC
-    return hp_to_float8(hp, scale, cast.dtype_for(role), role, gran, config, guard_non_finite=guard)
+    if fused:
+        fp8, fp8_col, cast_amax = cast_tensorwise(
+            hp, scale, fp8_dtype, role, config, guard=guard, col=col, amax=record_in_cast
+        )
+        if record_in_cast:
+            amax = cast_amax
+            amax_record.clamp_(min=amax)
+    else:
+        fp8 = hp_to_float8(hp, scale, fp8_dtype, role, gran, config, guard_non_finite=guard)
+        fp8_col = fp8
+    if recorded is not None and amax_record is not None and amax is not None:
+        recorded.append(amax)
+    return (fp8, fp8_col) if col else fp8
 
 
 def _cast_dtensor(

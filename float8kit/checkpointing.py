@@ -53,8 +53,11 @@ def _is_float8_gemm(op, args) -> bool:
 
 
 def _is_float8_cast(op, args, kwargs) -> bool:
-    # The last op of every cast (cast.to_fp8_saturated): hp -> float8 data. Compiled
-    # graphs may spell it as the prims conversion.
+    # The last op of every cast (cast.to_fp8_saturated): hp -> float8 data, or the whole
+    # one-pass tensorwise cast (cast.cast_tensorwise). Compiled graphs may spell the former
+    # as the prims conversion.
+    if op is torch.ops.float8kit.cast_tensorwise.default:
+        return True
     if op is _aten._to_copy.default:
         return kwargs.get("dtype") in FP8_DTYPES
     if op is torch.ops.prims.convert_element_type.default:

@@ -117,12 +117,15 @@ def input_for_backward(
     share: torch.Tensor | None = None,
     share_key: torch.Tensor | None = None,
     recorded: torch.Tensor | None = None,
+    x_col: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What ``_Float8Matmul`` saves of the input for its grad_weight gemm (which reduces M,
     the input's dim 0): the one save decision for the input, so that a new granularity
     plugs in here.
 
-    - The same tensorwise cast in both gemms: the output gemm's float8 ``x`` (no new cast).
+    - The same tensorwise cast in both gemms: the output gemm's float8 ``x`` (no new cast),
+      column-major (``x_col``) where its cast wrote that layout too, as the grad_weight gemm
+      takes it (no copy in backward).
     - A float8 grad_weight gemm with another cast (rowwise: scales along dim 0): that cast,
       done now, in forward, so that 1 byte per element is kept for backward instead of
       the hp input. It is the cast backward would otherwise do on the saved hp input (same
@@ -142,12 +145,14 @@ def input_for_backward(
         share_key: the scale buffer a DELAYED shared cast is keyed on (the layer's own, or
             the one of the layer it is tied to, see ``Float8Linear.forward``).
         recorded: the amax the cast of ``x`` recorded (DELAYED, train mode), stored with it.
+        x_col: ``x`` column-major (the same cast's other layout), or None.
     """
     first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
     if _reusable(first, second):
+        kept = x if x_col is None else x_col
         if is_float8(x):
-            shared_cast.store(share, first, -1, config, input_hp.dtype, x, share_key, recorded)
-        return x
+            shared_cast.store(share, first, -1, config, input_hp.dtype, kept, share_key, recorded)
+        return kept
     # An input that came in float8 (cast before a tensor-parallel all-gather) goes on
     # from its hp values.
     hp = _as_hp(input_hp)
@@ -223,9 +228,11 @@ class _Float8Matmul(torch.autograd.Function):
         go_set: bool = False,
         share: torch.Tensor | None = None,
         share_key: torch.Tensor | None = None,
+        keep_weight_t: bool = True,
     ):
         c = config
         share_key = x_scale if share_key is None else share_key
+        x_col, w_col = None, None  # column-major copies from the casts' own passes
         ctx.w_dtype = weight.dtype
         ctx.empty = input_hp.shape[0] == 0
         if ctx.empty:
@@ -238,6 +245,26 @@ class _Float8Matmul(torch.autograd.Function):
         w_fwd = weight
         if weight_is_fp8 and local(weight)._gran.mx_dim == 0:
             w_fwd = _fsdp_mx_copy(weight, 1, "output")
+        # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
+        # parameter (kept anyway) and the scale, and redo the cast in backward
+        # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.
+        # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy,
+        # and so does a compiled graph, whose partitioner picks what is kept (dynamo also
+        # refuses the scale, an intermediate, as a saved tensor of this Function): there the
+        # cast writes the grad_input gemm's column-major copy in the same pass and keeps it
+        # (1 byte per weight element), except for an FSDP2 weight (``keep_weight_t``
+        # False), which FSDP2 frees after forward: its cast stays inductor's, which the
+        # partitioner redoes in backward from the re-gathered weight.
+        keep_w = weight_is_fp8 or _reusable(
+            c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
+        )
+        recast_w = (
+            _RECAST_WEIGHT
+            and keep_w
+            and not torch.compiler.is_compiling()
+            and not weight_is_fp8
+            and not isinstance(weight, DTensor)
+        )
         # The input arrives float8 when it was cast before a tensor-parallel all-gather
         # (float8kit/tp.py, which checks that its cast is cast_config_input).
         input_is_fp8 = is_float8(input_hp)
@@ -261,9 +288,16 @@ class _Float8Matmul(torch.autograd.Function):
                             recorded = scaling.recorded_amax(input_hp)
                         x_amax.clamp_(min=recorded)
             if x is None:
-                # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy)
+                # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy),
+                # and then written column-major too, as that gemm takes it, in the same pass;
+                # not inside an eager checkpoint region (saved-tensor hooks), where a policy
+                # that keeps the cast would keep both layouts (backward copies it instead)
                 kept = ctx.needs_input_grad[1] and _reusable(
                     c.cast_config_input, c.cast_config_input_for_grad_weight
+                )
+                x_col_too = kept and (
+                    torch.compiler.is_compiling()
+                    or torch._C._autograd._top_saved_tensors_default_hooks(False) is None
                 )
                 amaxes = []
                 with kept_cast() if kept else contextlib.nullcontext():
@@ -277,13 +311,29 @@ class _Float8Matmul(torch.autograd.Function):
                         x_amax,
                         x_set,
                         recorded=amaxes,
+                        col=x_col_too,
                     )
+                if x_col_too:
+                    x, x_col = x
                 recorded = amaxes[0] if amaxes else None
             w = w_fwd
             if not weight_is_fp8:
+                # the grad_input gemm's copy (column-major) from the same pass, when kept
+                w_col_too = keep_w and not recast_w and keep_weight_t
                 w = cast_to_float8(
-                    weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax, w_set
+                    weight,
+                    c.cast_config_weight,
+                    GemmRole.WEIGHT,
+                    -1,
+                    c,
+                    w_scale,
+                    w_amax,
+                    w_set,
+                    col=w_col_too,
+                    one_pass=keep_weight_t or not torch.compiler.is_compiling(),
                 )
+                if w_col_too:
+                    w, w_col = w
             output = torch.mm(x, w.t())
         else:
             x, w = input_hp, weight
@@ -292,32 +342,17 @@ class _Float8Matmul(torch.autograd.Function):
         # The second uses of input and weight record their amax only when the first use
         # did not (see _reusable / the stateful_cast validation).
         x_state = (x_scale, None if c.cast_config_input.scaling_type.stateful else x_amax, x_set)
-        keep_w = weight_is_fp8 or _reusable(
-            c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
-        )
         # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
         x_saved = (
-            input_for_backward(input_hp, x, c, x_state, share, share_key, recorded)
+            input_for_backward(input_hp, x, c, x_state, share, share_key, recorded, x_col)
             if ctx.needs_input_grad[1]
             else None
         )
-        # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
-        # parameter (kept anyway) and the scale, and redo the cast in backward
-        # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.
-        # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy,
-        # and so does a compiled graph, whose partitioner picks what is kept (dynamo also
-        # refuses the scale, an intermediate, as a saved tensor of this Function).
         ctx.w_recast, w_scale_kept = None, None
-        if (
-            _RECAST_WEIGHT
-            and keep_w
-            and not torch.compiler.is_compiling()
-            and not weight_is_fp8
-            and not isinstance(weight, DTensor)
-        ):
+        if recast_w:
             ctx.w_recast, w_scale_kept = (w._data.dtype, w._gran), w._scale
             keep_w = False
-        w_keep = weight if w_fwd is not weight else w
+        w_keep = weight if w_fwd is not weight else (w if w_col is None else w_col)
         ctx.save_for_backward(x_saved, w_keep if keep_w else weight, w_scale_kept)
         ctx.config = c
         ctx.w_state = (
@@ -341,15 +376,24 @@ class _Float8Matmul(torch.autograd.Function):
             x_shape, w_shape, w_device = ctx.shapes
             grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
             grad_input = grad_output.new_zeros(x_shape)
-            return grad_input, grad_weight, None, *(None,) * 11
+            return grad_input, grad_weight, None, *(None,) * 12
         c = ctx.config
         x_saved, w_saved, w_scale_kept = ctx.saved_tensors
         grad_output = grad_output.contiguous()
 
         # grad_input = grad_output @ weight, reducing N
         go_cast = c.cast_config_grad_output
+        go_gw_cast = c.cast_config_grad_output_for_grad_weight
+        # the grad_weight gemm takes grad_output transposed: where it reuses this cast, the
+        # same pass writes it column-major too
+        go_col = None
         if go_cast.enabled:
-            go = cast_to_float8(grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state)
+            both = x_saved is not None and _reusable(go_cast, go_gw_cast)
+            go = cast_to_float8(
+                grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state, col=both
+            )
+            if both:
+                go, go_col = go
             recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
             w_gi = _weight_for_grad_input(w_saved, c, ctx.w_state, recast)
             grad_input = torch.mm(go, w_gi)
@@ -357,14 +401,13 @@ class _Float8Matmul(torch.autograd.Function):
             grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
 
         # grad_weight = grad_output.T @ input, reducing M
-        go_gw_cast = c.cast_config_grad_output_for_grad_weight
         if x_saved is None:
             grad_weight = None
         elif go_gw_cast.enabled:
             go_scale, go_amax, go_set = ctx.go_state
             go_gw_state = (go_scale, None if go_cast.scaling_type.stateful else go_amax, go_set)
             go_t = (
-                go
+                go_col
                 if _reusable(go_cast, go_gw_cast)
                 else cast_to_float8(
                     grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
@@ -377,7 +420,7 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
             grad_weight = grad_weight.to(ctx.w_dtype)
-        return grad_input, grad_weight, None, *(None,) * 11
+        return grad_input, grad_weight, None, *(None,) * 12
 
 
 # How a layer's weight becomes the FSDP2 float8 all-gather weight when its config enables it:
@@ -526,6 +569,8 @@ class Float8Linear(nn.Linear):
             *states,
             share,
             share_key,
+            # FSDP2 reshards this weight after forward: keep no float8 copy of it till backward
+            not getattr(self, "_is_fsdp_managed_module", False),
         )
         # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
         # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).

@@ -424,3 +424,63 @@ def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch, rows):
             (2, 3, e8m0, e8m0, (groups, (hidden // 32) * dim)),  # grad_input: K = hidden
             (2, 2, e8m0, e8m0, seen[2][4]),  # grad_weight: per-group blocked along tokens
         ], counts
+
+
+_INTERPRETED_CAST = r"""
+import torch
+from float8kit import cast, triton_cast
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+for fp8 in (E4M3, E5M2):
+    for guard in (True, False):
+        for shape in ((37, 70), (1, 64), (64, 1), (130, 200)):
+            g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+            # float8 grid values over the scale 2: the conversion is exact (the interpreter
+            # emulates float8 rounding, not the GPU's instruction: rounding is checked on a
+            # GPU, tests/test_gpu.py); inf, NaN and saturation take the kernel's own bytes
+            grid = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(fp8)
+            x = (grid.float().nan_to_num(0.0, 0.0, 0.0) / 2).to(torch.bfloat16)
+            flat = x.view(-1)
+            flat[: min(5, flat.numel())] = torch.tensor(
+                [float("inf"), -float("inf"), float("nan"), 1e9, -1e9][: min(5, flat.numel())]
+            ).to(torch.bfloat16)
+            scale = torch.tensor(2.0)
+            limit = torch.finfo(fp8).max
+            for row, col, amax in ((True, True, True), (False, True, False), (True, False, True)):
+                got = triton_cast.cast_tensorwise(x, scale, fp8, guard, row, col, amax, limit)
+                want = cast.cast_tensorwise_reference(x, scale, fp8, guard, row, col, amax)
+                for a, b in zip(got[:2], want[:2]):
+                    same = torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                    assert a.shape == b.shape and same, (fp8, guard, shape)
+                if amax:
+                    assert got[2].isnan() and want[2].isnan()
+                    clean = x.float().nan_to_num(0.0, 0.0, 0.0)
+                    args = (clean, scale, fp8, guard, False, False, True, limit)
+                    _, _, a = triton_cast.cast_tensorwise(*args)
+                    assert a.item() == clean.abs().max().item()
+print("ok")
+"""
+
+
+def test_one_pass_cast_kernel_in_tritons_interpreter():
+    """float8kit::cast_tensorwise's CUDA kernel (float8kit/triton_cast.py), run by Triton's
+    interpreter on CPU tensors: both layouts (masks at tile edges: shapes off multiples of
+    64, a single row and a single column), the amax, inf/NaN bytes and saturation equal the
+    reference byte for byte."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    repo = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = f"{repo}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED_CAST],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -233,3 +233,31 @@ def test_cuda_scaled_grouped_mm_matches_emulation_and_fp32():
         assert kernel[2][name][1].abs().max() == 0  # the expert with no tokens
         assert sqnr(emu[2][name], kernel[2][name]) >= 35  # same math, other summation order
     assert sqnr(emu[0], kernel[0]) >= 35
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("guard", [True, False])
+@pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(4096, 8192), (37, 70), (1, 64), (64, 1), (130, 4100)])
+def test_cuda_one_pass_cast_kernel_is_bitwise_the_reference(fp8, guard, hp_dtype, shape):
+    """float8kit::cast_tensorwise's Triton kernel against its torch reference run on the same
+    GPU: every byte of both layouts (finite values, the saturation at +-fp8_max, inf and NaN
+    with their signs) and the amax (NaN when the tensor has one)."""
+    from float8kit import cast
+
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    x = (torch.randn(shape, device="cuda", generator=g) * 300).to(hp_dtype)
+    flat = x.view(-1)
+    flat[: min(4, flat.numel())] = torch.tensor(
+        [float("inf"), -float("inf"), float("nan"), 1e9][: min(4, flat.numel())], device="cuda"
+    ).to(hp_dtype)
+    flat[-1] = 2.0**-30  # below float8's subnormals after scaling: rounds to 0
+    scale = torch.tensor(0.37, device="cuda")
+    got = torch.ops.float8kit.cast_tensorwise(x, scale, fp8, guard, True, True, True)
+    want = cast.cast_tensorwise_reference(x, scale, fp8, guard, True, True, True)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    assert got[2].isnan() == want[2].isnan() if x.numel() >= 3 else got[2] == want[2]
+    finite = x.float().nan_to_num(0.0, 0.0, 0.0)
+    _, _, amax = torch.ops.float8kit.cast_tensorwise(finite, scale, fp8, guard, False, False, True)
+    assert amax.item() == finite.abs().max().item()
