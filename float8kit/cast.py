@@ -388,6 +388,7 @@ def cast_to_float8(
     recorded: list[torch.Tensor] | None = None,
     col: bool = False,
     one_pass: bool = True,
+    row: bool = True,
 ):
     """Cast ``hp`` to float8 with the scale ``operand_scale`` picks: dynamic from its own
     amax (one scale, or one per slice along ``reduce_dim`` when axiswise), delayed or static
@@ -401,17 +402,18 @@ def cast_to_float8(
     also finds a DELAYED cast's recorded amax (its scale is known before the cast). ``col``:
     return ``(row-major, column-major)`` float8 tensors of the same cast, for an operand two
     gemms take with different major-ness (the column-major one comes from the same pass
-    where that op applies, from a copy of the float8 data otherwise). ``one_pass=False``:
+    where that op applies, from a copy of the float8 data otherwise); with ``row=False`` the
+    column-major one alone (where that op applies, only that layout is written). ``one_pass=False``:
     never that op (a compiled graph's cast that the partitioner should be free to redo in
     backward rather than keep)."""
     if isinstance(hp, DTensor):  # tensor parallel
         fp8 = _cast_dtensor(hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set)
-        return (fp8, fp8) if col else fp8
+        return _layouts(fp8, fp8, row, col)
     gran = granularity.of(cast, role, reduce_dim, hp.dim())
     if gran.mx_dim is not None:  # MX is DYNAMIC only (CastConfig)
         data, scale = to_mx(hp, gran.mx_dim, cast.dtype_for(role), cast.mx_scale_rounding)
         fp8 = Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
-        return (fp8, fp8) if col else fp8
+        return _layouts(fp8, fp8, row, col)
     fp8_dtype = cast.dtype_for(role)
     fused = one_pass and fused_cast_applies(hp, gran, fp8_dtype, role, cast.scaling_type)
     amax = None
@@ -439,7 +441,15 @@ def cast_to_float8(
     guard = cast.scaling_type is not ScalingType.DYNAMIC
     if fused:
         fp8, fp8_col, cast_amax = cast_tensorwise(
-            hp, scale, fp8_dtype, role, config, guard=guard, col=col, amax=record_in_cast
+            hp,
+            scale,
+            fp8_dtype,
+            role,
+            config,
+            guard=guard,
+            row=row or not col,
+            col=col,
+            amax=record_in_cast,
         )
         if record_in_cast:
             amax = cast_amax
@@ -449,7 +459,14 @@ def cast_to_float8(
         fp8_col = fp8
     if recorded is not None and amax_record is not None and amax is not None:
         recorded.append(amax)
-    return (fp8, fp8_col) if col else fp8
+    return _layouts(fp8, fp8_col, row, col)
+
+
+def _layouts(fp8, fp8_col, row: bool, col: bool):
+    """``cast_to_float8``'s result: both tensors, the column-major one, or the row one."""
+    if col:
+        return (fp8, fp8_col) if row else fp8_col
+    return fp8
 
 
 def _cast_dtensor(

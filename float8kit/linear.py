@@ -89,7 +89,8 @@ def _weight_for_grad_input(
             return _fsdp_mx_copy(w_saved, 0, "grad_input")
         # exact in any hp dtype: float8 values over a power-of-2 scale
         w_saved = dequantize(w_saved)
-    return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state)
+    # the grad_input gemm takes it column-major: that layout alone, in one pass
+    return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state, col=True, row=False)
 
 
 def _fsdp_mx_copy(weight: torch.Tensor, dim: int, gemm: str) -> Float8TrainingTensor:

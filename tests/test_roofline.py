@@ -312,3 +312,42 @@ def test_bench_traffic_script_bf16_rows(tmp_path):
     (scaled,) = [r for r in rows if r["impl"] == "bf16" and r["shape"] == [4096, 8192, 16384]]
     assert scaled["scaled_from"] == [m, k, n] and scaled["gemm_bytes"] == 256 * bf16["gemm_bytes"]
     assert [r["bytes"] for r in rows if r["impl"] == "minimum"] == [0, 0]
+
+
+@pytest.mark.parametrize("recipe", ["static", "delayed"])
+def test_delayed_and_static_casts_move_their_minimum_and_less_than_dynamic(recipe):
+    # the one-pass cast (float8kit::cast_tensorwise): each operand read once in bf16, each
+    # float8 layout written once, delayed's amax record in that pass; the weight's transposed
+    # copy kept for backward; eager: one kernel per operand cast
+    m, k, n = 64, 96, 160
+    got = bench_traffic.count("float8kit", recipe, m, k, n)
+    assert got["per_element"] == {"input": 4.0, "weight": 4.0, "grad_output": 4.0}
+    assert got["bytes"] - got["other_bytes"] == bench_traffic.minimum_bytes(recipe, m, k, n)
+    dynamic = bench_traffic.count("float8kit", "tensorwise", m, k, n)
+    assert got["bytes"] < dynamic["bytes"]
+    passes = bench_traffic.eager_passes("float8kit", recipe, m, k, n)
+    assert passes == {"input": 1, "weight": 2, "grad_output": 1}  # weight: forward + re-cast
+
+
+def test_traffic_count_splits_a_multi_output_ops_writes_by_output():
+    # float8kit::cast_tensorwise returns (row data, transposed data, amax): its writes land
+    # on the M*K buffers (1 B each layout), not on "other"
+    x = torch.randn(48, 80, dtype=torch.bfloat16)
+    scale = torch.tensor(2.0)
+
+    def f(x, scale):
+        row, col, _ = torch.ops.float8kit.cast_tensorwise(
+            x, scale, torch.float8_e4m3fn, True, True, True, False
+        )
+        return row, col
+
+    torch._dynamo.reset()
+    with (
+        bench_traffic.record_kernels() as graphs,
+        torch._inductor.config.patch(force_disable_caches=True),
+    ):
+        torch.compile(f, fullgraph=True)(x, scale)
+    torch._dynamo.reset()
+    (op,) = [kr for g in graphs for kr in g if "cast_tensorwise" in kr.get("name", "")]
+    assert op["by_numel"][48 * 80] == 48 * 80 * (2 + 1 + 1)
+    assert op["bytes"] == 48 * 80 * 4 + 4  # + the fp32 scale read

@@ -109,12 +109,23 @@ def gpu_result(rel: str) -> dict:
     return json.loads((GPU_RUN / rel).read_text())
 
 
+# Runs whose JSON names the device copy's stale HEAD (its git metadata was the session's
+# first commit, 07a013f, "dirty"): the tree that actually ran, per file (casts/README.md).
+GPU_TREE = {
+    "casts/traffic.json": "f6ebb87",
+    "casts/linear.json": "f6ebb87",
+    "casts/cast.json": "f6ebb87's kernel with 64x64 tiles (before the tile choice)",
+}
+
+
 def gpu_caption(rel: str) -> str:
     d = gpu_result(rel)
     path = (GPU_RUN / rel).relative_to(REPO)
+    tree = GPU_TREE.get(rel)
+    commit = f"commit {d['git_commit'][:7]}" if tree is None else f"float8kit {tree}"
     return (
         f"`{d['command']}`: {d['device']}; torch {d['torch']}, torchao {d['torchao']}; "
-        f"commit {d['git_commit'][:7]}; {d['date'][:10]}; [{path}](/{path})"
+        f"{commit}; {d['date'][:10]}; [{path}](/{path})"
     )
 
 
@@ -1288,6 +1299,7 @@ def traffic_table() -> str:
                     "/".join(f"{pe[k]:g}" for k in ("input", "weight", "grad_output"))
                     if pe
                     else "-",
+                    _passes(fk, ao),
                 ]
             )
     return f"{caption('traffic')}\n\n" + table(
@@ -1301,8 +1313,154 @@ def traffic_table() -> str:
             "float8kit / torchao",
             "kernels fk / ao",
             "B per element in / w / go (fk)",
+            "eager passes in / w / go (fk; ao)",
         ],
         out,
+    )
+
+
+def _passes(fk: dict, ao: dict | None) -> str:
+    """A row's eager passes per operand, float8kit's then torchao's: "2/3/2; 13/13/13"."""
+
+    def three(r: dict | None) -> str | None:
+        p = (r or {}).get("eager_passes")
+        return (
+            None if p is None else "/".join(str(p[k]) for k in ("input", "weight", "grad_output"))
+        )
+
+    ours, theirs = three(fk), three(ao)
+    if ours is None:
+        return "-"
+    return ours if theirs is None else f"{ours}; {theirs}"
+
+
+def gpu_traffic_table() -> str:
+    """The GPU run of bench_traffic (Triton kernels) before and after the one-pass casts."""
+    after = gpu_result("casts/traffic.json")
+    before = gpu_result("casts/traffic_before.json")
+
+    def rows_of(d):
+        return {(r["impl"], r["recipe"]): r for r in d["rows"]}
+
+    a, b = rows_of(after), rows_of(before)
+    out = []
+    for (impl, recipe), r in a.items():
+        if impl in ("minimum", "bf16"):
+            continue
+        low = a[("minimum", recipe)]["bytes"]
+        old = b.get((impl, recipe))
+        pe = r["per_element"]
+        out.append(
+            [
+                recipe,
+                impl,
+                "/".join(f"{old['per_element'][k]:g}" for k in ("input", "weight", "grad_output"))
+                if old
+                else "-",
+                "/".join(f"{pe[k]:g}" for k in ("input", "weight", "grad_output")),
+                f(old["bytes"] / low) if old else "-",
+                f(r["bytes"] / low),
+                "/".join(str(old["eager_passes"][k]) for k in ("input", "weight", "grad_output"))
+                if old
+                else "-",
+                "/".join(str(r["eager_passes"][k]) for k in ("input", "weight", "grad_output")),
+            ]
+        )
+    return (
+        f"{gpu_caption('casts/traffic.json')}; before: the same command on float8kit 07a013f "
+        "(casts/traffic_before.json); one Linear at 4096x8192x16384, compiled on the GPU\n\n"
+        + table(
+            [
+                "recipe",
+                "library",
+                "B per element in / w / go, before",
+                "after",
+                "/ minimum, before",
+                "after",
+                "eager passes, before",
+                "after",
+            ],
+            out,
+        )
+    )
+
+
+def gpu_casts_linear_table() -> str:
+    """bench_linear on the GPU, same call: float8kit before (07a013f) and after the casts."""
+    after = gpu_result("casts/linear.json")["rows"]
+    before = {
+        (r["recipe"], r["compiled"]): r for r in gpu_result("casts/linear_before.json")["rows"]
+    }
+    out = []
+    for r in after:
+        old = before[(r["recipe"], r["compiled"])]
+        out.append(
+            [
+                r["recipe"],
+                "compiled" if r["compiled"] else "eager",
+                f(old["float8kit_ms"], ".3f"),
+                f(r["float8kit_ms"], ".3f"),
+                f"{old['float8kit_speedup']:.2f}x",
+                f"{r['float8kit_speedup']:.2f}x",
+                "-" if r.get("torchao_speedup") is None else f"{r['torchao_speedup']:.2f}x",
+            ]
+        )
+    return (
+        f"{gpu_caption('casts/linear.json')}; before: casts/linear_before.json, the same call; "
+        "one Linear 4096x8192x16384, fwd+bwd (+ the scale update), median of "
+        f"{gpu_result('casts/linear.json')['iters']} calls\n\n"
+        + table(
+            [
+                "recipe",
+                "mode",
+                "float8kit ms, before",
+                "after",
+                "vs bf16, before",
+                "after",
+                "torchao vs bf16",
+            ],
+            out,
+        )
+    )
+
+
+def gpu_cast_kernel_table() -> str:
+    """bench_cast: the one-pass cast kernel per tile against inductor's kernel."""
+    d = gpu_result("casts/cast.json")
+    best = d["best_tile"]
+    out = []
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in d["rows"]):
+        at = [r for r in d["rows"] if tuple(r["shape"]) == shape]
+        ind = next(r for r in at if r["variant"] == "inductor")
+        ours = next(r for r in at if r["variant"] == "float8kit" and r["tile"] == best)
+        rec = next(r for r in at if r["variant"] == "float8kit+amax" and r["tile"] == best)
+        out.append(
+            [
+                "x".join(map(str, shape)),
+                f(ind["ms"], ".4f"),
+                f(ours["ms"], ".4f"),
+                f(rec["ms"], ".4f"),
+                f(ind["gbps"], ".0f"),
+                f(ours["gbps"], ".0f"),
+                "yes" if all(r["bitwise_inductor"] for r in at if "tile" in r) else "no",
+            ]
+        )
+    return (
+        f"{gpu_caption('casts/cast.json')}; bf16 in, both float8 layouts out; tile "
+        f"{best[0]}x{best[1]}, {best[2]} warps (the fastest of {len(d['rows']) // 3 // 2} "
+        "tried)\n\n"
+        + table(
+            [
+                "operand M x N",
+                "inductor ms",
+                "float8kit ms",
+                "float8kit + amax ms",
+                "inductor GB/s",
+                "float8kit GB/s",
+                "bitwise inductor (every tile)",
+            ],
+            out,
+        )
     )
 
 
@@ -1476,6 +1634,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu_linear_eager": lambda: gpu_linear_table("linear_eager.json"),
     "gpu_train": gpu_train_table,
     "gpu_compile": gpu_compile_table,
+    "gpu_traffic": gpu_traffic_table,
+    "gpu_casts_linear": gpu_casts_linear_table,
+    "gpu_cast_kernel": gpu_cast_kernel_table,
 }
 
 
@@ -1535,7 +1696,31 @@ def _bf16_ratio(kind: str) -> str:
     return "{:.2f}x".format(load("cpu_dtype")["data"][kind]["bf16_over_fp32"])
 
 
+def _gpu_casts(recipe: str, compiled: bool, before: bool = False, lib: str = "float8kit"):
+    """A speedup over bf16 from the GPU cast run (casts/linear*.json), as "1.52x"."""
+    rel = "casts/linear_before.json" if before else "casts/linear.json"
+
+    def get() -> str:
+        (r,) = [
+            r
+            for r in gpu_result(rel)["rows"]
+            if r["recipe"] == recipe and r["compiled"] == compiled
+        ]
+        return f"{r[lib + '_speedup']:.2f}x"
+
+    return get
+
+
 INLINE: dict[str, Callable[[], str]] = {
+    "gpu.casts_tensorwise_eager": _gpu_casts("tensorwise", False),
+    "gpu.casts_tensorwise_eager_before": _gpu_casts("tensorwise", False, before=True),
+    "gpu.casts_delayed_eager": _gpu_casts("delayed", False),
+    "gpu.casts_delayed_eager_before": _gpu_casts("delayed", False, before=True),
+    "gpu.casts_static_eager": _gpu_casts("static", False),
+    "gpu.casts_tensorwise_compiled": _gpu_casts("tensorwise", True),
+    "gpu.casts_delayed_compiled": _gpu_casts("delayed", True),
+    "gpu.casts_static_compiled": _gpu_casts("static", True),
+    "gpu.casts_tensorwise_eager_ao": _gpu_casts("tensorwise", False, lib="torchao"),
     "ep.dispatch_rowwise": lambda: f"{_ep_ratio(2, 'rowwise/float8/bfloat16', 'dispatch'):.3f}x",
     "ep.dispatch_mx": lambda: f"{_ep_ratio(2, 'mxfp8/float8/bfloat16', 'dispatch'):.3f}x",
     "ep.step_rowwise": lambda: f"{_ep_ratio(2, 'rowwise/float8/bfloat16', None):.3f}x",
@@ -1543,7 +1728,6 @@ INLINE: dict[str, Callable[[], str]] = {
     "gpu.tensorwise_ao": _gpu_speedup("linear_compiled.json", "tensorwise", "torchao"),
     "gpu.rowwise_fk": _gpu_speedup("linear_compiled.json", "rowwise", "float8kit"),
     "gpu.rowwise_ao": _gpu_speedup("linear_compiled.json", "rowwise", "torchao"),
-    "gpu.delayed_fk": _gpu_speedup("linear_compiled.json", "delayed", "float8kit"),
     "gpu.train_tensorwise_fk": _gpu_train_speedup("float8kit:tensorwise"),
     "gpu.compile_sqnr": lambda: "{:.0f} dB".format(
         gpu_result("compile_precision.json")["rows"][0]["out_sqnr_db"]
