@@ -198,6 +198,13 @@ def recorded_amax(hp: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(hp, ord=math.inf)
 
 
+def amax_of_partial_bits(bits: torch.Tensor) -> torch.Tensor:
+    """The amax of a tensor from its blocks' max|x|, given as the int32 bits of non-negative
+    fp32 values (the partial maxima a cast kernel writes, float8kit/triton_cast.py): a
+    scalar fp32, NaN if any block had a NaN (its bits are the largest)."""
+    return bits.view(torch.float32).amax()
+
+
 def local_amaxes(hps: list[torch.Tensor]) -> torch.Tensor:
     """max(|t|) of each tensor in one batched pass: 1-D fp32, one entry per tensor. An empty
     tensor (an empty shard) has amax 0; NaN becomes inf (``nan_to_inf``)."""

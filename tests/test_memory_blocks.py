@@ -306,10 +306,13 @@ def test_delayed_layers_with_unequal_state_do_not_tie():
 def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe):
     """Under torch.compile no shared-cast cache runs, and none is needed: AOTAutograd's
     common-subexpression elimination merges the identical casts of the tensor q/k/v read
-    (and of the one gate/up read) into one op, and the partitioner keeps no float8 tensor for
-    backward at all (it keeps hp tensors that backward needs anyway, the attention's and the
-    SwiGLU's, and casts again there). One graph, and gradients bitwise eager (torch 2.13 and
-    newer; older torch: within float8 rounding)."""
+    (and of the one gate/up read) into one op, and the partitioner keeps no float8
+    activation for backward (it keeps hp tensors that backward needs anyway, the attention's
+    and the SwiGLU's, and casts again there). Of the weights it keeps exactly what the
+    grad_input gemms read: tensorwise, each weight's transposed float8 copy, written by the
+    forward cast's one pass (one byte per weight element, float8kit::cast_tensorwise);
+    rowwise, none (its grad_input cast has other scales). One graph, and gradients bitwise
+    eager (torch 2.13 and newer; older torch: within float8 rounding)."""
     block, forward, dtype = hf_block(recipe)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 128, DIM, generator=g, dtype=dtype)
@@ -331,7 +334,13 @@ def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe)
     with inductor_config.patch(post_grad_custom_post_pass=count, emulate_precision_casts=True):
         compiled = grads(torch.compile(forward, fullgraph=True), compiled_saved)
     float8 = [t for t in compiled_saved if t.dtype in FP8_DTYPES]
-    assert float8 == []
+    weights = [p for p in block.parameters() if p.dim() == 2]
+    if recipe == "tensorwise":
+        # (N, K) views of (K, N) data: column-major, as the grad_input gemm takes B
+        assert sorted(t.shape for t in float8) == sorted(w.shape for w in weights)
+        assert all(t.t().is_contiguous() and not t.is_contiguous() for t in float8)
+    else:
+        assert float8 == []
     assert any(isinstance(t, float8kit.Float8TrainingTensor) for t in eager_saved)
     # forward: one cast per distinct input (the q/k/v input, o_proj's, the gate/up input,
     # down_proj's) and one per weight; eager without the cache casts 7 inputs

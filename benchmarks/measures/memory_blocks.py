@@ -161,7 +161,8 @@ def memory_table(kinds=tuple(BLOCKS), recipes=RECIPES, modes=MODES) -> dict:
 
 class _CountFloat8Casts(CustomGraphPass):
     """An inductor post-grad pass that counts the hp -> float8 conversions of each graph it
-    sees (forward, then backward)."""
+    sees (forward, then backward): dtype conversions to float8, and float8kit's one-pass
+    tensorwise cast (``float8kit::cast_tensorwise``, one cast whatever layouts it writes)."""
 
     def __init__(self):
         self.counts = []
@@ -169,7 +170,11 @@ class _CountFloat8Casts(CustomGraphPass):
     def __call__(self, graph):
         n = 0
         for node in graph.nodes:
-            if node.op == "call_function" and node.target in _CONVERSIONS:
+            if node.op != "call_function":
+                continue
+            if node.target is torch.ops.float8kit.cast_tensorwise.default:
+                n += 1
+            elif node.target in _CONVERSIONS:
                 dtype = node.args[1] if len(node.args) > 1 else node.kwargs.get("dtype")
                 n += dtype in FP8_DTYPES
         self.counts.append(n)
