@@ -308,19 +308,17 @@ def make_layer(impl: str, recipe: str, k: int, n: int, ao_float8=None) -> nn.Mod
     )
 
 
-def count(
+def steady_layer(
     impl: str, recipe: str, m: int, k: int, n: int, ao_float8=None, device: str = "cpu"
-) -> dict:
-    """Compile fwd+bwd of one layer on ``device`` and summarize its kernels (``summarize``),
-    with the per-kernel records under ``"detail"``."""
-    torch._dynamo.reset()
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """One layer (``make_layer``) on ``device`` in its steady state, an input and a
+    grad_output: for delayed, an eager step records amaxes and precompute_scales sets the
+    scales (before that a delayed cast is a dynamic one); on CUDA the host learns that they
+    are set at the next precompute_scales, once the device has written them."""
     layer = make_layer(impl, recipe, k, n, ao_float8).to(device)
     x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
     go = torch.randn(m, n, dtype=torch.bfloat16, device=device)
     if recipe == "delayed":
-        # the steady state: an eager step records amaxes, precompute_scales sets the scales
-        # (before that a delayed cast is a dynamic one); on CUDA the host learns that they
-        # are set at the next precompute_scales, once the device has written them
         import float8kit
 
         for _ in range(2):
@@ -328,6 +326,16 @@ def count(
             float8kit.precompute_scales(layer)
             if device != "cpu":
                 torch.cuda.synchronize()
+    return layer, x, go
+
+
+def count(
+    impl: str, recipe: str, m: int, k: int, n: int, ao_float8=None, device: str = "cpu"
+) -> dict:
+    """Compile fwd+bwd of one layer on ``device`` and summarize its kernels (``summarize``),
+    with the per-kernel records under ``"detail"``."""
+    torch._dynamo.reset()
+    layer, x, go = steady_layer(impl, recipe, m, k, n, ao_float8, device)
     compiled = torch.compile(layer, fullgraph=True)
     # CPU emulates the blockwise gemm in fp32: count the CUDA kernel's operands instead
     stub = recipe == "blockwise" and device == "cpu"
@@ -394,18 +402,10 @@ def eager_passes(
     """Elementwise passes per operand of one eager fwd+bwd (steady state): the kernels that
     read an operand-sized tensor (M*K input, K*N weight, M*N grad_output), gemms aside.
 
-    From the profiler's leaf ops (each launches one kernel on a GPU); float8kit's own ops
-    (``float8kit::cast_tensorwise``) count as one pass each, as their CUDA kernel runs, not
-    as the torch ops of their CPU reference."""
-    layer = make_layer(impl, recipe, k, n, ao_float8).to(device)
-    x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
-    go = torch.randn(m, n, dtype=torch.bfloat16, device=device)
-    if impl == "float8kit":
-        import float8kit
-
-        for _ in range(2):  # DELAYED: the steady state (scales set, amaxes recorded)
-            layer(x).backward(go)
-            float8kit.precompute_scales(layer)
+    From the profiler's innermost data-moving ops (each launches one kernel on a GPU);
+    float8kit's own ops (``float8kit::cast_tensorwise``) count as one pass each, as their
+    CUDA kernel runs, not as the torch ops of their CPU reference."""
+    layer, _, go = steady_layer(impl, recipe, m, k, n, ao_float8, device)
     # a fresh input (a cast of the same tensor could be shared across steps: shared_cast),
     # and no gradient to accumulate into: the profiled step's .grad are new tensors
     x = torch.randn(m, k, dtype=torch.bfloat16, device=device, requires_grad=True)
