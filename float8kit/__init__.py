@@ -20,8 +20,14 @@ from float8kit.config import (
     GemmRole,
     ScalingGranularity,
     ScalingType,
+    nvfp4_config,
 )
-from float8kit.convert import convert_to_float8_training, default_module_filter
+from float8kit.convert import (
+    convert_to_float8_training,
+    default_module_filter,
+    hp_tail_filter,
+    set_hp_forward,
+)
 from float8kit.distributed.reduce_scatter import enable_float8_reduce_scatter
 from float8kit.distributed.tp import (
     Float8ColwiseParallel,
@@ -33,7 +39,7 @@ from float8kit.experts import (
     convert_experts_to_float8_training,
     default_expert_filter,
 )
-from float8kit.granularity import MX, Axiswise, Blockwise, Tensorwise
+from float8kit.granularity import MX, NVFP4, Axiswise, Blockwise, Tensorwise
 from float8kit.linear import Float8Linear
 from float8kit.monitor import Float8Monitor
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales
@@ -63,6 +69,11 @@ __all__ = [
     "GemmRole",
     "E4M3",
     "E5M2",
+    # NVFP4 (Blackwell): the recipe with its parts switchable, its hp-tail filter, and the
+    # late-training switch of the forward gemms to hp
+    "nvfp4_config",
+    "hp_tail_filter",
+    "set_hp_forward",
     # per-step scale update (DELAYED), calibration (STATIC)
     "precompute_scales",
     "precompute_float8_dynamic_scale_for_fsdp",
@@ -106,5 +117,6 @@ torch.serialization.add_safe_globals(
         Axiswise,
         Blockwise,
         MX,
+        NVFP4,
     ]
 )

@@ -24,7 +24,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate
 
-from float8kit import granularity, scaling, versions
+from float8kit import granularity, nvfp4, scaling, versions
 from float8kit.config import (
     E4M3,
     E5M2,
@@ -286,7 +286,11 @@ def hp_to_float8(
 ) -> Float8TrainingTensor:
     """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)), laid out as ``gran``
     says, and wrap it. ``guard_non_finite``: see ``to_fp8_saturated``."""
-    if gran.block is not None:
+    if gran.nvfp4_block is not None:  # the same cast again, with the scale it used
+        data, scale = nvfp4.quantize(
+            hp, gran.nvfp4_block, hadamard_dim=gran.hadamard_dim, scale=scale
+        )
+    elif gran.block is not None:
         data = to_fp8_blocks(hp, scale, gran.block, fp8_dtype, guard_non_finite=guard_non_finite)
     elif gran.mx_dim is not None:  # e8m0 bytes: their multiplier 2 ** (127 - byte)
         data = to_fp8_saturated(hp, gran.multiplier(scale, hp.shape), fp8_dtype)
@@ -410,6 +414,15 @@ def cast_to_float8(
         fp8 = _cast_dtensor(hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set)
         return _layouts(fp8, fp8, row, col)
     gran = granularity.of(cast, role, reduce_dim, hp.dim())
+    if gran.nvfp4_block is not None:  # NVFP4 is DYNAMIC only (CastConfig)
+        data, scale = nvfp4.quantize(
+            hp,
+            gran.nvfp4_block,
+            hadamard_dim=gran.hadamard_dim,
+            stochastic=cast.stochastic_rounding,
+        )
+        fp8 = Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
+        return _layouts(fp8, fp8, row, col)
     if gran.mx_dim is not None:  # MX is DYNAMIC only (CastConfig)
         data, scale = to_mx(hp, gran.mx_dim, cast.dtype_for(role), cast.mx_scale_rounding)
         fp8 = Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
@@ -496,6 +509,12 @@ def _cast_dtensor(
             placements=[Replicate() if p.is_partial() else p for p in hp.placements]
         )
     gran = granularity.of(cast, role, reduce_dim, hp.dim())
+    if gran.nvfp4_block is not None:
+        raise NotImplementedError(
+            "float8kit: NVFP4 casts of tensor-parallel DTensors are not supported (the tensor "
+            "scale would need the amax of the whole tensor): keep these layers out of "
+            "parallelize_module, or use another recipe under tensor parallelism"
+        )
     if gran.block is not None or gran.mx_dim is not None:
         # Every block's scale is its own: each rank casts its shard in blocks of its own
         # (a partial block at a shard edge is zero-padded, as at a tensor edge), which is a

@@ -45,8 +45,14 @@ class ScalingGranularity(enum.Enum):
     # elements along the dim each gemm reduces (every operand of every gemm: the weight
     # and the activations alike are cast once per gemm that uses them)
     MX = "mx"
+    # NVFP4 (Blackwell): e2m1 elements, one e4m3 scale per 16 consecutive elements along the
+    # dim each gemm reduces and one fp32 scale per tensor (two levels); weights in 16x16
+    # blocks, so that one cast serves both of the weight's gemms (float8kit/nvfp4.py)
+    NVFP4 = "nvfp4"
 
 
+# NVFP4: elements per e4m3 block scale (a weight block is NVFP4_BLOCK x NVFP4_BLOCK)
+NVFP4_BLOCK = 16
 # OCP MX: elements per e8m0 scale (the spec's and the Blackwell kernel's only block)
 MX_BLOCK = 32
 # How an MX scale is rounded from amax / fp8_max (``CastConfig.mx_scale_rounding``):
@@ -170,6 +176,11 @@ class CastConfig:
             input/grad_output tile (the CUDA kernel takes 128 only).
         mx_scale_rounding: MX only: ``"rceil"`` (default: the power of two at or above
             amax / fp8_max) or ``"floor"`` (the OCP spec's rounding); see ``MX_ROUNDINGS``.
+        stochastic_rounding: NVFP4 grad_output casts only: round the e2m1 elements
+            stochastically (unbiased; fresh draws from torch's generator every backward)
+            instead of to nearest.
+        hadamard: NVFP4 casts for the grad_weight gemm only (both of its operands alike):
+            apply the 16x16 random Hadamard transform along the token dim before the cast.
     """
 
     # where the scale comes from
@@ -188,6 +199,10 @@ class CastConfig:
     block_size: int = 128
     # MX: how the e8m0 scale of a 32-element block is rounded ("rceil" or "floor")
     mx_scale_rounding: str = "rceil"
+    # NVFP4 (grad_output only): stochastic rounding of the e2m1 elements
+    stochastic_rounding: bool = False
+    # NVFP4 (the grad_weight gemm's operands only): 16x16 random Hadamard transform first
+    hadamard: bool = False
 
     def __post_init__(self):
         _coerce_enum(self, "scaling_type", ScalingType)
@@ -256,6 +271,20 @@ class CastConfig:
                 f"CastConfig.mx_scale_rounding={self.mx_scale_rounding!r} is not valid: use "
                 "'rceil' (the power of two at or above amax / fp8_max) or 'floor'"
             )
+        for name in ("stochastic_rounding", "hadamard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CastConfig.{name}={getattr(self, name)!r} must be a bool")
+            if getattr(self, name) and not self.is_nvfp4:
+                raise ValueError(
+                    f"CastConfig.{name}=True is only used with ScalingGranularity.NVFP4, but "
+                    f"scaling_granularity={self.scaling_granularity.value!r}: set "
+                    f"scaling_granularity=ScalingGranularity.NVFP4 or drop {name}"
+                )
+        if self.is_nvfp4 and self.target_dtype is not None:
+            raise ValueError(
+                f"CastConfig.target_dtype={self.target_dtype} does not apply to NVFP4 (e2m1 "
+                "elements, e4m3 block scales): leave target_dtype=None"
+            )
         if self.mx_scale_rounding != "rceil" and not self.is_mx:
             raise ValueError(
                 f"CastConfig.mx_scale_rounding={self.mx_scale_rounding!r} is only used with "
@@ -268,6 +297,11 @@ class CastConfig:
     def is_mx(self) -> bool:
         """Whether this cast makes MX blocks (one e8m0 scale per 32 elements)."""
         return self.scaling_granularity is ScalingGranularity.MX
+
+    @property
+    def is_nvfp4(self) -> bool:
+        """Whether this cast makes NVFP4 blocks (e2m1, e4m3 scale per 16, fp32 per tensor)."""
+        return self.scaling_granularity is ScalingGranularity.NVFP4
 
     @property
     def enabled(self) -> bool:
@@ -293,7 +327,10 @@ class CastConfig:
             ScalingGranularity.AXISWISE: "axis",
             ScalingGranularity.BLOCKWISE: f"block{self.block_size}",
             ScalingGranularity.MX: f"mx{MX_BLOCK}{self.mx_scale_rounding}",
-        }[self.scaling_granularity]
+        }.get(self.scaling_granularity)
+        if self.is_nvfp4:  # e2m1 elements: no float8 dtype to name
+            extras = ("_sr" if self.stochastic_rounding else "") + ("_rht" if self.hadamard else "")
+            return f"{self.scaling_type.value[:3]}_nvfp4{extras}"
         return f"{self.scaling_type.value[:3]}_{gran}_{dtype}"
 
 
@@ -426,6 +463,31 @@ class Float8LinearConfig:
                     f"{rcfg.scaling_granularity.value}; an MX gemm needs both operands "
                     "ScalingGranularity.MX, or neither"
                 )
+            # An NVFP4 kernel multiplies NVFP4 operands only; a Hadamard transform is exact
+            # only when both operands of the grad_weight gemm get it.
+            if lcfg.enabled and lcfg.is_nvfp4 != rcfg.is_nvfp4:
+                raise ValueError(
+                    f"Float8LinearConfig: the {gemm} gemm has {left} "
+                    f"{lcfg.scaling_granularity.value} but {right} "
+                    f"{rcfg.scaling_granularity.value}; an NVFP4 gemm needs both operands "
+                    "ScalingGranularity.NVFP4, or neither"
+                )
+            if lcfg.enabled and (lcfg.hadamard or rcfg.hadamard):
+                if gemm != "grad_weight":
+                    name = left if lcfg.hadamard else right
+                    raise ValueError(
+                        f"Float8LinearConfig.{name} has hadamard=True, but the Hadamard "
+                        f"transform applies to the grad_weight gemm only (along the tokens it "
+                        f"reduces), not the {gemm} gemm: set hadamard=True on "
+                        "cast_config_input_for_grad_weight and "
+                        "cast_config_grad_output_for_grad_weight only"
+                    )
+                if lcfg.hadamard != rcfg.hadamard:
+                    raise ValueError(
+                        f"Float8LinearConfig: the grad_weight gemm has {left} hadamard="
+                        f"{lcfg.hadamard} but {right} hadamard={rcfg.hadamard}; the transform "
+                        "cancels only when both operands get it: set both or neither"
+                    )
             # A block-scaled kernel multiplies block-scaled operands only, with one block
             # length along the inner dim K.
             block = ScalingGranularity.BLOCKWISE
@@ -438,6 +500,15 @@ class Float8LinearConfig:
                     "a block-scaled gemm needs both operands ScalingGranularity.BLOCKWISE "
                     "with the same block_size, or neither"
                 )
+        for role, pair in self.operand_uses().items():
+            for name in pair:
+                if getattr(self, name).stochastic_rounding and role is not GemmRole.GRAD_OUTPUT:
+                    raise ValueError(
+                        f"Float8LinearConfig.{name} has stochastic_rounding=True, but only "
+                        "gradients are rounded stochastically (an input or weight rounded so "
+                        "would add noise to the forward pass): set it on "
+                        "cast_config_grad_output / cast_config_grad_output_for_grad_weight"
+                    )
         if not any(
             getattr(self, name).enabled for pair in self.operand_uses().values() for name in pair
         ):
@@ -468,6 +539,12 @@ class Float8LinearConfig:
             raise ValueError(
                 "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 weight, "
                 "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
+            )
+        if any(getattr(self, n).is_nvfp4 for pair in self.operand_uses().values() for n in pair):
+            raise ValueError(
+                "Float8LinearConfig.enable_fsdp_float8_all_gather=True is not supported with "
+                "NVFP4 casts yet: set enable_fsdp_float8_all_gather=False (FSDP2 gathers the "
+                "hp weight; every rank casts the whole gathered weight, bitwise one device)"
             )
         if w.is_mx or gi.is_mx:
             # MX (float8kit/distributed/fsdp_mx.py): forward gathers the weight cast along K
@@ -518,6 +595,29 @@ class Float8LinearConfig:
                 "enable_fsdp_float8_all_gather=False"
             )
 
+    def with_hp_forward(self) -> Float8LinearConfig:
+        """This config with the output gemm in hp (the NVFP4 paper's switch of the forward
+        gemms to bf16 late in training): input and weight keep their casts for the backward
+        gemms (grad_weight, grad_input). Raises for DELAYED/STATIC casts, whose scale state
+        the forward gemm records."""
+        for name in ("cast_config_input", "cast_config_weight"):
+            if getattr(self, name).scaling_type.stateful:
+                raise ValueError(
+                    f"Float8LinearConfig.with_hp_forward(): {name} is "
+                    f"{getattr(self, name).scaling_type.value}, whose scale state the forward "
+                    "gemm keeps; an hp forward is for DYNAMIC recipes (nvfp4, mxfp8, tensorwise, "
+                    "rowwise, blockwise)"
+                )
+        off = CastConfig(scaling_type=ScalingType.DISABLED)
+        return dataclasses.replace(
+            self,
+            cast_config_input=off,
+            cast_config_input_for_grad_weight=self.cast_config_input_for_grad_weight,
+            cast_config_weight=off,
+            cast_config_weight_for_grad_input=self.cast_config_weight_for_grad_input,
+            enable_fsdp_float8_all_gather=False,
+        )
+
     @staticmethod
     def operand_uses() -> dict[GemmRole, tuple[str, str]]:
         """operand role -> (its cast field in the first gemm, in the second gemm)."""
@@ -539,7 +639,7 @@ class Float8LinearConfig:
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8LinearConfig:
         """A named preset: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``delayed``,
-        ``blockwise`` or ``mxfp8``."""
+        ``blockwise``, ``mxfp8`` or ``nvfp4``."""
         if isinstance(name, str):
             try:
                 name = Float8Recipe(name)
@@ -719,6 +819,9 @@ class Float8Recipe(enum.Enum):
     DELAYED = "delayed"  # tensorwise delayed scaling everywhere (call precompute_scales)
     BLOCKWISE = "blockwise"  # DeepSeek-V3: 1x128 activation tiles, 128x128 weight blocks
     MXFP8 = "mxfp8"  # OCP MXFP8 (Blackwell): e4m3, one e8m0 scale per 32 along each gemm's K
+    # NVIDIA's NVFP4 training recipe (Blackwell): e2m1 + e4m3 per 16 + fp32 per tensor; 16x16
+    # weight blocks, stochastic rounding of gradients, Hadamard transform in grad_weight
+    NVFP4 = "nvfp4"
 
 
 def _tensorwise() -> Float8LinearConfig:
@@ -789,6 +892,31 @@ def _mxfp8() -> Float8LinearConfig:
     )
 
 
+def nvfp4_config(*, hadamard: bool = True, stochastic_rounding: bool = True) -> Float8LinearConfig:
+    """NVIDIA's NVFP4 pretraining recipe (``from_recipe_name("nvfp4")`` is the default call),
+    with its two gradient-side parts switchable for ablations: every gemm in NVFP4 (two-level
+    scales); the weight in 16x16 blocks (one cast serves the output and grad_input gemms),
+    activations and gradients in 1x16 blocks along each gemm's inner dim; ``hadamard``: the
+    grad_weight gemm's two operands Hadamard-transformed along the tokens;
+    ``stochastic_rounding``: gradients (grad_output, in both of its gemms) rounded
+    stochastically. The recipe's third part, the last ~15% of layers in hp, is a module
+    filter: ``float8kit.hp_tail_filter``."""
+    fp4 = CastConfig(scaling_granularity=ScalingGranularity.NVFP4)
+    grad = dataclasses.replace(fp4, stochastic_rounding=stochastic_rounding)
+    return Float8LinearConfig(
+        cast_config_input=fp4,
+        cast_config_input_for_grad_weight=dataclasses.replace(fp4, hadamard=hadamard),
+        cast_config_weight=fp4,
+        cast_config_grad_output=grad,
+        cast_config_grad_output_for_grad_weight=dataclasses.replace(grad, hadamard=hadamard),
+        gemm_config_output=GemmConfig(),
+    )
+
+
+def _nvfp4() -> Float8LinearConfig:
+    return nvfp4_config()
+
+
 def _experts_rowwise() -> Float8ExpertsConfig:
     return Float8ExpertsConfig()
 
@@ -806,4 +934,5 @@ _RECIPES = {
     Float8Recipe.DELAYED: _delayed,
     Float8Recipe.BLOCKWISE: _blockwise,
     Float8Recipe.MXFP8: _mxfp8,
+    Float8Recipe.NVFP4: _nvfp4,
 }

@@ -31,7 +31,7 @@ def required_multiple(config: Float8LinearConfig) -> int:
     """What both dims of a layer with ``config`` must be multiples of: 16 (CUDA's float8
     gemms), the block size of blockwise casts (128), 32 for MX casts (one e8m0 scale per 32
     elements along each layer dim: in_features is the output gemm's K, out_features the
-    grad_input gemm's)."""
+    grad_input gemm's), 32 for NVFP4 casts (the CUDA kernel's K: 16 bytes of packed e2m1)."""
     multiple = 16
     for field in dataclasses.fields(config):
         cast = getattr(config, field.name)
@@ -39,9 +39,63 @@ def required_multiple(config: Float8LinearConfig) -> int:
             continue
         if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
             multiple = math.lcm(multiple, cast.block_size)
-        elif cast.is_mx:
+        elif cast.is_mx or cast.is_nvfp4:  # NVFP4: K packed two per byte, 16 bytes
             multiple = math.lcm(multiple, MX_BLOCK)
     return multiple
+
+
+def hp_tail_filter(
+    model: nn.Module,
+    fraction: float = 0.15,
+    config: Float8LinearConfig | None = None,
+    base: ModuleFilter | None = None,
+) -> ModuleFilter:
+    """A module filter that keeps the last ``fraction`` of ``model``'s float8 candidates in hp
+    (the NVFP4 paper keeps about 15% of the linear layers, mostly the last ones, in bf16).
+
+    The candidates are the ``nn.Linear`` modules ``base`` accepts (default:
+    ``default_module_filter`` for ``config``), in ``model.named_modules()`` order (a model's
+    definition order: for a transformer, its blocks from first to last); the last
+    ``round(fraction * count)`` of them stay hp, the others follow ``base``. Build it from the
+    model before ``convert_to_float8_training``, which it is then passed to."""
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
+        raise ValueError(f"hp_tail_filter: fraction={fraction!r} must be a number in [0, 1]")
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"hp_tail_filter: fraction={fraction!r} must be in [0, 1]")
+    base = base or functools.partial(default_module_filter, config=config)
+    candidates = [
+        fqn for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear) and base(mod, fqn)
+    ]
+    tail = set(candidates[len(candidates) - round(fraction * len(candidates)) :])
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        return fqn not in tail and base(mod, fqn)
+
+    keep.hp_tail = sorted(tail, key=candidates.index)  # what it keeps in hp, for reports
+    return keep
+
+
+def set_hp_forward(model: nn.Module, enabled: bool = True) -> int:
+    """Switch every ``Float8Linear`` of ``model`` to an hp output gemm (``enabled``) or back
+    (the NVFP4 paper's late-training switch of the forward gemms to bf16; the backward gemms
+    keep their casts): ``Float8LinearConfig.with_hp_forward``. Returns how many layers it
+    switched. A compiled model recompiles once for the new configs. Switching back restores
+    each layer's config from before the first switch."""
+    switched = 0
+    for mod in model.modules():
+        if not isinstance(mod, Float8Linear):
+            continue
+        original = mod.__dict__.get("_config_before_hp_forward")
+        if enabled and original is None:
+            new = mod.config.with_hp_forward()  # raises for DELAYED/STATIC layers
+            mod.__dict__["_config_before_hp_forward"] = mod.config
+            mod.config = new
+            switched += 1
+        elif not enabled and original is not None:
+            mod.config = original
+            del mod.__dict__["_config_before_hp_forward"]
+            switched += 1
+    return switched
 
 
 def check_layer_dims(linear: nn.Module, config: Float8LinearConfig, fqn: str = "") -> None:

@@ -15,6 +15,10 @@ on CUDA the cuBLAS block-scaled fp8 gemm that ``torch.nn.functional.scaled_mm`` 
 on CPU takes no block scales) its definition in fp32: for every 128-long block of the inner
 dim, the fp32 sum of the fp8 products, times both operands' block scales, summed.
 
+NVFP4 operands (e2m1 codes, e4m3 scales per 16 along K, fp32 per tensor) go to
+``nvfp4_scaled_mm``: on CUDA ``torch._scaled_mm`` on ``float4_e2m1fn_x2`` with blocked e4m3
+scales (SM100); elsewhere both operands' values in fp32, multiplied in fp32.
+
 MX operands (OCP MXFP8: e8m0 scales per 32 along K) go to ``mx_scaled_mm``: on CUDA
 ``torch._scaled_mm`` with the scales in cuBLAS's blocked layout (``to_blocked``, SM100);
 elsewhere both operands dequantized to fp32 (exact) and multiplied in fp32.
@@ -32,15 +36,18 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from float8kit import versions
-from float8kit.config import GEMMS, Float8Recipe
+from float8kit import nvfp4, versions
+from float8kit.config import GEMMS, NVFP4_BLOCK, Float8Recipe
 from float8kit.granularity import MX
 from float8kit.tensor import Float8TrainingTensor
 
 # cuBLAS fp8 gemms need these dims to be multiples of 16; the CPU kernel takes any size.
 _CUDA_ALIGN = 16
 # what an sm90 GPU runs instead of mxfp8 (named in versions.require_mx_kernels' error)
-_NOT_MX_RECIPES = ", ".join(r.value for r in Float8Recipe if r is not Float8Recipe.MXFP8)
+_NOT_MX_RECIPES = ", ".join(
+    r.value for r in Float8Recipe if r not in (Float8Recipe.MXFP8, Float8Recipe.NVFP4)
+)
+_NOT_FP4_RECIPES = _NOT_MX_RECIPES
 
 
 def _is_row_major(t: torch.Tensor) -> bool:
@@ -402,19 +409,142 @@ def mx_kernel_plan(k: int, n: int, gemm: str | None = None) -> KernelPlan:
     (a token count in the grad_weight gemm), bf16 out; raises when N is not a multiple of
     16 (cuBLAS's rule) or K is not a multiple of 32 outside the grad_weight gemm (a layer
     dim: the default module filter keeps such layers in hp)."""
+    return _k32_plan("MX float8", k, n, gemm, torch.bfloat16)
+
+
+def _k32_plan(what: str, k: int, n: int, gemm: str | None, out_dtype: torch.dtype) -> KernelPlan:
+    """The plan of a block-scaled CUDA gemm whose K runs in 32s (MX, NVFP4): K zero-padded
+    to a multiple of 32 in the grad_weight gemm only (a token count), N a multiple of 16."""
     inner_name, out_name = _GEMM_DIMS.get(gemm, ("the inner dim K", "the output dim N"))
     where = f" in the {gemm} gemm" if gemm else ""
     if n % _CUDA_ALIGN:
         raise ValueError(
-            f"MX float8 gemm on CUDA needs {out_name} (here {n}) to be a multiple of 16{where}: "
+            f"{what} gemm on CUDA needs {out_name} (here {n}) to be a multiple of 16{where}: "
             "keep this layer in hp (the default module filter does)"
         )
     if k % 32 and gemm != "grad_weight":
         raise ValueError(
-            f"MX float8 gemm needs {inner_name} (here {k}) to be a multiple of 32{where}: "
+            f"{what} gemm needs {inner_name} (here {k}) to be a multiple of 32{where}: "
             "keep this layer in hp (the default module filter does)"
         )
-    return KernelPlan(-k % 32, torch.bfloat16)
+    return KernelPlan(-k % 32, out_dtype)
+
+
+# ---------------------------------------------------------------------------- NVFP4
+
+
+def _check_nvfp4(a: Float8TrainingTensor, b: Float8TrainingTensor) -> None:
+    """Both operands NVFP4 with 16-element blocks along the inner dim K, both Hadamard-
+    transformed along K or neither (the transform cancels only in such a product)."""
+    ga, gb = a._gran, b._gran
+    ok = (
+        ga.nvfp4_block is not None
+        and gb.nvfp4_block is not None
+        and ga.nvfp4_block[1] == NVFP4_BLOCK
+        and gb.nvfp4_block[0] == NVFP4_BLOCK
+        and ga.hadamard == gb.hadamard
+        and (not ga.hadamard or (ga.nvfp4_block[0] == 1 and gb.nvfp4_block[1] == 1))
+    )
+    if not ok:
+        raise ValueError(
+            f"scaled_mm: an NVFP4 gemm needs both operands in NVFP4 blocks of 16 along the "
+            f"inner dim K, both Hadamard-transformed along K or neither; got "
+            f"{a._role.value} {ga.short()} @ {b._role.value} {gb.short()} (each operand "
+            "is cast along the dim its gemm reduces)"
+        )
+
+
+def nvfp4_scaled_mm(
+    a: Float8TrainingTensor,
+    b: Float8TrainingTensor,
+    *,
+    emulate: bool = False,
+    out_dtype: torch.dtype,
+    gemm: str | None = None,
+) -> torch.Tensor:
+    """``a @ b`` for NVFP4 operands (use ``scaled_mm``). CUDA: ``torch._scaled_mm`` on
+    ``float4_e2m1fn_x2`` operands with their e4m3 block scales in cuBLAS's blocked layout
+    (``nvfp4_kernel_operands``), fp32 out, times both tensor scales (SM100; an older GPU
+    raises ``versions.require_mx_kernels``' error before any kernel). Elsewhere, and with
+    ``emulate``: both operands' values in fp32 (e2m1 times block scale times tensor scale,
+    torchao's dequantization) multiplied in fp32."""
+    _check_nvfp4(a, b)
+    if emulate or not a._data.is_cuda:
+        return _nvfp4_emulated_mm(
+            a._data, a._scale, list(a._gran.nvfp4_block), b._data, b._scale,
+            list(b._gran.nvfp4_block),
+        ).to(out_dtype)  # fmt: skip
+    versions.require_mx_kernels(
+        a._data.device, "Float8LinearConfig", _NOT_FP4_RECIPES, "the nvfp4 recipe's gemms", "NVFP4"
+    )
+    a_fp4, b_fp4, scale_a, scale_b, tensor_scale = nvfp4_kernel_operands(a, b, gemm)
+    out = _kernel(a_fp4, b_fp4, scale_a, scale_b, torch.float32, False)
+    # cuBLAS applies the block scales; the tensor scales multiply the fp32 result once
+    return (out * tensor_scale).to(out_dtype)
+
+
+@torch.library.custom_op("float8kit::nvfp4_emulated_mm", mutates_args=())
+def _nvfp4_emulated_mm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_block: list[int],
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_block: list[int],
+) -> torch.Tensor:
+    """The NVFP4 gemm off CUDA: e2m1 codes ``a`` (M, K) and ``b`` (K, N) with their scales
+    (``granularity.NVFP4``) as fp32 values, multiplied in fp32; fp32 out. Opaque to
+    ``torch.compile`` (as ``mx_emulated_mm``): compiled is bitwise eager for this gemm."""
+    return nvfp4.values(a, a_scale, tuple(a_block)) @ nvfp4.values(b, b_scale, tuple(b_block))
+
+
+@_nvfp4_emulated_mm.register_fake
+def _(a, a_scale, a_block, b, b_scale, b_block):
+    return a.new_empty((a.size(0), b.size(1)), dtype=torch.float32)
+
+
+def _per_row_blocks(scale: torch.Tensor, block: tuple[int, int], rows: int) -> torch.Tensor:
+    """(rows, K / 16) block scales of an operand blocked 16 along its dim 1 (its K): a 16x16
+    block's scale repeated for each of its rows."""
+    return scale.repeat_interleave(block[0], dim=0)[:rows]
+
+
+def nvfp4_kernel_operands(
+    a: Float8TrainingTensor, b: Float8TrainingTensor, gemm: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the CUDA NVFP4 gemm hands ``torch._scaled_mm`` for ``a @ b``: A (M, K / 2) and B
+    (K / 2, N) column-major as ``torch.float4_e2m1fn_x2`` (codes packed two per byte along
+    K, ``nvfp4.pack``), K zero-padded to whole 32s where ``nvfp4_kernel_plan`` says so (code
+    0 = +0.0); A's block scales (M, K / 16) and B's (N, K / 16) as e4m3 in cuBLAS's blocked
+    layout (``to_blocked``); and the product of both tensor scales (fp32, 0-d), which
+    multiplies the result. Runs on any device (the codes are moved, never rounded), so the
+    layout is testable on CPU."""
+    _check_nvfp4(a, b)
+    pad = nvfp4_kernel_plan(a.shape[1], b.shape[1], gemm).pad_inner
+    a_codes, b_codes = a._data, b._data.t()  # both (rows, K), K contiguous after packing
+    sa = _per_row_blocks(a._scale[0], a._gran.nvfp4_block, a.shape[0])
+    b_block = b._gran.nvfp4_block
+    sb = _per_row_blocks(b._scale[0].t(), (b_block[1], b_block[0]), b.shape[1])
+    if pad:  # zero codes; the padded K blocks' scales are 0 (a 16-block of zeros either way)
+        a_codes, b_codes = _pad_to(a_codes, 1, 32), _pad_to(b_codes, 1, 32)
+        blocks = (a.shape[1] + pad) // NVFP4_BLOCK
+        sa, sb = (F.pad(s, (0, blocks - s.shape[1])) for s in (sa, sb))
+    fp4 = torch.float4_e2m1fn_x2
+    a_fp4 = nvfp4.pack(a_codes.contiguous()).view(fp4)
+    b_fp4 = nvfp4.pack(b_codes.contiguous()).view(fp4).t()
+    e4m3 = torch.float8_e4m3fn
+    scale_a = to_blocked(sa.to(e4m3).view(torch.uint8)).view(e4m3)
+    scale_b = to_blocked(sb.to(e4m3).view(torch.uint8)).view(e4m3)
+    tensor_scale = a._scale[1].reshape(-1)[0] * b._scale[1].reshape(-1)[0]
+    return a_fp4, b_fp4, scale_a, scale_b, tensor_scale
+
+
+def nvfp4_kernel_plan(k: int, n: int, gemm: str | None = None) -> KernelPlan:
+    """How the CUDA NVFP4 gemm runs an (M, K) @ (K, N) gemm: K zero-padded to a multiple of
+    32 (16 packed bytes, cuBLAS's rule) in the grad_weight gemm (a token count), fp32 out;
+    raises when N is not a multiple of 16 or K not a multiple of 32 elsewhere (a layer dim:
+    the default module filter keeps such layers in hp)."""
+    return _k32_plan("NVFP4", k, n, gemm, torch.float32)
 
 
 def _check_axes(a: Float8TrainingTensor, b: Float8TrainingTensor) -> None:
@@ -461,6 +591,10 @@ def scaled_mm(
             f"scaled_mm needs (M, K) @ (K, N); got {tuple(a.shape)} @ {tuple(b.shape)}"
         )
     out_dtype = out_dtype or a._orig_dtype
+    if a._gran.nvfp4_block is not None or b._gran.nvfp4_block is not None:
+        if 0 in (a.shape[0], a.shape[1], b.shape[1]):
+            return torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a._data.device)
+        return nvfp4_scaled_mm(a, b, emulate=emulate, out_dtype=out_dtype, gemm=gemm)
     if a._gran.mx_dim is not None or b._gran.mx_dim is not None:
         if 0 in (a.shape[0], a.shape[1], b.shape[1]):
             return torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a._data.device)

@@ -11,6 +11,9 @@ on the scale layout asks it, instead of branching on the kind: the scale's shape
 - ``Blockwise(rows, cols)``: one scale per ``rows`` x ``cols`` block of 2-D data, shape
   (ceil(R / rows), ceil(C / cols)): 1x128 / 128x1 activation tiles, 128x128 weight blocks.
 
+- ``NVFP4(rows, cols)``: e2m1 codes with an e4m3 scale per 1x16 / 16x1 (activations,
+  gradients) or 16x16 (weights) block and an fp32 scale per tensor (float8kit/nvfp4.py).
+
 - ``MX(dim)``: OCP MX, one e8m0 power-of-two scale per 32 elements along ``dim`` (each
   gemm's inner dim), shape the data's with ``dim`` reduced to ceil(n / 32).
 
@@ -37,8 +40,8 @@ import math
 
 import torch
 
-from float8kit import scaling
-from float8kit.config import CastConfig, GemmRole, ScalingGranularity
+from float8kit import nvfp4, scaling
+from float8kit.config import NVFP4_BLOCK, CastConfig, GemmRole, ScalingGranularity
 
 
 class Granularity:
@@ -50,6 +53,8 @@ class Granularity:
     block: tuple[int, int] | None = None
     # the dim an MX operand's 32-element blocks run along (None: not MX)
     mx_dim: int | None = None
+    # the (rows, cols) of an NVFP4 operand's scale block (None: not NVFP4)
+    nvfp4_block: tuple[int, int] | None = None
 
     def short(self) -> str:
         raise NotImplementedError
@@ -69,6 +74,19 @@ class Granularity:
     def multiplier(self, scale: torch.Tensor, shape) -> torch.Tensor:
         """The fp32 factor per element that took hp to float8 (``fp8 ~ hp * factor``)."""
         return self.expand(scale, shape)
+
+    def cast_input(self, hp: torch.Tensor) -> torch.Tensor:
+        """What the cast multiplied by ``multiplier`` and rounded: ``hp`` itself (NVFP4 with a
+        Hadamard transform: the transformed values)."""
+        return hp
+
+    def elements(self, data: torch.Tensor) -> torch.Tensor:
+        """The fp32 values of the float8 elements ``data`` holds (before the scale)."""
+        return data.to(torch.float32)
+
+    def element_max(self, data: torch.Tensor) -> float:
+        """The largest finite element value of ``data``'s format."""
+        return scaling.fp8_max(data.dtype)
 
     def transpose(self, scale: torch.Tensor, d0: int, d1: int):
         """(granularity, scale) of the data transposed along ``d0``, ``d1`` (non-negative)."""
@@ -194,8 +212,22 @@ class Axiswise(Granularity):
         return scale[start : start + where.outer_shape[0]]
 
 
+class _WholeBlocks:
+    """Slicing, splitting and concatenating data in blocks of more than one row would cut
+    through the blocks: refused (``_refuse``, the granularity's message)."""
+
+    def sliced(self, scale, dim, fn, func):
+        self._refuse(func)
+
+    def split(self, scale, dim, n, fn, func):
+        self._refuse(func)
+
+    def cat(self, scales, dim, fn, func):
+        self._refuse(func)
+
+
 @dataclasses.dataclass(frozen=True)
-class Blockwise(Granularity):
+class Blockwise(_WholeBlocks, Granularity):
     # the (rows, cols) of a scale block of 2-D data
     rows: int
     cols: int
@@ -224,15 +256,6 @@ class Blockwise(Granularity):
 
     def strided(self, scale, rows, ndim):
         return None if rows is None else scale[: -(-rows // self.rows)]
-
-    def sliced(self, scale, dim, fn, func):
-        self._refuse(func)
-
-    def split(self, scale, dim, n, fn, func):
-        self._refuse(func)
-
-    def cat(self, scales, dim, fn, func):
-        self._refuse(func)
 
     # One scale per block of the outer weight (the blocks a single device casts it in).
     # Where FSDP2's dim-0 shards cut blocks (``cuts``), a block that straddles shards gets the
@@ -356,6 +379,91 @@ class MX(Granularity):
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class NVFP4(_WholeBlocks, Granularity):
+    """NVFP4 blocks of 2-D data (float8kit/nvfp4.py): the data are e2m1 codes (uint8, one
+    per element); the scale is fp32 (2, ceil(R / rows), ceil(C / cols)): ``scale[0]`` one
+    e4m3 block scale (its value) per ``rows`` x ``cols`` block, ``scale[1]`` the tensor's
+    decode scale in every place; both *multiply* the e2m1 values back
+    (``hp ~ e2m1 * scale[0] * scale[1]``). Blocks are 1 x 16 / 16 x 1 for activations and
+    gradients (16 along the dim the gemm reduces), 16 x 16 for weights (their own transpose:
+    one cast serves both gemms). ``hadamard``: the data are of the Hadamard-transformed
+    tensor (``nvfp4.hadamard`` along the 16-long dim; the grad_weight gemm's operands),
+    which ``dequantize`` undoes and the gemm does not need to (it cancels in the product)."""
+
+    rows: int
+    cols: int
+    hadamard: bool = False
+
+    @property
+    def nvfp4_block(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def hadamard_dim(self) -> int | None:
+        """The dim the transform runs along (the one the 16-element blocks do), or None."""
+        if not self.hadamard:
+            return None
+        return 0 if self.rows > 1 else 1
+
+    def short(self) -> str:
+        return f"nvfp4({self.rows}x{self.cols}{', rht' if self.hadamard else ''})"
+
+    def amax(self, hp):
+        return scaling.block_amax(hp, self.nvfp4_block)
+
+    def expand(self, scale, shape):
+        return scaling.expand_block_scale(scale[0] * scale[1], self.nvfp4_block, shape)
+
+    def dequantize(self, data, scale):
+        values = nvfp4.values(data, scale, self.nvfp4_block)
+        if self.hadamard:
+            values = nvfp4.hadamard(values, self.hadamard_dim, inverse=True)
+        return values
+
+    def multiplier(self, scale, shape):
+        return self.expand(scale, shape).reciprocal()
+
+    def cast_input(self, hp):
+        dim = self.hadamard_dim
+        return hp if dim is None else nvfp4.hadamard(hp, dim)
+
+    def elements(self, data):
+        return nvfp4.decode(data)
+
+    def element_max(self, data):
+        return nvfp4.E2M1_MAX
+
+    def transpose(self, scale, d0, d1):
+        if d0 == d1:
+            return self, scale
+        return NVFP4(self.cols, self.rows, self.hadamard), scale.transpose(1, 2)
+
+    def view(self, scale, old, new, func):
+        if tuple(new) != tuple(old):
+            self._refuse(func, old)
+        return self, scale
+
+    def strided(self, scale, rows, ndim):
+        return None
+
+    def group_amaxes(self, shard, where):
+        raise NotImplementedError(
+            "float8kit: the FSDP2 float8 all-gather does not take NVFP4 weights yet "
+            "(Float8LinearConfig refuses enable_fsdp_float8_all_gather with NVFP4 casts)"
+        )
+
+    shard_scale = gathered_scale = group_amaxes
+
+    def _refuse(self, func, shape=None):
+        of = f" {tuple(shape)}" if shape is not None else ""
+        raise NotImplementedError(
+            f"float8kit: {func} on an NVFP4 Float8TrainingTensor{of} (blocks "
+            f"{self.rows}x{self.cols}) would cut through its scale blocks; call "
+            ".dequantize() first if hp math is really meant"
+        )
+
+
 TENSORWISE = Tensorwise()
 
 
@@ -365,6 +473,13 @@ def of(cast: CastConfig, role: GemmRole, reduce_dim: int, ndim: int) -> Granular
     activations in 1 x block_size tiles along ``reduce_dim`` (block_size x 1 when that is
     dim 0); axiswise scales along ``reduce_dim``."""
     gran = cast.scaling_granularity
+    if gran is ScalingGranularity.NVFP4:
+        b = NVFP4_BLOCK
+        if ndim != 2:
+            raise ValueError(f"float8kit: an NVFP4 cast takes 2-D operands, got {ndim}-D")
+        if role is GemmRole.WEIGHT:
+            return NVFP4(b, b, cast.hadamard)
+        return NVFP4(1, b, cast.hadamard) if reduce_dim in (1, -1) else NVFP4(b, 1, cast.hadamard)
     if gran is ScalingGranularity.MX:
         return MX(reduce_dim % ndim)
     if gran is ScalingGranularity.AXISWISE:

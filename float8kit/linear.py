@@ -37,14 +37,14 @@ from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
     """A tensor cast for one gemm can serve the other only when both casts are the same
     tensorwise cast (axiswise scales span a different dim in each gemm), or the same
-    blockwise cast of the weight (a square block is its own transpose)."""
+    blockwise or NVFP4 cast of the weight (a square block is its own transpose)."""
     gran = first.scaling_granularity
     return (
         first == second
         and first.enabled
         and (
             gran is ScalingGranularity.TENSORWISE
-            or (weight and gran is ScalingGranularity.BLOCKWISE)
+            or (weight and gran in (ScalingGranularity.BLOCKWISE, ScalingGranularity.NVFP4))
         )
     )
 

@@ -42,7 +42,6 @@ from float8kit import config
 from float8kit.cast import cast_to_float8, is_recomputing
 from float8kit.config import GemmRole
 from float8kit.linear import Float8Linear
-from float8kit.scaling import fp8_max
 
 GEMMS = tuple(g.name for g in config.GEMMS)
 
@@ -134,15 +133,20 @@ def _operand_sums(
     if not cast.enabled or isinstance(mod, _HpFallback):
         return hp.new_zeros(_OPERAND_SUMS, dtype=torch.float64)
     state_scale, _, scale_set = mod.fp8_state.operand(mod, role, record=False)
-    fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
-    scale = fp8._gran.multiplier(fp8._scale, fp8._data.shape)
-    scaled = hp.to(torch.float32) * scale
-    data = fp8._data
+    # a stochastically rounded cast draws random bits: from a fork of torch's generators, so
+    # that monitoring leaves the training run's random stream as it was
+    devices = [hp.device] if hp.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=cast.stochastic_rounding):
+        fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
+    gran, data = fp8._gran, fp8._data
+    scale = gran.multiplier(fp8._scale, data.shape)
+    rounded = gran.cast_input(hp)  # (the transformed values, for a Hadamard NVFP4 cast)
+    scaled = rounded.to(torch.float32) * scale
     # above the max by more than fp32 rounding: a DYNAMIC scale maps the amax element to
     # fp8_max up to one ulp of the product, which is not a saturation
-    clamped = (scaled.abs() > fp8_max(data.dtype) * (1 + 2**-20)).sum()
-    nonzero = hp != 0
-    underflow = (nonzero & (data.to(torch.float32) == 0)).sum()
+    clamped = (scaled.abs() > gran.element_max(data) * (1 + 2**-20)).sum()
+    nonzero = rounded != 0
+    underflow = (nonzero & (gran.elements(data) == 0)).sum()
     return torch.stack(
         [
             clamped.double(),

@@ -134,7 +134,13 @@ def mx_kernels_supported(index: int | None = None) -> bool:
     return capability is None or capability >= MX_MIN_CAPABILITY
 
 
-def require_mx_kernels(device: torch.device, config: str, instead: str) -> None:
+def require_mx_kernels(
+    device: torch.device,
+    config: str,
+    instead: str,
+    what: str = "the mxfp8 recipe's MX gemms",
+    fmt: str = "MX",
+) -> None:
     """Raise before any MX kernel runs on a CUDA ``device`` that cannot run it (see
     ``mx_kernels_supported``). The message names the way out: ``config`` the config class
     (``Float8LinearConfig``, ``Float8ExpertsConfig``) whose ``emulate`` field runs MX in fp32,
@@ -144,8 +150,8 @@ def require_mx_kernels(device: torch.device, config: str, instead: str) -> None:
     index = torch.cuda.current_device() if device.index is None else device.index
     major, minor = _cuda_capability(index)
     raise RuntimeError(
-        f"float8kit: the mxfp8 recipe's MX gemms need an sm100 (Blackwell) GPU, CUDA "
+        f"float8kit: {what} need an sm100 (Blackwell) GPU, CUDA "
         f"capability >= 10.0; {torch.cuda.get_device_name(index)} (cuda:{index}) is "
         f"sm{major}{minor}. Use a float8 recipe ({instead}) on this GPU, or "
-        f"{config}(emulate=True) to emulate MX in fp32"
+        f"{config}(emulate=True) to emulate {fmt} in fp32"
     )

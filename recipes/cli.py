@@ -19,7 +19,14 @@ FLOAT8_MODES = [
     "delayed",
     "blockwise",
     "mxfp8",
+    "nvfp4",
+    # the nvfp4 recipe less one of its parts (ablations: what each part buys)
+    "nvfp4_no_rht",
+    "nvfp4_no_sr",
+    "nvfp4_no_tail",
 ]
+# --float8 modes that are a named recipe (Float8LinearConfig.from_recipe_name)
+RECIPE_MODES = [m for m in FLOAT8_MODES if m != "none" and "_no_" not in m]
 HP_DTYPES = ["auto", "bfloat16", "float32"]
 DESCRIPTION = (
     "Train a small Llama-style byte-level model in high precision (bf16 or fp32), or with "
@@ -64,7 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="none",
         choices=FLOAT8_MODES,
         help="float8kit recipe for the block Linears (MoE experts: MX grouped gemms with "
-        "mxfp8, rowwise in every other float8 mode); none = the hp baseline (--hp-dtype)",
+        "mxfp8, rowwise in every other float8 mode); none = the hp baseline (--hp-dtype); "
+        "nvfp4 keeps the last 15%% of the float8 Linears in hp (the NVFP4 recipe's tail); "
+        "nvfp4_no_rht / _no_sr / _no_tail: nvfp4 without its Hadamard transform, its "
+        "stochastic rounding, its hp tail",
+    )
+    p.add_argument(
+        "--hp-forward-after",
+        type=int,
+        default=0,
+        help="nvfp4 modes: after this many steps run the forward gemms in hp (the NVFP4 "
+        "paper's late-training switch; backward gemms stay NVFP4); 0 = never",
     )
     p.add_argument(
         "--hp-dtype",
@@ -237,7 +254,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag in ("steps", "batch_size", "seq_len", "eval_batches", "log_every", "tp", "ep"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
-    for flag in ("warmup", "eval_every", "checkpoint_every", "threads", "monitor"):
+    if args.hp_forward_after and not args.float8.startswith("nvfp4"):
+        p.error("--hp-forward-after is for the nvfp4 modes (the NVFP4 recipe's late switch)")
+    for flag in (
+        "warmup",
+        "eval_every",
+        "checkpoint_every",
+        "threads",
+        "monitor",
+        "hp_forward_after",
+    ):
         if getattr(args, flag) < 0:
             p.error(f"--{flag.replace('_', '-')} must be >= 0")
     if args.lr <= 0:

@@ -14,14 +14,22 @@ import argparse
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--steps", type=int, default=100, help="training steps per run")
 parser.add_argument(
-    "--dim", type=int, default=128, help="model width (multiple of 16; of 32 for mxfp8)"
+    "--dim", type=int, default=128, help="model width (multiple of 16; of 32 for mxfp8, nvfp4)"
 )
 parser.add_argument("--batch-size", type=int, default=256, help="rows per batch")
 parser.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate")
 parser.add_argument(
     "--recipe",
     default="tensorwise",
-    choices=["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8"],
+    choices=[
+        "tensorwise",
+        "rowwise",
+        "rowwise_with_gw_hp",
+        "delayed",
+        "blockwise",
+        "mxfp8",
+        "nvfp4",
+    ],
     help="float8 recipe (Float8LinearConfig.from_recipe_name)",
 )
 parser.add_argument("--seed", type=int, default=0, help="seed for model and data")
@@ -31,8 +39,8 @@ for name in ("steps", "dim", "batch_size"):
         parser.error(f"--{name.replace('_', '-')} must be >= 1")
 if args.dim % 16:
     parser.error(f"--dim {args.dim} must be a multiple of 16 (float8 gemms need it)")
-if args.recipe == "mxfp8" and args.dim % 32:
-    parser.error(f"--dim {args.dim} must be a multiple of 32 for mxfp8 (one scale per 32)")
+if args.recipe in ("mxfp8", "nvfp4") and args.dim % 32:
+    parser.error(f"--dim {args.dim} must be a multiple of 32 for {args.recipe}")
 
 import copy  # noqa: E402
 import time  # noqa: E402

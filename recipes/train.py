@@ -69,7 +69,7 @@ from pathlib import Path
 # Run from a checkout without `pip install`: float8kit sits next to recipes/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli import FLOAT8_MODES, PRESET_DEFAULTS, build_parser, parse_args  # noqa: E402, F401
+from cli import FLOAT8_MODES, PRESET_DEFAULTS, RECIPE_MODES, build_parser, parse_args  # noqa: E402, F401
 
 if __name__ == "__main__":
     # --help and usage errors answer before torch is imported (seconds, tens of them on a
@@ -86,6 +86,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from data import get_batch, load_corpus  # noqa: E402
 from model import ModelArgs, Transformer, tp_plan  # noqa: E402
+from torch.distributed.checkpoint import DefaultLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 import float8kit  # noqa: E402  # float8
@@ -184,10 +185,27 @@ def print0(*args, **kwargs) -> None:
 # model: build, convert to float8, shard
 
 
-def layer_filter(args: argparse.Namespace, config, tokens: int | None = None):
+# The NVFP4 recipe keeps this share of its float8 Linears, the last ones, in hp (the paper's
+# ~15%: float8kit.hp_tail_filter); nvfp4_no_tail converts them too.
+NVFP4_HP_TAIL = 0.15
+
+
+def linear_config(mode: str) -> float8kit.Float8LinearConfig:
+    """The Float8LinearConfig of a --float8 mode: the named recipe, or nvfp4 less a part."""
+    if mode == "nvfp4_no_rht":
+        return float8kit.nvfp4_config(hadamard=False)
+    if mode == "nvfp4_no_sr":
+        return float8kit.nvfp4_config(stochastic_rounding=False)
+    if mode == "nvfp4_no_tail":
+        return float8kit.Float8LinearConfig.from_recipe_name("nvfp4")
+    return float8kit.Float8LinearConfig.from_recipe_name(mode)
+
+
+def layer_filter(args: argparse.Namespace, config, tokens: int | None = None, model=None):
     """The Linears that go float8: float8kit's default filter for the recipe (or, with
     --filter auto, the predicted winners at ``tokens`` per step and rank), minus the
-    modules whose name contains one of --filter-fqns."""
+    modules whose name contains one of --filter-fqns; for the nvfp4 modes with a tail
+    (given the ``model``), minus the last NVFP4_HP_TAIL of the layers left."""
     skip = [f for f in args.filter_fqns.split(",") if f]
     auto = None
     if getattr(args, "filter", "default") == "auto":
@@ -202,6 +220,8 @@ def layer_filter(args: argparse.Namespace, config, tokens: int | None = None):
             return auto(mod, fqn)
         return float8kit.default_module_filter(mod, fqn, config)
 
+    if model is not None and args.float8.startswith("nvfp4") and args.float8 != "nvfp4_no_tail":
+        return float8kit.hp_tail_filter(model, NVFP4_HP_TAIL, base=keep_float8)
     return keep_float8
 
 
@@ -241,16 +261,13 @@ def build_model(
     # Convert before FSDP wraps the model, as torchtitan does: FSDP then shards the
     # Float8Linear weights and (tensorwise) all-gathers them as fp8.
     if args.float8 != "none":
-        config = replace(
-            float8kit.Float8LinearConfig.from_recipe_name(args.float8),
-            enable_fsdp_float8_all_gather=fp8_all_gather,
-        )
+        config = replace(linear_config(args.float8), enable_fsdp_float8_all_gather=fp8_all_gather)
         float8kit.convert_experts_to_float8_training(  # float8: Linears (no head/router), experts
             float8kit.convert_to_float8_training(
                 model,
                 config=config,
                 module_filter_fn=layer_filter(
-                    args, config, args.batch_size * args.seq_len // (world_size // args.tp)
+                    args, config, args.batch_size * args.seq_len // (world_size // args.tp), model
                 ),
             ),
             config=experts_config(args.float8, ep),
@@ -268,7 +285,7 @@ def build_model(
             # float8kit's styles all-gather float8 activations; they need a DYNAMIC
             # tensorwise or rowwise input cast, so delayed, blockwise, mxfp8 (and bf16) runs use
             # torch's styles.
-            float8_styles = args.float8 not in ("none", "delayed", "blockwise", "mxfp8")
+            float8_styles = args.float8 in ("tensorwise", "rowwise", "rowwise_with_gw_hp")
             parallelize_module(model, mesh["tp"], tp_plan(model, float8_styles))
         # hp compute weights, fp32 gradient reduction: the same dtypes autocast gives the
         # single-process run, so 1 and N processes train the same model.
@@ -385,7 +402,7 @@ def setup_model(args, device, world_size) -> tuple[torch.nn.Module, bool]:
     # except with --monitor, which measures against the hp weight
     fp8_all_gather = world_size > args.tp and args.float8 != "none" and not args.monitor
     if fp8_all_gather:  # a recipe whose config refuses it (this version: mxfp8) gathers hp
-        recipe = float8kit.Float8LinearConfig.from_recipe_name(args.float8)
+        recipe = linear_config(args.float8)
         try:
             replace(recipe, enable_fsdp_float8_all_gather=True)
         except ValueError:
@@ -462,7 +479,12 @@ def save_checkpoint(
     state = {
         "model": model_sd,
         "optim": optim_sd,
-        "train": {"step": step, "data_rng": gen.get_state(), "meta": json.dumps(meta)},
+        "train": {
+            "step": step,
+            "data_rng": gen.get_state(),
+            "meta": json.dumps(meta),
+            **rng_states(),
+        },
     }
     with quiet_single_process():
         dcp.save(state, checkpoint_id=str(path))
@@ -554,9 +576,10 @@ def load_checkpoint(
         dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         raise UsageError(f"--resume: {problem[0]}")
-    train_state = {"train": {"step": 0, "data_rng": gen.get_state(), "meta": ""}}
+    train_state = {"train": {"step": 0, "data_rng": gen.get_state(), "meta": "", **rng_states()}}
     with quiet_single_process():
-        dcp.load(train_state, checkpoint_id=str(path))
+        # (partial: a checkpoint from before the random states were saved has none)
+        dcp.load(train_state, checkpoint_id=str(path), planner=DefaultLoadPlanner(True))
     saved = json.loads(train_state["train"]["meta"])
     for k, v in saved.items():
         if meta.get(k) != v:
@@ -569,7 +592,20 @@ def load_checkpoint(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     gen.set_state(train_state["train"]["data_rng"])
+    torch.set_rng_state(train_state["train"]["torch_rng"])
+    if "cuda_rng" in train_state["train"]:
+        torch.cuda.set_rng_state(train_state["train"]["cuda_rng"])
     return int(train_state["train"]["step"])
+
+
+def rng_states() -> dict[str, torch.Tensor]:
+    """torch's default generators' states (CPU, and the current GPU's): the stream NVFP4's
+    stochastic rounding draws from, saved with a checkpoint so that a resumed run continues
+    it (every rank seeds alike and draws alike, so rank 0's state is every rank's)."""
+    states = {"torch_rng": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda_rng"] = torch.cuda.get_rng_state()
+    return states
 
 
 # ----------------------------------------------------------------------------
@@ -780,6 +816,10 @@ def train(args: argparse.Namespace) -> list[dict]:
     )
     for step in bar:
         t0 = time.perf_counter()
+        if args.hp_forward_after and step >= args.hp_forward_after:
+            # the forward gemms in hp from here on (a resumed run switches at its first step)
+            if float8kit.set_hp_forward(model):
+                print0(f"step {step + 1}: forward gemms in hp from here on (--hp-forward-after)")
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -883,7 +923,7 @@ def activation_bytes(args: argparse.Namespace) -> int:
 def memory_report(args: argparse.Namespace) -> str:
     """--memory: activation bytes per recipe, measured here (CPU, one process)."""
     tokens = args.batch_size * args.seq_len
-    modes = [m for m in FLOAT8_MODES if m != "none"] if args.float8 == "none" else [args.float8]
+    modes = RECIPE_MODES if args.float8 == "none" else [args.float8]
     runs = [(mode, norms) for mode in ["none", *modes] for norms in (False, True)]
     lines = [f"activation bytes kept for backward, {args.preset}, {tokens} tokens:"]
     ref = None

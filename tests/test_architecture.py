@@ -217,7 +217,7 @@ def test_measuring_code_imports_no_test_module():
 
 
 def test_public_names_unchanged():
-    # the 0.3 public API (float8kit.__all__), which the refactor must keep
+    # the 0.3 public API (float8kit.__all__), which the refactor must keep, and 0.4's additions
     assert sorted(float8kit.__all__) == sorted(
         [
             "convert_to_float8_training", "default_module_filter", "auto_module_filter",
@@ -230,5 +230,7 @@ def test_public_names_unchanged():
             "strip_float8_state", "Float8LoadPlanner", "Float8Monitor", "checkpoint_policy",
             "recompute_norms", "default_norm_filter", "Float8TrainingTensor",
             "Float8ExpertWeight",
+            # 0.4, NVFP4: the recipe with its parts switchable, its hp tail, its hp forward
+            "nvfp4_config", "hp_tail_filter", "set_hp_forward",
         ]
     )  # fmt: skip

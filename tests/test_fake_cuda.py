@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(
     "build (make test-fake-cuda installs the torch 2.11.0 CUDA wheel into a cached venv)",
 )
 
-RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8"]
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "blockwise", "mxfp8", "nvfp4"]
 TOKENS = [0, 1, 37, 998]
 # (in_features K, out_features N, pad_inner_dim): aligned to 128, to 16 only, to nothing
 SHAPES = [(256, 384, False), (48, 80, False), (40, 72, True)]
@@ -73,6 +73,8 @@ CALL_SITES = {
     "scaled_mm:fp32_out",  # tensorwise kernel writing fp32 (an fp32 grad_weight)
     "scaled_mm:mx",  # torch._scaled_mm, e8m0 scales in the blocked layout (mxfp8)
     "scaled_mm:mx_pad_inner",  # MX grad_weight: tokens padded to whole 32-blocks
+    "scaled_mm:nvfp4",  # torch._scaled_mm, float4_e2m1fn_x2 with blocked e4m3 scales (nvfp4)
+    "scaled_mm:nvfp4_pad_inner",  # NVFP4 grad_weight: tokens padded to a multiple of 32
     "block_scaled_mm:128x128",  # F.scaled_mm, 1x128 tiles x 128x128 blocks
     "block_scaled_mm:1x128",  # F.scaled_mm, 1x128 tiles x 128x1 tiles
     "scaled_grouped_mm:2d_3d",  # torch._scaled_grouped_mm, experts' output / grad_input
@@ -91,11 +93,14 @@ def record_cuda_calls(monkeypatch):
     meta functions check them)."""
     real_mm, real_block, real_grouped = torch._scaled_mm, F.scaled_mm, torch._scaled_grouped_mm
     real_plan, real_mx_plan = gemm.kernel_plan, gemm.mx_kernel_plan
+    real_fp4_plan = gemm.nvfp4_kernel_plan
 
     def scaled_mm(a, b, *, scale_a, scale_b, out_dtype=None, use_fast_accum=False, **kw):
         assert a.is_cuda
         if scale_a.dtype == torch.float8_e8m0fnu:
             HITS["scaled_mm:mx"] += 1
+        elif a.dtype == torch.float4_e2m1fn_x2:
+            HITS["scaled_mm:nvfp4"] += 1
         elif scale_a.numel() == 1 and scale_b.numel() == 1:
             HITS["scaled_mm:tensorwise"] += 1
         else:
@@ -135,7 +140,15 @@ def record_cuda_calls(monkeypatch):
     monkeypatch.setattr(F, "scaled_mm", block)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", grouped)
     monkeypatch.setattr(gemm, "kernel_plan", plan)
+
+    def fp4_plan(*args, **kw):
+        out = real_fp4_plan(*args, **kw)
+        if out.pad_inner:
+            HITS["scaled_mm:nvfp4_pad_inner"] += 1
+        return out
+
     monkeypatch.setattr(gemm, "mx_kernel_plan", mx_plan)
+    monkeypatch.setattr(gemm, "nvfp4_kernel_plan", fp4_plan)
     yield
 
 
@@ -170,7 +183,7 @@ def layer_fwd_bwd(layer: Float8Linear, x: torch.Tensor, weight=None):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_traces_on_fake_cuda(recipe):
-    shapes = {"blockwise": BLOCK_SHAPES, "mxfp8": MX_SHAPES}.get(recipe, SHAPES)
+    shapes = {"blockwise": BLOCK_SHAPES, "mxfp8": MX_SHAPES, "nvfp4": MX_SHAPES}.get(recipe, SHAPES)
     for (k, n, pad), (w_dtype, x_dtype), m in itertools.product(shapes, DTYPES, TOKENS):
         config = Float8LinearConfig.from_recipe_name(recipe)
         if pad:
@@ -367,6 +380,33 @@ def test_mxfp8_kernel_scales_are_the_cublas_layout_of_the_real_bytes(monkeypatch
         assert torch.equal(b_data[:k].view(torch.uint8), b._data.view(torch.uint8))
         assert not a_data[:, k:].view(torch.uint8).any() and not b_data[k:].view(torch.uint8).any()
         assert len(a._scale.unique()) > 1  # real, varied bytes (not a constant)
+
+
+def nvfp4_scale_bytes(rows: int, k: int) -> int:
+    """torch 2.11's meta rule for an NVFP4 operand's e4m3 block scales: 128 * ceil(rows /
+    128) * round_up(ceil(K / 16), 4) elements, contiguous."""
+    blocks = -(-k // 16)
+    return 128 * -(-rows // 128) * 4 * -(-blocks // 4)
+
+
+@pytest.mark.parametrize("k, n", [(256, 384), (96, 160)])
+def test_nvfp4_linear_gemms_meet_the_fp4_kernel_rules(monkeypatch, k, n):
+    calls = record_kernel_calls(monkeypatch)
+    m = 2 * 37  # grad_weight's K: 74 tokens, padded to 96
+    with fake_cuda(), torch.device("cuda"):
+        config = Float8LinearConfig.from_recipe_name("nvfp4")
+        layer = Float8Linear(k, n, bias=False, config=config, dtype=torch.bfloat16)
+        layer_fwd_bwd(layer, torch.randn(m, k, dtype=torch.bfloat16))
+    want = [(m, k, n), (m, n, k), (n, 96, k)]  # unpacked K
+    assert [(a.shape[0], 2 * a.shape[1], b.shape[1]) for a, b, *_ in calls] == want
+    for a, b, scale_a, scale_b, kw in calls:
+        (rows, packed), cols = a.shape, b.shape[1]
+        assert a.dtype == b.dtype == torch.float4_e2m1fn_x2 and kw["out_dtype"] == torch.float32
+        assert a.stride() == (packed, 1) and b.stride() == (1, packed)  # A row-, B column-major
+        assert packed % 16 == 0 and cols % 16 == 0
+        assert scale_a.dtype == scale_b.dtype == torch.float8_e4m3fn
+        assert scale_a.shape == (nvfp4_scale_bytes(rows, 2 * packed),)
+        assert scale_b.shape == (nvfp4_scale_bytes(cols, 2 * packed),)
 
 
 def test_every_cuda_call_site_was_traced():

@@ -206,8 +206,9 @@ def flat(d, prefix=""):
             yield f"{prefix}{k}", v
 
 
-# delayed carries scale state (amax histories, scales) through the checkpoint.
-@pytest.mark.parametrize("mode", ["tensorwise", "delayed"])
+# delayed carries scale state (amax histories, scales) through the checkpoint; nvfp4 the
+# random stream its stochastic rounding draws from (torch's generator state)
+@pytest.mark.parametrize("mode", ["tensorwise", "delayed", "nvfp4"])
 def test_resume_is_bitwise(tmp_path, mode):
     flags = ["--float8", mode, "--steps", "12", "--eval-every", "4", "--checkpoint-every", "6"]
     straight = run_train(tmp_path / "a", *flags)
@@ -725,6 +726,7 @@ finally:
         ("quickstart.py", ["--recipe", "fp4"], 2, "invalid choice: 'fp4'"),
         ("quickstart.py", ["--dim", "100"], 2, "--dim 100 must be a multiple of 16"),
         ("quickstart.py", ["--recipe", "mxfp8", "--dim", "48"], 2, "48 must be a multiple of 32"),
+        ("quickstart.py", ["--recipe", "nvfp4", "--dim", "48"], 2, "48 must be a multiple of 32"),
     ],
 )
 def test_usage_answers_before_torch_is_imported(script, flags, rc, expect):
@@ -738,7 +740,7 @@ def test_quickstart_choices_are_the_float8_recipes():
     import cli
 
     r = run_script(str(RECIPES / "quickstart.py"), "--help")
-    assert "{" + ",".join(cli.FLOAT8_MODES[1:]) + "}" in r.stdout
+    assert "{" + ",".join(cli.RECIPE_MODES) + "}" in r.stdout
 
 
 def test_cli_presets_are_the_models():

@@ -109,6 +109,7 @@ MEASURES = {
     ],
     "fsdp_blockwise": [f"{_M}/fsdp_blockwise.py", f"{_M}/gloo.py"],
     "fsdp_mx": [f"{_M}/fsdp_mx.py", f"{_M}/gloo.py"],
+    "nvfp4": [f"{_M}/nvfp4.py", f"{_M}/refs.py"],
     "expert_parallel": [f"{_M}/expert_parallel.py", f"{_M}/gloo.py", "recipes/model.py"],
     "fsdp_mesh": [f"{_M}/fsdp_mesh.py", f"{_M}/gloo.py"],
     "qgz": [f"{_M}/qgz.py", f"{_M}/gloo.py", f"{_M}/refs.py", "benchmarks/common.py"],
@@ -197,11 +198,26 @@ def demo_avx2() -> None:
 
 
 def tiny() -> None:
-    """Every --float8 mode on the tiny preset (60 steps)."""
+    """Every --float8 mode on the tiny preset (60 steps), the nvfp4 ablations included."""
     compare_runs(
         "tiny",
-        ["--preset", "tiny", "--modes", "none,tensorwise,rowwise,rowwise_with_gw_hp,delayed,mxfp8"],
+        ["--preset", "tiny", "--modes", ",".join(TINY_MODES)],
     )
+
+
+# every recipe, and the nvfp4 recipe less each of its parts (the ablation)
+TINY_MODES = [
+    "none",
+    "tensorwise",
+    "rowwise",
+    "rowwise_with_gw_hp",
+    "delayed",
+    "mxfp8",
+    "nvfp4",
+    "nvfp4_no_rht",
+    "nvfp4_no_sr",
+    "nvfp4_no_tail",
+]
 
 
 # ---------------------------------------------------------------------------- numerics
@@ -254,6 +270,26 @@ def mx_numerics() -> None:
             "rows": n.mx_sqnr_table(),
             "thresholds_db": n.MX_ACCURACY_DB,
             "outlier_columns": n.MX_OUTLIER_COLUMNS,
+        },
+        time.perf_counter() - t0,
+    )
+
+
+def nvfp4_numerics() -> None:
+    """The nvfp4 recipe and its ablations against fp64 on the issue's bar (one pass, and
+    grad_weight averaged over 64 passes), beside torchao 0.18's NVFP4 cast."""
+    from benchmarks.measures import nvfp4 as n
+
+    t0 = time.perf_counter()
+    write(
+        "nvfp4_numerics",
+        MEASURES["nvfp4"],
+        {
+            "rows": n.sqnr_table(),
+            "thresholds_db": n.ACCURACY_DB,
+            "averaged_passes": n.AVERAGED_PASSES,
+            "outlier_columns": n.OUTLIER_COLUMNS,
+            "spikes": n.SPIKES,
         },
         time.perf_counter() - t0,
     )
@@ -386,8 +422,9 @@ def moe_hf() -> None:
 
 
 def moe_tiny() -> None:
-    """The moe-tiny preset (8 routed experts, top-2): bf16 vs float8 rowwise, 40 steps."""
-    compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8"])
+    """The moe-tiny preset (8 routed experts, top-2): bf16 vs rowwise, mxfp8 and nvfp4 (its
+    experts rowwise), 40 steps."""
+    compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8,nvfp4"])
 
 
 EP_COMPARE = ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8", "--nproc", "2"]
@@ -1049,6 +1086,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "scaling": scaling,
     "outliers": outliers,
     "mx_numerics": mx_numerics,
+    "nvfp4_numerics": nvfp4_numerics,
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "fsdp_mx": fsdp_mx,

@@ -364,6 +364,29 @@ def not_measured(name: str) -> str | None:
     return f"(not measured yet: python tools/measure.py {name})"
 
 
+def nvfp4_numerics_table() -> str:
+    """The nvfp4 recipe and its ablations against fp64, per case and gemm, one pass and
+    grad_weight averaged; torchao's NVFP4 cast of both output-gemm operands beside."""
+    if missing := not_measured("nvfp4_numerics"):
+        return missing
+    d = load("nvfp4_numerics")["data"]
+    rows = [
+        [
+            r["case"],
+            r["variant"],
+            f(r["output"]),
+            f(r["grad_input"]),
+            f(r["grad_weight"]),
+            f(r["grad_weight_averaged"]),
+            f(r["torchao_cast_output"]),
+        ]
+        for r in d["rows"]
+    ]
+    header = ["case", "variant", "output", "grad_input", "grad_weight"]
+    header += [f"grad_weight, mean of {d['averaged_passes']}", "output, torchao's casts"]
+    return caption("nvfp4_numerics") + "\n\n" + table(header, rows)
+
+
 def mx_numerics_table() -> str:
     """mxfp8 against fp32 beside torchao's emulated MXFP8, per case, rounding and gemm."""
     if missing := not_measured("mx_numerics"):
@@ -1604,6 +1627,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "scaling": scaling_table,
     "outliers": outliers_table,
     "mx_numerics": mx_numerics_table,
+    "nvfp4_numerics": nvfp4_numerics_table,
     "fsdp_mx": fsdp_mx_table,
     "expert_parallel": expert_parallel_table,
     "moe_tiny_ep": moe_tiny_ep_table,
