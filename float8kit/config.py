@@ -540,12 +540,6 @@ class Float8LinearConfig:
                 "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 weight, "
                 "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
             )
-        if any(getattr(self, n).is_nvfp4 for pair in self.operand_uses().values() for n in pair):
-            raise ValueError(
-                "Float8LinearConfig.enable_fsdp_float8_all_gather=True is not supported with "
-                "NVFP4 casts yet: set enable_fsdp_float8_all_gather=False (FSDP2 gathers the "
-                "hp weight; every rank casts the whole gathered weight, bitwise one device)"
-            )
         if w.is_mx or gi.is_mx:
             # MX (float8kit/distributed/fsdp_mx.py): forward gathers the weight cast along K
             # per cast_config_weight, backward's re-gather the one along N per
@@ -572,8 +566,8 @@ class Float8LinearConfig:
         if w.scaling_granularity is not ScalingGranularity.AXISWISE:
             if gi != w:
                 raise ValueError(
-                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with a tensorwise "
-                    "or blockwise weight gathers one float8 weight for both gemms, so "
+                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with a tensorwise, "
+                    "blockwise or NVFP4 weight gathers one float8 weight for both gemms, so "
                     "cast_config_weight_for_grad_input must equal cast_config_weight (or be None)"
                 )
             return

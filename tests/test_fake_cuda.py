@@ -211,7 +211,7 @@ class Mesh1:
         return 1
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed", "blockwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed", "blockwise", "nvfp4"])
 def test_fsdp_float8_all_gather_hooks_on_fake_cuda(recipe):
     config = dataclasses.replace(
         Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=True

@@ -357,8 +357,6 @@ def test_linear_config_errors_name_the_field():
         dataclasses.replace(nvfp4_config(), cast_config_input_for_grad_weight=fp4)
     with pytest.raises(ValueError, match="needs both operands ScalingGranularity.NVFP4"):
         Float8LinearConfig(cast_config_input=fp4, cast_config_grad_output=fp4)
-    with pytest.raises(ValueError, match="enable_fsdp_float8_all_gather=True is not supported"):
-        dataclasses.replace(nvfp4_config(), enable_fsdp_float8_all_gather=True)
     assert Float8LinearConfig.from_recipe_name("nvfp4") == nvfp4_config()
 
 

@@ -110,6 +110,7 @@ MEASURES = {
     "fsdp_blockwise": [f"{_M}/fsdp_blockwise.py", f"{_M}/gloo.py"],
     "fsdp_mx": [f"{_M}/fsdp_mx.py", f"{_M}/gloo.py"],
     "nvfp4": [f"{_M}/nvfp4.py", f"{_M}/refs.py"],
+    "fsdp_nvfp4": [f"{_M}/fsdp_nvfp4.py", f"{_M}/fsdp_mx.py", f"{_M}/gloo.py"],
     "expert_parallel": [f"{_M}/expert_parallel.py", f"{_M}/gloo.py", "recipes/model.py"],
     "fsdp_mesh": [f"{_M}/fsdp_mesh.py", f"{_M}/gloo.py"],
     "qgz": [f"{_M}/qgz.py", f"{_M}/gloo.py", f"{_M}/refs.py", "benchmarks/common.py"],
@@ -629,6 +630,40 @@ def fsdp_mx() -> None:
     write("fsdp_mx", MEASURES["fsdp_mx"], data, time.perf_counter() - t0)
 
 
+def fsdp_nvfp4() -> None:
+    """FSDP2 float8 all-gather of nvfp4 weights (2 and 3 gloo ranks;
+    benchmarks/measures/fsdp_nvfp4.py, which tests/test_fsdp_nvfp4.py asserts on): bytes per
+    pass against the bf16 all-gather, bitwise checks; rank 0's bytes."""
+    from benchmarks.measures import fsdp_nvfp4 as m
+    from benchmarks.measures.gloo import spawn
+
+    t0 = time.perf_counter()
+    data: dict = {"layers": [list(x) for x in m.LAYERS], "steps": m.STEPS}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in (2, 3):
+            (Path(tmp) / str(world)).mkdir()
+            where = Path(tmp) / str(world)
+            ranks = spawn("benchmarks.measures.fsdp_nvfp4:_worker_nvfp4", world, where)
+            r = ranks[0]
+            passes = {}
+            for name in ("forward", "backward"):
+                fp4 = sum(r["bytes_fp4"][name].values())
+                bf16 = sum(r["bytes_bf16"][name].values())
+                passes[name] = {"fp4": fp4, "bf16": bf16, "ratio": fp4 / bf16}
+            data[f"ranks{world}"] = {
+                "local_rows": r["local_rows"],
+                "passes": passes,
+                "weights_bitwise_one_device": all(
+                    all(x["forward_bitwise"] + x["backward_bitwise"]) for x in ranks
+                ),
+                "losses_bitwise_hp_all_gather": all(
+                    x["losses_fp4"] == x["losses_hp"] for x in ranks
+                ),
+                "grads_bitwise_hp_all_gather": all(all(x["grads_bitwise"]) for x in ranks),
+            }
+    write("fsdp_nvfp4", MEASURES["fsdp_nvfp4"], data, time.perf_counter() - t0)
+
+
 def expert_parallel() -> None:
     """Expert parallelism on 2 and 4 gloo ranks (benchmarks/measures/expert_parallel.py, which
     tests/test_expert_parallel.py asserts on): all-to-all bytes per phase summed over the
@@ -1090,6 +1125,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "fsdp": fsdp,
     "fsdp_blockwise": fsdp_blockwise,
     "fsdp_mx": fsdp_mx,
+    "fsdp_nvfp4": fsdp_nvfp4,
     "expert_parallel": expert_parallel,
     "moe_tiny_ep": moe_tiny_ep,
     "moe_tiny_dp2": moe_tiny_dp2,

@@ -440,6 +440,32 @@ def fsdp_mx_table() -> str:
     return caption("fsdp_mx") + "\n\n" + table(header, rows)
 
 
+def fsdp_nvfp4_table() -> str:
+    """Bytes per pass of the NVFP4 all-gather against bf16's, 2 and 3 ranks."""
+    if missing := not_measured("fsdp_nvfp4"):
+        return missing
+    d = load("fsdp_nvfp4")["data"]
+    rows = []
+    for world in (2, 3):
+        r = d[f"ranks{world}"]
+        for name in ("forward", "backward"):
+            p = r["passes"][name]
+            rows.append(
+                [
+                    world,
+                    name,
+                    f"{p['fp4']:,}",
+                    f"{p['bf16']:,}",
+                    f"{p['ratio']:.3f}x",
+                    "yes" if r["weights_bitwise_one_device"] else "no",
+                    "yes" if r["losses_bitwise_hp_all_gather"] else "no",
+                ]
+            )
+    header = ["ranks", "pass", "NVFP4 bytes", "bf16 bytes", "ratio"]
+    header += ["gathered weight bitwise one device", "losses bitwise the hp all-gather"]
+    return caption("fsdp_nvfp4") + "\n\n" + table(header, rows)
+
+
 EP_RUNS = {
     "rowwise/float8/bfloat16": "float8: rowwise e4m3 + e8m0 scale byte",
     "mxfp8/float8/bfloat16": "float8: MXFP8 (e4m3 + e8m0 per 32)",
@@ -1628,6 +1654,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "outliers": outliers_table,
     "mx_numerics": mx_numerics_table,
     "nvfp4_numerics": nvfp4_numerics_table,
+    "fsdp_nvfp4": fsdp_nvfp4_table,
     "fsdp_mx": fsdp_mx_table,
     "expert_parallel": expert_parallel_table,
     "moe_tiny_ep": moe_tiny_ep_table,

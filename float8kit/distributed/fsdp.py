@@ -9,7 +9,8 @@ all-reduces itself), so the all-gather moves 1 byte per element; ``fsdp_post_all
 wraps the gathered bytes as the ``Float8TrainingTensor`` the gemms use without casting again.
 Shards of whole blocks (blockwise) cast alone and gather their block scales with the bytes.
 MX weights gather the copy of the pass the all-gather serves (along K in forward, along N in
-backward): float8kit.distributed.fsdp_mx.
+backward): float8kit.distributed.fsdp_mx. NVFP4 weights gather their one 16x16-block copy as
+e2m1 codes, packed two per byte on even shards: float8kit.distributed.fsdp_nvfp4.
 How a granularity's scaling groups map onto shards and meshes is its granularity object's
 (float8kit.granularity); freshness of a precomputed scale is judged by signals alike on every
 rank (the parameter's identity and version). docs/fsdp.md explains each choice.
@@ -32,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from float8kit import cast as casting
 from float8kit import granularity, linear, scaling, state
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
-from float8kit.distributed import fsdp_mx
+from float8kit.distributed import fsdp_mx, fsdp_nvfp4
 from float8kit.granularity import ShardSpec
 from float8kit.hp_weight import HpWeight, padded_shard_size
 from float8kit.reports import REPORT_CALLS, report_flags
@@ -118,6 +119,11 @@ class Float8AllGatherWeight(HpWeight):
                 f"mesh {mesh}: drop the shard_placement_fn for it, or set "
                 "enable_fsdp_float8_all_gather=False"
             )
+        if cast.is_nvfp4:  # e2m1 codes, 16x16 blocks: one copy for both passes
+            group = mesh.get_group() if mesh.size() > 1 else None
+            return fsdp_nvfp4.pre_all_gather(
+                module, self._tensor, outer_size, mesh.size(), group, where
+            )
         if cast.is_mx:  # this pass's copy (along K forward, along N backward): fsdp_mx
             group = mesh.get_group() if mesh.size() > 1 else None
             return fsdp_mx.pre_all_gather(
@@ -200,6 +206,10 @@ class Float8AllGatherWeight(HpWeight):
             ``(weight, (data,))`` the first time (FSDP2 frees ``data``'s storage when it
             reshards and refills it before the next use); None when ``out`` is given.
         """
+        if self._config.cast_config_weight.is_nvfp4:
+            return fsdp_nvfp4.post_all_gather(
+                all_gather_outputs, metadata, param_dtype, self._config, out
+            )
         if self._config.cast_config_weight.is_mx:
             return fsdp_mx.post_all_gather(
                 all_gather_outputs, metadata, param_dtype, self._config, out
@@ -547,8 +557,8 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
     others: list[tuple[nn.Module, ShardSpec]] = []
     for _, m in sharded:
         cast = m.config.cast_config_weight
-        if cast.scaling_type is not ScalingType.DYNAMIC or cast.is_mx:
-            continue  # MX: every scale is made in the hook (see fsdp_mx)
+        if cast.scaling_type is not ScalingType.DYNAMIC or cast.is_mx or cast.is_nvfp4:
+            continue  # MX, NVFP4: every scale is made in the hook (see fsdp_mx, fsdp_nvfp4)
         where = _precompute_spec(m)
         if where is None:
             continue
