@@ -1762,7 +1762,26 @@ def _gpu_casts(recipe: str, compiled: bool, before: bool = False, lib: str = "fl
     return get
 
 
+def _nvfp4_row(case: str, variant: str) -> dict:
+    rows = load("nvfp4_numerics")["data"]["rows"]
+    return next(r for r in rows if r["case"] == case and r["variant"] == variant)
+
+
+def _nvfp4_db(fn) -> Callable[[], str]:
+    """dB from the randn rows of the recipe and of its round-to-nearest ablation."""
+    return lambda: "{:.1f} dB".format(
+        fn(_nvfp4_row("randn", "nvfp4"), _nvfp4_row("randn", "no_sr"))
+    )
+
+
 INLINE: dict[str, Callable[[], str]] = {
+    "nvfp4.weight_block_cost": _nvfp4_db(lambda r, _: r["torchao_cast_output"] - r["output"]),
+    "nvfp4.sr_cost": _nvfp4_db(lambda r, rtn: rtn["grad_weight"] - r["grad_weight"]),
+    "nvfp4.averaging_gain": _nvfp4_db(lambda r, _: r["grad_weight_averaged"] - r["grad_weight"]),
+    "nvfp4.thresholds": lambda: (
+        " / ".join(str(x) for x in load("nvfp4_numerics")["data"]["thresholds_db"]) + " dB"
+    ),
+    "nvfp4.spikes": lambda: "{:.1f}%".format(100 * load("nvfp4_numerics")["data"]["spikes"][0]),
     "gpu.casts_tensorwise_eager": _gpu_casts("tensorwise", False),
     "gpu.casts_tensorwise_eager_before": _gpu_casts("tensorwise", False, before=True),
     "gpu.casts_delayed_eager": _gpu_casts("delayed", False),
