@@ -340,14 +340,20 @@ def operand_scale(
     if state_scale is None:
         raise ValueError(f"DELAYED {role.value} scaling needs the layer's fp8_scale buffer")
     if amax_record is not None:
-        # In place on a buffer that was passed in: under torch.compile AOTAutograd turns this
-        # into a graph-input mutation, in the forward and in the backward graph alike. One op
-        # (clamp_ keeps NaN, like maximum): the recording costs no more than a DYNAMIC scale.
-        amax_record.clamp_(min=amax)
+        record_amax(amax_record, amax)
     if scale_set:
         return state_scale
     dynamic = scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
     return torch.where(state_scale < 0, dynamic, state_scale)
+
+
+def record_amax(amax_record: torch.Tensor, amax: torch.Tensor) -> None:
+    """Fold a DELAYED operand's current ``amax`` into its running record (the layer's
+    ``fp8_amax_<op>`` buffer, until ``precompute_scales``). In place on a buffer that was
+    passed in: under torch.compile AOTAutograd turns this into a graph-input mutation, in the
+    forward and in the backward graph alike. One op (clamp_ keeps NaN, like maximum): the
+    recording costs no more than a DYNAMIC scale."""
+    amax_record.clamp_(min=amax)
 
 
 def recast_with_scale(
@@ -363,7 +369,7 @@ def recast_with_scale(
     granularity) it used before: bitwise the float8 tensor that cast made. A tensorwise one
     is made column-major (the weight's grad_input gemm takes it so): one pass, no copy."""
     guard = cast.scaling_type is not ScalingType.DYNAMIC
-    if fused_cast_applies(hp, gran, fp8_dtype):
+    if fused_cast_applies(hp, gran, fp8_dtype, role, cast.scaling_type):
         _, fp8_col, _ = cast_tensorwise(
             hp, scale, fp8_dtype, role, config, guard=guard, row=False, col=True
         )
@@ -466,7 +472,7 @@ def cast_to_float8(
         )
         if record_in_cast:
             amax = cast_amax
-            amax_record.clamp_(min=amax)
+            record_amax(amax_record, amax)
     else:
         fp8 = hp_to_float8(hp, scale, fp8_dtype, role, gran, config, guard_non_finite=guard)
         fp8_col = fp8

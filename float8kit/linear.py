@@ -21,7 +21,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from float8kit import scaling, shared_cast, state
-from float8kit.cast import cast_to_float8, is_recomputing, kept_cast, recast_with_scale
+from float8kit.cast import (
+    cast_to_float8,
+    is_recomputing,
+    kept_cast,
+    recast_with_scale,
+    record_amax,
+)
 from float8kit.config import (
     GEMM_ROLES,
     CastConfig,
@@ -287,7 +293,7 @@ class _Float8Matmul(torch.autograd.Function):
                     if x_amax is not None:  # record what this layer's own cast would
                         if recorded is None:  # made by a layer that recorded nothing
                             recorded = scaling.recorded_amax(input_hp)
-                        x_amax.clamp_(min=recorded)
+                        record_amax(x_amax, recorded)
             if x is None:
                 # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy),
                 # and then written column-major too, as that gemm takes it, in the same pass;
