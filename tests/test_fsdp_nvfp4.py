@@ -58,11 +58,15 @@ def test_nvfp4_all_gather_bytes_per_pass(nv_ranks):
     for p in ("forward", "backward"):
         assert r["bytes_fp4"][p]["all_gather_single"] == padded
         assert r["bytes_bf16"][p]["all_gather_single"] == bf16
-    # the scales: one all-reduce of each weight's block-amax grid and NaN flags in forward;
-    # the backward re-gather reuses the forward's scale (the weight did not change)
+    # the scales, without precompute_scales: one all-reduce of each weight's block-amax grid
+    # and NaN flags in forward; the backward re-gather reuses the forward's scale
     grids = sum(2 * -(-n // 16) * -(-k // 16) * 4 for k, n in LAYERS)
     assert r["bytes_fp4"]["forward"]["all_reduce"] == grids
     assert r["bytes_fp4"]["backward"]["all_reduce"] == 0
+    # with precompute_scales after the optimizer step: the same grids in its one all-reduce,
+    # and none in the next step's hooks
+    assert r["precompute_all_reduce"] == {"calls": 1, "bytes": grids}
+    assert r["next_step_all_reduce_calls"] == 0
     ratio = r["bytes_fp4"]["forward"]["all_gather_single"] / bf16
     assert ratio == 0.25 if world == 2 else 0.25 < ratio < 0.5
 

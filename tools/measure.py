@@ -206,6 +206,15 @@ def tiny() -> None:
     )
 
 
+def nvfp4_small() -> None:
+    """The nvfp4 recipe and its ablations (without its Hadamard transform, its stochastic
+    rounding, its hp tail) on the small preset, where every block Linear can run NVFP4."""
+    compare_runs(
+        "nvfp4_small",
+        ["--preset", "small", "--modes", "none,nvfp4,nvfp4_no_rht,nvfp4_no_sr,nvfp4_no_tail"],
+    )
+
+
 # every recipe, and the nvfp4 recipe less each of its parts (the ablation)
 TINY_MODES = [
     "none",
@@ -1141,6 +1150,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "tp": tp,
     "tiny": tiny,
     "moe_tiny": moe_tiny,
+    "nvfp4_small": nvfp4_small,
     "demo": demo,
     "demo_busy": demo_busy,
     "demo_avx2": demo_avx2,

@@ -1647,6 +1647,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "demo_avx2": lambda: compare_table("demo_avx2"),
     "tiny": lambda: compare_table("tiny"),
     "moe_tiny": lambda: compare_table("moe_tiny"),
+    "nvfp4_small": lambda: compare_table("nvfp4_small"),
     "experts": experts_table,
     "moe_hf": moe_hf_table,
     "numerics": numerics_table,

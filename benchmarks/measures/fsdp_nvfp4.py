@@ -16,7 +16,7 @@ from torch import nn
 
 from benchmarks.measures.fsdp_mx import _spy_copies, linears
 from benchmarks.measures.gloo import _Count, _data, _train
-from float8kit import convert_to_float8_training, nvfp4, nvfp4_config
+from float8kit import convert_to_float8_training, nvfp4, nvfp4_config, precompute_scales
 
 NV = nvfp4_config()
 NV_AG = dataclasses.replace(NV, enable_fsdp_float8_all_gather=True)
@@ -112,6 +112,20 @@ def _worker_nvfp4(rank: int, world: int, tmp: str) -> dict:
         list(reversed(bwd)), True
     )
     res["non_finite_output_nan"] = bool(out.isnan().all())
+
+    # precompute_scales: the block amaxes join its one all-reduce after the optimizer step,
+    # and the next step's hooks run no collective of their own.
+    net = _fsdp(NV_AG, mesh)
+    out = net(xs[0, mine])
+    F.mse_loss(out, ys[0, mine]).backward()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    opt.step()
+    with _Count("all_reduce") as pre:
+        precompute_scales(net)
+    with _Count(*COLLECTIVES) as step:
+        net(xs[1, mine]).float().pow(2).mean().backward()
+    res["precompute_all_reduce"] = {"calls": pre.calls, "bytes": pre.bytes}
+    res["next_step_all_reduce_calls"] = step.log.count("all_reduce")
 
     # Bytes per pass, bf16 parameters: NVFP4 codes vs the bf16 all-gather.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

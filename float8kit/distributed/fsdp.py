@@ -555,12 +555,18 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
     # weight's scales are local to its shard: nothing to reduce.
     groups: dict[tuple, list[nn.Module]] = {}
     others: list[tuple[nn.Module, ShardSpec]] = []
+    fp4: list[tuple] = []  # NVFP4 weights: fsdp_nvfp4.contribution
     for _, m in sharded:
         cast = m.config.cast_config_weight
-        if cast.scaling_type is not ScalingType.DYNAMIC or cast.is_mx or cast.is_nvfp4:
-            continue  # MX, NVFP4: every scale is made in the hook (see fsdp_mx, fsdp_nvfp4)
+        if cast.scaling_type is not ScalingType.DYNAMIC or cast.is_mx:
+            continue  # MX: every scale is made in the hook (see fsdp_mx)
         where = _precompute_spec(m)
         if where is None:
+            continue
+        if cast.is_nvfp4:
+            if where.n_slots == 1:  # (the hook refuses multi-dim meshes)
+                start = where.offset if where.dim == 0 else 0
+                fp4.append((m, m.weight._local_tensor._tensor, start, where.outer_shape))
             continue
         mesh = m.fp8_state.shard_mesh or m.weight.device_mesh
         gran = granularity.weight(cast)
@@ -570,8 +576,9 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
             groups.setdefault((cast, m.config.round_scales_to_power_of_2), []).append(m)
         else:
             others.append((m, where))
+    extra = [fsdp_nvfp4.contribution(fp4)] if fp4 else []
     if not groups and not others:
-        return []
+        return extra
     mods = [m for rows in groups.values() for m in rows] + [m for m, _ in others]
     n_tensorwise = len(mods) - len(others)
     tensorwise = [m.weight._local_tensor._tensor for m in mods[:n_tensorwise]]
@@ -599,7 +606,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
             m.fp8_state.all_gather_scale = PrecomputedScale(scale, *stamps[i], local)
             start = stop
 
-    return [(amaxes, apply)]
+    return [(amaxes, apply), *extra]
 
 
 # ---------------------------------------------------------------------------- Float8Linear

@@ -8,9 +8,11 @@ weight is bitwise the one-device cast (``nvfp4.quantize(w, (16, 16))``):
   each rank takes the amaxes of the blocks its rows touch (a block cut by a shard boundary
   gets a partial amax from each side), and one all-reduce(MAX) of the block-amax grid (with
   a NaN flag per block: MAX is not defined on NaN) gives every rank the full grid. The
-  forward's scale is kept for the backward's re-gather while the weight is the same object
-  at the same version (FSDP2 re-gathers the unchanged weight): one collective per weight
-  and step, in the hook (``precompute_scales`` does not fold NVFP4 weights in).
+  block amaxes join ``precompute_scales``' one all-reduce after the optimizer step (the
+  ``contribution``), and the hooks of the next step use the scales it keeps; without a fresh
+  one (the first step, no ``precompute_scales``) the hook all-reduces itself. A scale is
+  fresh while the weight is the same parameter at the same version (alike on every rank),
+  so the backward's re-gather reuses the forward's.
 - The shard's codes: its elements times their block's factor ``(1 / tensor_scale) /
   block_scale``, rounded to nearest: the products the one-device cast forms.
 
@@ -134,23 +136,51 @@ def _cast_rows(shard: torch.Tensor, start: int, scale: torch.Tensor) -> torch.Te
 
 
 def _whole_weight_scale(module, shard, start, outer_size, world, group) -> torch.Tensor:
-    """The whole weight's NVFP4 scale: the forward's while the weight is unchanged (the
-    backward re-gather), else from one all-reduce of the block amaxes."""
-    param = module.weight
+    """The whole weight's NVFP4 scale: the one ``precompute_scales`` or the forward made
+    while the weight is unchanged (the same parameter at the same version: alike on every
+    rank), else from one all-reduce of the block amaxes, now."""
     kept = _SCALES.get(module)
-    if kept is not None and kept[0]() is param and kept[1] == param._version:
+    if kept is not None and kept[0]() is module.weight and kept[1] == module.weight._version:
         return kept[2]
-    grid = _block_amaxes(shard, start, outer_size)
-    nan = grid.isnan()
-    both = torch.stack([scaling.nan_to_inf(grid), nan.to(torch.float32)])
+    partial = _partial_amaxes(shard, start, outer_size)
     if world > 1:
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    grid = torch.where(both[1] > 0, math.nan, both[0])
+        dist.all_reduce(partial, op=dist.ReduceOp.MAX, group=group)
+    return _keep_scale(module, partial, (weakref.ref(module.weight), module.weight._version))
+
+
+def contribution(mods: list[tuple[nn.Module, torch.Tensor, int, torch.Size]]):
+    """``precompute_scales``' part for NVFP4 float8 all-gather weights (``(module, local
+    shard, its first row, outer size)`` each): their partial block amaxes, in its one
+    all-reduce, and an ``apply`` that keeps each weight's next scale for its hook (stamped
+    with the weight's version now, after the optimizer step)."""
+    parts = [_partial_amaxes(shard, start, outer) for _, shard, start, outer in mods]
+    stamps = [(weakref.ref(m.weight), m.weight._version) for m, *_ in mods]
+
+    def apply(reduced: torch.Tensor) -> None:
+        at = 0
+        for (m, *_), part, stamp in zip(mods, parts, stamps, strict=True):
+            _keep_scale(m, reduced[at : at + part.numel()].reshape(part.shape), stamp)
+            at += part.numel()
+
+    return torch.cat([p.reshape(-1) for p in parts]), apply
+
+
+def _keep_scale(module: nn.Module, reduced: torch.Tensor, stamp) -> torch.Tensor:
+    """The whole weight's scale from its all-reduced ``_partial_amaxes``, kept for the hook."""
+    grid = torch.where(reduced[1] > 0, math.nan, reduced[0])
     tensor = nvfp4.tensor_scale(scaling.amax(grid))  # NaN propagates, as one device's
     blocks = nvfp4.block_scale(grid, tensor)
     scale = torch.stack([blocks, tensor.expand_as(blocks)])
-    _SCALES[module] = (weakref.ref(param), param._version, scale)
+    _SCALES[module] = (*stamp, scale)
     return scale
+
+
+def _partial_amaxes(shard: torch.Tensor, start: int, outer_size: torch.Size) -> torch.Tensor:
+    """(2, ceil(N / 16), ceil(K / 16)): this shard's block amaxes (NaN as inf: MAX is not
+    defined on NaN) and a flag per block where a NaN is; all-reduce(MAX) makes them the whole
+    weight's."""
+    grid = _block_amaxes(shard, start, outer_size)
+    return torch.stack([scaling.nan_to_inf(grid), grid.isnan().to(torch.float32)])
 
 
 def _block_amaxes(shard: torch.Tensor, start: int, outer_size: torch.Size) -> torch.Tensor:
