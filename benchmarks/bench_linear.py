@@ -54,6 +54,11 @@ LLAMA = {
 LLAMA_TOKENS = (4096, 8192, 16384)
 
 
+# NVFP4's elements have 4 bits: its floor (one layer measures 15-17 dB against the hp
+# reference, docs/numerics.md); --min-sqnr applies to the float8 recipes
+FP4_MIN_SQNR_DB = 12.0
+
+
 def llama_shapes(size: str) -> list[tuple[str, int, int, int]]:
     a = LLAMA[size]
     kv = a["n_kv_heads"] * a["dim"] // a["n_heads"]
@@ -364,12 +369,13 @@ def main() -> int:
                 f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
                 f"{row['mode']}: float8kit failed: {row['float8kit_error']}"
             )
+        floor = min(args.min_sqnr, FP4_MIN_SQNR_DB) if row["recipe"] == "nvfp4" else args.min_sqnr
         for name in ("float8kit", "torchao"):
             s = row.get(f"{name}_sqnr_db", "absent")
-            if s != "absent" and s is not None and s < args.min_sqnr:
+            if s != "absent" and s is not None and s < floor:
                 bad.append(
                     f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
-                    f"{row['mode']}: {name} SQNR {s} dB < {args.min_sqnr} dB"
+                    f"{row['mode']}: {name} SQNR {s} dB < {floor} dB"
                 )
     payload = {
         **info,
@@ -378,6 +384,7 @@ def main() -> int:
         "warmup": warmup,
         "iters": iters,
         "min_sqnr_db": args.min_sqnr,
+        "min_sqnr_db_nvfp4": min(args.min_sqnr, FP4_MIN_SQNR_DB),
         "recipes": recipes,
         "rows": rows,
         "skipped": skipped,

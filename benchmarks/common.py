@@ -150,12 +150,20 @@ def runnable_recipes(device: torch.device, recipes: Sequence[str]) -> tuple[list
             run.append(recipe)  # not ours to judge: the script records what float8kit says
             continue
         config = float8kit.Float8LinearConfig.from_recipe_name(recipe)
-        uses = config.operand_uses().values()
-        mx = any(getattr(config, name).is_mx for names in uses for name in names)
-        if mx and device.type == "cuda" and not versions.mx_kernels_supported(device.index):
+        casts = [
+            getattr(config, name) for names in config.operand_uses().values() for name in names
+        ]
+        kind = (
+            "MX"
+            if any(c.is_mx for c in casts)
+            else "NVFP4"
+            if any(c.is_nvfp4 for c in casts)
+            else None
+        )
+        if kind and device.type == "cuda" and not versions.mx_kernels_supported(device.index):
             major, minor = torch.cuda.get_device_capability(device)
             skipped.append(
-                f"{recipe}: its MX gemms need an sm100 (Blackwell) GPU; "
+                f"{recipe}: its {kind} gemms need an sm100 (Blackwell) GPU; "
                 f"{torch.cuda.get_device_name(device)} is sm{major}{minor}"
             )
         else:
