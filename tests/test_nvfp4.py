@@ -427,3 +427,48 @@ def test_monitor_measures_nvfp4_layers_without_moving_the_random_stream():
         (layer, g) for layer in ("0", "1") for g in ("output", "grad_input", "grad_weight")
     }
     assert all(10 < r["sqnr_db"] < 40 for r in rows), rows
+
+
+def test_activation_checkpointing_is_bitwise_and_keeps_the_gemm_outputs(monkeypatch):
+    # stochastic rounding draws in backward only, and torch's checkpoint recomputes the
+    # forward on a fork of the generator: full and selective (checkpoint_policy)
+    # checkpointing give the gradients of no checkpointing, bitwise; the policy keeps the
+    # NVFP4 gemm outputs (no gemm recomputed), full checkpointing reruns the forward gemms
+    import copy
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    def block():
+        b = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
+        return float8kit.convert_to_float8_training(b, config=nvfp4_config())
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(block(), block()).bfloat16()
+    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    policy = functools.partial(create_selective_checkpoint_contexts, float8kit.checkpoint_policy())
+    wrap = {
+        "none": lambda m: m,
+        "full": checkpoint_wrapper,
+        "selective": functools.partial(checkpoint_wrapper, context_fn=policy),
+    }
+    grads, gemms = {}, {}
+    for name, fn in wrap.items():
+        model = fn(copy.deepcopy(ref))
+        torch.manual_seed(5)
+        out = model(x).float().square().mean()
+        calls, real = [], gemm.nvfp4_scaled_mm
+        counting = functools.partial(_counted, calls, real)
+        monkeypatch.setattr(gemm, "nvfp4_scaled_mm", counting)
+        out.backward()
+        monkeypatch.setattr(gemm, "nvfp4_scaled_mm", real)
+        grads[name], gemms[name] = [p.grad for p in model.parameters()], len(calls)
+    assert gemms == {"none": 8, "full": 12, "selective": 8}
+    for name in ("full", "selective"):
+        assert all(torch.equal(a, b) for a, b in zip(grads[name], grads["none"], strict=True))
+
+
+def _counted(calls: list, fn, *args, **kwargs):
+    calls.append(1)
+    return fn(*args, **kwargs)
