@@ -45,16 +45,15 @@ def test_nvfp4_all_gather_trains_bitwise_like_the_hp_all_gather(nv_ranks):
 def test_nvfp4_all_gather_bytes_per_pass(nv_ranks):
     world, results = nv_ranks
     r = results[0]
-    codes = sum(
-        n * k // (2 if packs(n, world) else 1) for k, n in LAYERS
-    )  # gathered bytes of the three weights' codes
+    # gathered bytes: FSDP2's padded rows, codes two per byte where the shards are even
     chunk_rows = [-(-n // world) * world for _, n in LAYERS]
     padded = sum(
         rows * k // (2 if packs(n, world) else 1)
         for (k, n), rows in zip(LAYERS, chunk_rows, strict=True)
     )
     bf16 = sum(rows * k * 2 for (k, _), rows in zip(LAYERS, chunk_rows, strict=True))
-    assert padded >= codes
+    if world == 2:  # even shards, no padding: exactly half a byte per weight element
+        assert padded == sum(n * k for k, n in LAYERS) // 2
     for p in ("forward", "backward"):
         assert r["bytes_fp4"][p]["all_gather_single"] == padded
         assert r["bytes_bf16"][p]["all_gather_single"] == bf16
