@@ -39,7 +39,7 @@ from float8kit.experts import (
     convert_experts_to_float8_training,
     default_expert_filter,
 )
-from float8kit.granularity import MX, NVFP4, Axiswise, Blockwise, Tensorwise
+from float8kit.formats import MX, NVFP4, Axiswise, Blockwise, Tensorwise
 from float8kit.linear import Float8Linear
 from float8kit.monitor import Float8Monitor
 from float8kit.precompute import precompute_float8_dynamic_scale_for_fsdp, precompute_scales

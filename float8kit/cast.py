@@ -18,13 +18,11 @@ Internal.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate
 
-from float8kit import granularity, nvfp4, scaling, versions
+from float8kit import formats, scaling
 from float8kit.config import (
     E4M3,
     E5M2,
@@ -33,34 +31,16 @@ from float8kit.config import (
     GemmRole,
     ScalingType,
 )
-from float8kit.granularity import TENSORWISE, Granularity
+from float8kit.formats import (  # noqa: F401  (to_fp8_blocks, to_mx: cast's API too)
+    TENSORWISE,
+    Format,
+    to_fp8_blocks,
+    to_fp8_saturated,
+    to_mx,
+)
 from float8kit.tensor import Float8TrainingTensor, local, wrap_local
 
 # ---------------------------------------------------------------------------- saturation
-
-
-def to_fp8_saturated(
-    hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, *, guard_non_finite: bool = True
-) -> torch.Tensor:
-    """``saturate(hp * scale)`` as ``fp8_dtype``: finite values clamp to +-fp8_max, inf/NaN stay
-    non-finite (NaN in e4m3fn, which has no inf; inf/NaN kept in e5m2).
-
-    ``guard_non_finite=False`` skips the elementwise pass that restores non-finite values
-    after the clamp. That is safe exactly when ``scale`` came from this tensor's own amax
-    (DYNAMIC): an inf makes the amax inf and the scale 0 (``inf * 0 = NaN``), a NaN makes the
-    scale NaN, and the clamp keeps NaN. A scale from elsewhere (delayed, static, precomputed)
-    needs the guard, or an inf would saturate to +-fp8_max.
-    """
-    scaled = hp.to(torch.float32) * scale
-    limit = scaling.fp8_max(fp8_dtype)
-    clamped = torch.clamp(scaled, min=-limit, max=limit)
-    if not guard_non_finite:
-        return clamped.to(fp8_dtype)
-    # Adding (scaled - scaled) is 0 for finite values and NaN for inf/NaN: one fused
-    # elementwise op that puts non-finite values back after the clamp.
-    if fp8_dtype == E4M3:
-        return (clamped + (scaled - scaled)).to(fp8_dtype)
-    return torch.where(torch.isfinite(scaled), clamped, scaled).to(fp8_dtype)
 
 
 def cast_tensorwise_reference(
@@ -127,7 +107,7 @@ def _(hp, scale, fp8_dtype, guard, row, col, amax):
 
 def fused_cast_applies(
     hp: torch.Tensor,
-    gran: Granularity,
+    gran: Format,
     fp8_dtype: torch.dtype,
     role: GemmRole = GemmRole.WEIGHT,
     kind: ScalingType = ScalingType.STATIC,
@@ -181,96 +161,6 @@ def cast_tensorwise(
     )
 
 
-def to_fp8_blocks(
-    hp: torch.Tensor,
-    scale: torch.Tensor,
-    block: tuple[int, int],
-    fp8_dtype: torch.dtype,
-    *,
-    guard_non_finite: bool = True,
-) -> torch.Tensor:
-    """``to_fp8_saturated`` of a 2-D ``hp`` with one scale per ``block`` (``scale`` has
-    ``block_amax``'s shape). Same shape as ``hp``, contiguous."""
-    r, c = hp.shape
-    blocked = scaling.blocked(hp, block)
-    data = to_fp8_saturated(
-        blocked, scale[:, None, :, None], fp8_dtype, guard_non_finite=guard_non_finite
-    )
-    data = data.reshape(blocked.shape[0] * blocked.shape[1], -1)
-    if data.shape != (r, c):
-        data = data[:r, :c].contiguous()
-    return data
-
-
-def to_mx(
-    hp: torch.Tensor, dim: int, fp8_dtype: torch.dtype = E4M3, rounding: str = "rceil"
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The MX cast (OCP MXFP8): ``(fp8 data, e8m0 scale)`` with one power-of-two scale per
-    32 elements of ``hp`` along ``dim`` (a partial last block is a block of fewer elements).
-
-    The scale byte comes from each block's amax (``scaling.mx_scale_bits``; ``rounding``
-    "rceil" or "floor"); the data is ``saturate(hp * 2 ** (127 - byte))`` in fp32, rounded
-    to ``fp8_dtype``. Returns data of ``hp``'s shape whose memory is ``dim``-major (for
-    ``dim`` 0 of a 2-D tensor: column-major, the layout the gemm that reduces that dim
-    takes), and the e8m0 scale bytes (uint8: the bits of ``torch.float8_e8m0fnu``, which
-    inductor's CPU backend cannot hold) of ``hp``'s shape with ``dim`` reduced to
-    ceil(n / 32), laid out the same way.
-
-    Non-finite values stay visible: a block with a NaN gets scale byte 255 and, with
-    "rceil", all-NaN data (with "floor", the NaN itself); an inf becomes NaN (e4m3fn has no
-    inf; e5m2 keeps inf) where torchao's ``to_mx`` saturates it to fp8_max.
-    """
-    dim = dim % hp.dim()
-    if (
-        hp.device.type == "cpu"
-        and not versions.CPU_INDUCTOR_FUSES_MX_CASTS
-        # dynamo tracing, or AOTAutograd tracing a subclass's ops (the MX experts' weight
-        # wrapper), where dynamo's flag is off but the tensors are fake
-        and (torch.compiler.is_compiling() or is_fake(hp))
-    ):
-        data, byte = _to_mx_last_dim(hp.movedim(dim, -1), fp8_dtype, rounding)
-        return data.movedim(-1, dim), byte.movedim(-1, dim)
-    return _to_mx(hp, dim, fp8_dtype, rounding)
-
-
-@torch.library.custom_op("float8kit::to_mx_last_dim", mutates_args=())
-def _to_mx_last_dim(
-    hp: torch.Tensor, fp8_dtype: torch.dtype, rounding: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``to_mx`` along the last dim, an opaque op to a compiled graph where the CPU inductor
-    cannot fuse MX casts (``versions.CPU_INDUCTOR_FUSES_MX_CASTS``); contiguous outputs."""
-    data, byte = _to_mx(hp, hp.dim() - 1, fp8_dtype, rounding)
-    return data.contiguous(), byte.contiguous()
-
-
-@_to_mx_last_dim.register_fake
-def _(hp, fp8_dtype, rounding):
-    blocks = (*hp.shape[:-1], -(-hp.shape[-1] // 32))
-    return hp.new_empty(hp.shape, dtype=fp8_dtype), hp.new_empty(blocks, dtype=torch.uint8)
-
-
-def _to_mx(hp: torch.Tensor, dim: int, fp8_dtype: torch.dtype, rounding: str):
-    n = hp.shape[dim]
-    amax = scaling.mx_block_amax(hp, dim)
-    byte = scaling.mx_scale_bits(amax, fp8_dtype, rounding)
-    blocks = scaling.mx_blocks(hp, dim)  # (..., nb, 32), dim moved last
-    mult = scaling.mx_multiplier(byte, rounding).movedim(dim, -1).unsqueeze(-1)
-    scaled = blocks.to(torch.float32) * mult
-    limit = scaling.fp8_max(fp8_dtype)
-    clamped = torch.clamp(scaled, min=-limit, max=limit)  # keeps NaN
-    # an inf in a finite block's scale stays inf after the multiply: NaN (e4m3fn) or inf
-    # (e5m2) instead of fp8_max, so that an overflow is never saturated away
-    fill = math.nan if fp8_dtype == E4M3 else scaled
-    # contiguous in the blocked order: dim-major, as the gemm that reduces ``dim`` takes it
-    data = torch.where(torch.isinf(scaled), fill, clamped).to(
-        fp8_dtype, memory_format=torch.contiguous_format
-    )
-    data = data.flatten(-2)  # (not reshape(..., -1): ambiguous for an empty tensor)
-    if data.shape[-1] != n:
-        data = data[..., :n]
-    return data.movedim(-1, dim), byte
-
-
 # ---------------------------------------------------------------------------- operands
 
 
@@ -279,23 +169,14 @@ def hp_to_float8(
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
     role: GemmRole,
-    gran: Granularity = TENSORWISE,
+    gran: Format = TENSORWISE,
     config: Float8LinearConfig | None = None,
     *,
     guard_non_finite: bool = True,
 ) -> Float8TrainingTensor:
     """Cast ``hp`` with a given ``scale`` (fp8 = saturate(hp * scale)), laid out as ``gran``
     says, and wrap it. ``guard_non_finite``: see ``to_fp8_saturated``."""
-    if gran.nvfp4_block is not None:  # the same cast again, with the scale it used
-        data, scale = nvfp4.quantize(
-            hp, gran.nvfp4_block, hadamard_dim=gran.hadamard_dim, scale=scale
-        )
-    elif gran.block is not None:
-        data = to_fp8_blocks(hp, scale, gran.block, fp8_dtype, guard_non_finite=guard_non_finite)
-    elif gran.mx_dim is not None:  # e8m0 bytes: their multiplier 2 ** (127 - byte)
-        data = to_fp8_saturated(hp, gran.multiplier(scale, hp.shape), fp8_dtype)
-    else:
-        data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard_non_finite)
+    data, scale = gran.quantize(hp, scale, fp8_dtype, guard_non_finite)
     return Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
 
 
@@ -363,7 +244,7 @@ def recast_with_scale(
     config: Float8LinearConfig,
     scale: torch.Tensor,
     fp8_dtype: torch.dtype,
-    gran: Granularity,
+    gran: Format,
 ) -> Float8TrainingTensor:
     """Redo a tensorwise or blockwise cast of ``hp`` with the ``scale`` (and float8 dtype and
     granularity) it used before: bitwise the float8 tensor that cast made. A tensorwise one
@@ -419,27 +300,17 @@ def cast_to_float8(
     if isinstance(hp, DTensor):  # tensor parallel
         fp8 = _cast_dtensor(hp, cast, role, reduce_dim, config, state_scale, amax_record, scale_set)
         return _layouts(fp8, fp8, row, col)
-    gran = granularity.of(cast, role, reduce_dim, hp.dim())
-    if gran.nvfp4_block is not None:  # NVFP4 is DYNAMIC only (CastConfig)
-        data, scale = nvfp4.quantize(
-            hp,
-            gran.nvfp4_block,
-            hadamard_dim=gran.hadamard_dim,
-            stochastic=cast.stochastic_rounding,
-        )
-        fp8 = Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
-        return _layouts(fp8, fp8, row, col)
-    if gran.mx_dim is not None:  # MX is DYNAMIC only (CastConfig)
-        data, scale = to_mx(hp, gran.mx_dim, cast.dtype_for(role), cast.mx_scale_rounding)
-        fp8 = Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
-        return _layouts(fp8, fp8, row, col)
+    gran = formats.of(cast, role, reduce_dim, hp.dim())
     fp8_dtype = cast.dtype_for(role)
     fused = one_pass and fused_cast_applies(hp, gran, fp8_dtype, role, cast.scaling_type)
+    if cast.scaling_type is ScalingType.DYNAMIC and not fused:
+        # the format's own scale rule (amax -> scale; MX's e8m0, NVFP4's two levels)
+        data, scale = gran.quantize_dynamic(hp, fp8_dtype, cast, config.round_scales_to_power_of_2)
+        fp8 = Float8TrainingTensor(data, scale, hp.dtype, role, gran, config)
+        return _layouts(fp8, fp8, row, col)
     amax = None
     record_in_cast = False  # DELAYED with its scale set: the cast pass finds the amax
-    if gran.block is not None:
-        amax = gran.amax(hp)  # blockwise is DYNAMIC only (CastConfig)
-    elif needs_amax(cast, amax_record is not None, scale_set):
+    if needs_amax(cast, amax_record is not None, scale_set):
         if scale_set and hp.numel() > 0:
             # only recorded (DELAYED, scale set): in the cast pass, or one reduction op in hp
             record_in_cast = fused
@@ -514,14 +385,14 @@ def _cast_dtensor(
         hp = hp.redistribute(
             placements=[Replicate() if p.is_partial() else p for p in hp.placements]
         )
-    gran = granularity.of(cast, role, reduce_dim, hp.dim())
-    if gran.nvfp4_block is not None:
+    gran = formats.of(cast, role, reduce_dim, hp.dim())
+    if gran.capabilities.tensor_parallel is None:
         raise NotImplementedError(
-            "float8kit: NVFP4 casts of tensor-parallel DTensors are not supported (the tensor "
-            "scale would need the amax of the whole tensor): keep these layers out of "
-            "parallelize_module, or use another recipe under tensor parallelism"
+            f"float8kit: {gran.short()} casts of tensor-parallel DTensors are not supported: "
+            "keep these layers out of parallelize_module, or use another recipe under tensor "
+            "parallelism"
         )
-    if gran.block is not None or gran.mx_dim is not None:
+    if gran.capabilities.tensor_parallel == formats.LOCAL_BLOCKS:
         # Every block's scale is its own: each rank casts its shard in blocks of its own
         # (a partial block at a shard edge is zero-padded, as at a tensor edge), which is a
         # blockwise cast of the local operand the local gemm uses. No collective.

@@ -47,7 +47,7 @@ class ScalingGranularity(enum.Enum):
     MX = "mx"
     # NVFP4 (Blackwell): e2m1 elements, one e4m3 scale per 16 consecutive elements along the
     # dim each gemm reduces and one fp32 scale per tensor (two levels); weights in 16x16
-    # blocks, so that one cast serves both of the weight's gemms (float8kit/nvfp4.py)
+    # blocks, so that one cast serves both of the weight's gemms (float8kit/formats/nvfp4.py)
     NVFP4 = "nvfp4"
 
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
 
 from torch import nn
 
-from float8kit.config import MX_BLOCK, CastConfig, Float8LinearConfig, ScalingGranularity
+from float8kit import formats
+from float8kit.config import Float8LinearConfig
 from float8kit.linear import Float8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -29,18 +29,15 @@ def default_module_filter(
 
 def required_multiple(config: Float8LinearConfig) -> int:
     """What both dims of a layer with ``config`` must be multiples of: 16 (CUDA's float8
-    gemms), the block size of blockwise casts (128), 32 for MX casts (one e8m0 scale per 32
-    elements along each layer dim: in_features is the output gemm's K, out_features the
-    grad_input gemm's), 32 for NVFP4 casts (the CUDA kernel's K: 16 bytes of packed e2m1)."""
+    gemms), or what a cast's format needs (``Format.filter_multiple``): the block size of
+    blockwise casts (128), 32 for MX casts (one e8m0 scale per 32 elements along each layer
+    dim: in_features is the output gemm's K, out_features the grad_input gemm's), 32 for
+    NVFP4 casts (the CUDA kernel's K: 16 bytes of packed e2m1)."""
     multiple = 16
-    for field in dataclasses.fields(config):
-        cast = getattr(config, field.name)
-        if not isinstance(cast, CastConfig) or not cast.enabled:
-            continue
-        if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
-            multiple = math.lcm(multiple, cast.block_size)
-        elif cast.is_mx or cast.is_nvfp4:  # NVFP4: K packed two per byte, 16 bytes
-            multiple = math.lcm(multiple, MX_BLOCK)
+    for _, cast in formats.enabled_casts(config):
+        multiple = math.lcm(
+            multiple, formats.FORMATS[cast.scaling_granularity].filter_multiple(cast)
+        )
     return multiple
 
 
@@ -99,27 +96,28 @@ def set_hp_forward(model: nn.Module, enabled: bool = True) -> int:
 
 
 def check_layer_dims(linear: nn.Module, config: Float8LinearConfig, fqn: str = "") -> None:
-    """Raise naming the layer when ``config`` casts MX blocks along a dim of ``linear`` that
-    is not a multiple of 32 (a block would straddle two rows of the weight's scale grid
-    only in part, which no MX kernel takes). Other recipes run any shape on CPU and say
-    what CUDA needs at the gemm (``float8kit.gemm.kernel_plan``)."""
-    if not any(
-        isinstance(c := getattr(config, f.name), CastConfig) and c.enabled and c.is_mx
-        for f in dataclasses.fields(config)
-    ):
-        return
-    bad = [
-        f"{name}={getattr(linear, name)}"
-        for name in ("in_features", "out_features")
-        if getattr(linear, name) % MX_BLOCK
-    ]
-    if bad:
-        raise ValueError(
-            f"float8kit: {fqn or '<root>'} ({', '.join(bad)}) cannot run MX gemms: MX casts "
-            f"need in_features and out_features to be multiples of {MX_BLOCK} (one e8m0 "
-            "scale per 32 elements along each); keep it in hp with module_filter_fn (the "
-            "default filter does: default_module_filter(mod, fqn, config))"
-        )
+    """Raise naming the layer and the config field when a cast's format needs both layer dims
+    to be multiples of something (``Capabilities.layer_multiple``: MX, one e8m0 scale per 32
+    elements along each; NVFP4, the kernel's K of 32) and ``linear``'s are not. Other formats
+    run any shape on CPU and say what CUDA needs at the gemm (``float8kit.gemm.kernel_plan``)."""
+    for field, cast in formats.enabled_casts(config):
+        multiple = formats.capabilities(cast).layer_multiple
+        if multiple is None:
+            continue
+        bad = [
+            f"{name}={getattr(linear, name)}"
+            for name in ("in_features", "out_features")
+            if getattr(linear, name) % multiple
+        ]
+        if bad:
+            kind = cast.scaling_granularity.value.upper()
+            raise ValueError(
+                f"float8kit: {fqn or '<root>'} ({', '.join(bad)}) cannot run {kind} gemms: "
+                f"Float8LinearConfig.{field} casts {kind}, which needs in_features and "
+                f"out_features to be multiples of {multiple}; keep it in hp with "
+                "module_filter_fn (the default filter does: default_module_filter(mod, fqn, "
+                "config))"
+            )
 
 
 def _refuse_sharded(linear: nn.Module, fqn: str) -> None:

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from float8kit import versions
+from float8kit.formats import MX
 from float8kit.gemm import _CUDA_ALIGN, _is_col_major, _is_row_major, to_blocked
-from float8kit.granularity import MX
 
 
 @torch.library.custom_op("float8kit::grouped_mm_fp32", mutates_args=())

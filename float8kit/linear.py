@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from float8kit import scaling, shared_cast, state
+from float8kit import formats, scaling, shared_cast, state
 from float8kit.cast import (
     cast_to_float8,
     is_recomputing,
@@ -33,7 +33,6 @@ from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
     GemmRole,
-    ScalingGranularity,
     ScalingType,
 )
 from float8kit.hp_weight import store_plain_weight
@@ -41,18 +40,13 @@ from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 
 
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
-    """A tensor cast for one gemm can serve the other only when both casts are the same
-    tensorwise cast (axiswise scales span a different dim in each gemm), or the same
-    blockwise or NVFP4 cast of the weight (a square block is its own transpose)."""
-    gran = first.scaling_granularity
-    return (
-        first == second
-        and first.enabled
-        and (
-            gran is ScalingGranularity.TENSORWISE
-            or (weight and gran in (ScalingGranularity.BLOCKWISE, ScalingGranularity.NVFP4))
-        )
-    )
+    """A tensor cast for one gemm can serve the other when both casts are the same and its
+    format lays the operand out alike for both gemms' reduced dims: tensorwise, or a square
+    block, which is its own transpose (blockwise and NVFP4 weights)."""
+    if first != second or not first.enabled:
+        return False
+    role = GemmRole.WEIGHT if weight else GemmRole.INPUT
+    return formats.of(first, role, -1, 2) == formats.of(first, role, 0, 2)
 
 
 def _shares_delayed_input(config: Float8LinearConfig) -> bool:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from float8kit import cast, granularity
+from float8kit import cast, formats
 from float8kit.config import E4M3
 
 KINDS = ("rowwise", "mx")
@@ -89,7 +89,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tens
     ``data * 2^(byte - 127)`` per 32-block (mx). Exact for power-of-two scales (every MX
     scale; the rowwise scales of the recipes that round them)."""
     if kind == "mx":
-        return granularity.MX(1).dequantize(data, scale)
+        return formats.MX(1).dequantize(data, scale)
     return data.to(torch.float32) / scale
 
 

@@ -9,7 +9,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from float8kit.config import Float8LinearConfig, GemmRole
-from float8kit.granularity import TENSORWISE, Granularity
+from float8kit.formats import TENSORWISE, Format
 
 # aten op overload -> ``fn(func, args, kwargs)``: filled by float8kit/ops.py's ``@implements``
 # (imported by ``float8kit/__init__``), so that this module imports nothing above it. An op
@@ -24,9 +24,9 @@ class Float8TrainingTensor(torch.Tensor):
         - ``_data`` is a float8 tensor of ``self.shape``; ``self.dtype`` is ``_orig_dtype``
           (the hp dtype it stands for), so autograd and FSDP2 see an hp tensor.
         - ``_scale`` is fp32 and multiplies: ``_data ~ saturate(hp * _scale)``, laid out as
-          ``_gran`` says (float8kit.granularity: tensorwise shape ``()``, axiswise the data's
+          ``_gran`` says (float8kit.formats: tensorwise shape ``()``, axiswise the data's
           shape with the scaled-along dim reduced to 1, blockwise one scale per block); MX
-          blocks (``granularity.MX``) carry e8m0 exponent bytes (uint8) instead, which divide.
+          blocks (``formats.MX``) carry e8m0 exponent bytes (uint8) instead, which divide.
         - ``_role`` says which linear operand it is; ``_config`` carries the gemm settings
           (fast accumulation, emulate, padding) that ``mm`` on it uses (None = defaults).
         - Every aten op on it goes through ``OP_TABLE`` (float8kit/ops.py); an op not in it
@@ -37,7 +37,7 @@ class Float8TrainingTensor(torch.Tensor):
     _scale: torch.Tensor
     _orig_dtype: torch.dtype
     _role: GemmRole
-    _gran: Granularity
+    _gran: Format
     _config: Float8LinearConfig | None
 
     __slots__ = ["_data", "_scale", "_orig_dtype", "_role", "_gran", "_config"]
@@ -49,7 +49,7 @@ class Float8TrainingTensor(torch.Tensor):
         scale: torch.Tensor,
         orig_dtype: torch.dtype,
         role: GemmRole,
-        gran: Granularity = TENSORWISE,
+        gran: Format = TENSORWISE,
         config: Float8LinearConfig | None = None,
     ):
         self = torch.Tensor._make_wrapper_subclass(
@@ -115,7 +115,7 @@ class Float8TrainingTensor(torch.Tensor):
         self,
         data: torch.Tensor,
         scale: torch.Tensor | None = None,
-        gran: Granularity | None = None,
+        gran: Format | None = None,
         orig_dtype: torch.dtype | None = None,
     ):
         """A copy of this tensor's metadata around new ``data`` (and ``scale``, ``gran``)."""

@@ -11,8 +11,10 @@ from torch.distributed.fsdp import fully_shard
 from float8kit import (
     Float8Linear,
     Float8LinearConfig,
+    Float8Recipe,
     convert_to_float8_training,
     default_module_filter,
+    formats,
 )
 from tests.helpers import sqnr
 
@@ -182,3 +184,36 @@ Block(
   (odd): Linear(in_features=64, out_features=10, bias=True)
 )""",  # noqa: E501
     )
+
+
+# the formats whose layers need both dims in multiples (MX, NVFP4), from the registry
+NEEDS_DIMS = {
+    r.value: caps.layer_multiple
+    for r in Float8Recipe
+    for _, c in formats.enabled_casts(Float8LinearConfig.from_recipe_name(r))
+    if (caps := formats.capabilities(c)).layer_multiple is not None
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(NEEDS_DIMS))
+@pytest.mark.parametrize("dims", [(48, 64), (40, 24), (100, 36), (64, 48)])
+def test_conversion_refuses_dims_a_format_cannot_run(recipe, dims):
+    # Before: NVFP4 accepted 48x64, 40x24, 100x36 here (it runs them on CPU) and would have
+    # failed only at the CUDA gemm; MX refused them. Both now refuse at conversion, naming
+    # the layer, its dims and the config field, and the default filter keeps them in hp.
+    assert NEEDS_DIMS == {"mxfp8": 32, "nvfp4": 32}
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    model = nn.Sequential(nn.Linear(*dims))
+    bad = ", ".join(
+        f"{n}={d}" for n, d in zip(("in_features", "out_features"), dims, strict=True) if d % 32
+    )
+    kind = config.cast_config_input.scaling_granularity.value.upper()
+    with pytest.raises(
+        ValueError,
+        match=rf"0 \({bad}\) cannot run {kind} gemms: Float8LinearConfig\.cast_config_input "
+        rf"casts {kind}, which needs in_features and out_features to be multiples of 32",
+    ):
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, f: True)
+    assert type(model[0]) is nn.Linear  # nothing converted
+    convert_to_float8_training(model, config=config)  # the default filter keeps it hp
+    assert type(model[0]) is nn.Linear

@@ -36,6 +36,7 @@ from float8kit import (
     Float8ExpertsConfig,
     Float8Linear,
     Float8LinearConfig,
+    formats,
     gemm,
 )
 from float8kit.config import GEMM_ROLES
@@ -92,8 +93,9 @@ def record_cuda_calls(monkeypatch):
     """Count the CUDA kernel calls by kind, passing every call through to torch (whose
     meta functions check them)."""
     real_mm, real_block, real_grouped = torch._scaled_mm, F.scaled_mm, torch._scaled_grouped_mm
-    real_plan, real_mx_plan = gemm.kernel_plan, gemm.mx_kernel_plan
-    real_fp4_plan = gemm.nvfp4_kernel_plan
+    # the MX and NVFP4 plans are their formats' (float8kit/formats/), called from there
+    real_plan, real_mx_plan = gemm.kernel_plan, formats.mx.mx_kernel_plan
+    real_fp4_plan = formats.nvfp4.nvfp4_kernel_plan
 
     def scaled_mm(a, b, *, scale_a, scale_b, out_dtype=None, use_fast_accum=False, **kw):
         assert a.is_cuda
@@ -147,8 +149,8 @@ def record_cuda_calls(monkeypatch):
             HITS["scaled_mm:nvfp4_pad_inner"] += 1
         return out
 
-    monkeypatch.setattr(gemm, "mx_kernel_plan", mx_plan)
-    monkeypatch.setattr(gemm, "nvfp4_kernel_plan", fp4_plan)
+    monkeypatch.setattr(formats.mx, "mx_kernel_plan", mx_plan)
+    monkeypatch.setattr(formats.nvfp4, "nvfp4_kernel_plan", fp4_plan)
     yield
 
 

@@ -17,7 +17,7 @@ from benchmarks.measures.gloo import _bitwise, spawn
 from float8kit import E5M2, CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
 from float8kit.cast import cast_to_float8
 from float8kit.distributed.fsdp_mx import cut_blocks
-from float8kit.granularity import MX as MXGran
+from float8kit.formats import MX as MXGran
 
 
 @pytest.fixture(scope="module")

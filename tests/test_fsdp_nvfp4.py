@@ -15,7 +15,7 @@ from torch import nn
 
 from benchmarks.measures.fsdp_nvfp4 import LAYERS, NV_AG
 from benchmarks.measures.gloo import _bitwise, spawn
-from float8kit import convert_to_float8_training, nvfp4_config
+from float8kit import Float8Linear, convert_to_float8_training, nvfp4_config
 from float8kit.distributed.fsdp_nvfp4 import packs
 
 
@@ -75,13 +75,18 @@ def test_odd_in_features_are_refused_by_name():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        net = convert_to_float8_training(
+    # conversion refuses it first, naming the field (NVFP4 needs multiples of 32) ...
+    with pytest.raises(ValueError, match=r"\(in_features=33\) cannot run NVFP4 gemms"):
+        convert_to_float8_training(
             nn.Sequential(nn.Linear(33, 64, bias=False)),
             config=NV_AG,
             module_filter_fn=lambda m, f: True,
         )
+    # ... and a layer built directly still meets the hook's own check
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        linear = Float8Linear.from_float(nn.Linear(33, 64, bias=False), config=NV_AG)
+        net = nn.Sequential(linear)
         fully_shard(net, mesh=init_device_mesh("cpu", (1,)))
         with pytest.raises(ValueError, match=r"in_features, which must be even \(here 33\)"):
             net(torch.randn(4, 33))

@@ -23,7 +23,7 @@ from float8kit import scaling as scaling_mod
 from float8kit.cast import cast_to_float8, to_mx
 from float8kit.config import E4M3, E5M2, GemmRole, ScalingType
 from float8kit.convert import default_module_filter
-from float8kit.granularity import MX
+from float8kit.formats import MX
 from tests.helpers import sqnr
 
 MX_CAST = CastConfig(scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3)

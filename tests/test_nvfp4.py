@@ -1,4 +1,4 @@
-"""NVFP4 (float8kit/nvfp4.py and the nvfp4 recipe): the cast bitwise torchao 0.18's
+"""NVFP4 (float8kit/formats/nvfp4.py and the nvfp4 recipe): the cast bitwise torchao 0.18's
 ``NVFP4Tensor.to_nvfp4`` (1x16, round to nearest, per-tensor scale); stochastic rounding's
 probabilities exact on a grid and its mean unbiased; the Hadamard transform orthogonal (the
 grad_weight gemm unchanged by it up to fp32 rounding); the recipe's gemms against fp64 on
@@ -23,9 +23,9 @@ from float8kit import (
     Float8LinearConfig,
     ScalingGranularity,
     gemm,
-    nvfp4,
     nvfp4_config,
 )
+from float8kit.formats import nvfp4
 from tests.helpers import blocked_scale_index, sqnr
 
 NV = ScalingGranularity.NVFP4

@@ -36,7 +36,7 @@ from float8kit.distributed.fsdp import (
     PrecomputedScale,
     shard_spec,
 )
-from float8kit.granularity import weight as weight_granularity
+from float8kit.formats import weight as weight_granularity
 from float8kit.linear import Float8Linear
 
 WORLDS = (1, 2, 3, 8, 64, 128, 1024)

@@ -17,6 +17,8 @@ from torch import nn
 import float8kit
 from benchmarks.measures.gloo import _rel_diff, spawn
 from benchmarks.measures.tp import BATCH, MLP, RECIPES, SEQ, _data, _mlp
+from float8kit import cast, formats
+from float8kit.config import GemmRole
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +158,67 @@ def test_float8_all_gathers_need_dynamic_casts():
     ]:
         with pytest.raises(ValueError, match=f"Float8LinearConfig.{field} is blockwise"):
             style._apply(module, None)
+
+
+# the formats tensor parallelism refuses, from the registry (MX and NVFP4 today)
+NO_TP = [g.value for g, fmt in formats.FORMATS.items() if fmt.capabilities.tensor_parallel is None]
+NO_TP_RECIPES = [
+    r.value
+    for r in float8kit.Float8Recipe
+    if any(
+        c.scaling_granularity.value in NO_TP
+        for _, c in formats.enabled_casts(float8kit.Float8LinearConfig.from_recipe_name(r))
+    )
+]
+
+
+@pytest.mark.parametrize("recipe", NO_TP_RECIPES)
+def test_float8_styles_refuse_formats_without_tensor_parallel(recipe):
+    # Refused at parallelize time, naming the field. Before: Float8ColwiseParallel with
+    # sequence parallel accepted mxfp8 and nvfp4 layers, and 2 ranks then failed in the
+    # all-gather ("shape '[2, 64, 2]' is invalid") or the cast ("NVFP4 ... got 3-D").
+    from torch.distributed.tensor import Shard
+
+    assert NO_TP_RECIPES == ["mxfp8", "nvfp4"]
+    mlp = _mlp(recipe)
+    gran = mlp.w1.config.cast_config_input.scaling_granularity.value
+    for style in (
+        float8kit.Float8ColwiseParallel(),
+        float8kit.Float8ColwiseParallel(input_layouts=Shard(1)),
+        float8kit.Float8RowwiseParallel(),
+        float8kit.Float8RowwiseParallel(output_layouts=Shard(1)),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"tensor parallelism\) does not support Float8LinearConfig\.cast_config_input "
+            rf"with scaling_granularity='{gran}' \(it supports tensorwise, axiswise, blockwise\)",
+        ):
+            style._apply(mlp.w1, None)
+    prepare = float8kit.PrepareFloat8ModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Shard(0),)
+    )
+    with pytest.raises(ValueError, match=f"Float8LinearConfig.cast_config_input is {gran}"):
+        prepare._apply(mlp, None)
+
+
+def test_dtensor_cast_refuses_formats_without_tensor_parallel():
+    # torch's own styles shard a Float8Linear's weight too: its cast of a DTensor refuses a
+    # format without tensor parallelism by name (before: MX cast each shard in blocks of its
+    # own, NVFP4 raised; neither said so at parallelize time)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for recipe in NO_TP_RECIPES:
+            config = float8kit.Float8LinearConfig.from_recipe_name(recipe)
+            w = distribute_tensor(torch.randn(64, 64), mesh, [Shard(0)])
+            with pytest.raises(NotImplementedError, match="casts of tensor-parallel DTensors"):
+                cast.cast_to_float8(w, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_prepare_float8_module_input_picks_one_input_cast():

@@ -16,7 +16,8 @@ from torch import nn
 
 from benchmarks.measures.fsdp_mx import _spy_copies, linears
 from benchmarks.measures.gloo import _Count, _data, _train
-from float8kit import convert_to_float8_training, nvfp4, nvfp4_config, precompute_scales
+from float8kit import convert_to_float8_training, nvfp4_config, precompute_scales
+from float8kit.formats import nvfp4
 
 NV = nvfp4_config()
 NV_AG = dataclasses.replace(NV, enable_fsdp_float8_all_gather=True)

@@ -12,7 +12,7 @@ MX weights gather the copy of the pass the all-gather serves (along K in forward
 backward): float8kit.distributed.fsdp_mx. NVFP4 weights gather their one 16x16-block copy as
 e2m1 codes, packed two per byte on even shards: float8kit.distributed.fsdp_nvfp4.
 How a granularity's scaling groups map onto shards and meshes is its granularity object's
-(float8kit.granularity); freshness of a precomputed scale is judged by signals alike on every
+(float8kit.formats); freshness of a precomputed scale is judged by signals alike on every
 rank (the parameter's identity and version). docs/fsdp.md explains each choice.
 
 Internal, except ``fsdp_weight_contributions`` (the provider ``precompute_scales`` uses).
@@ -31,10 +31,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import cast as casting
-from float8kit import granularity, linear, scaling, state
+from float8kit import formats, linear, scaling, state
 from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
 from float8kit.distributed import fsdp_mx, fsdp_nvfp4
-from float8kit.granularity import ShardSpec
+from float8kit.formats import ShardSpec
 from float8kit.hp_weight import HpWeight, padded_shard_size
 from float8kit.reports import REPORT_CALLS, report_flags
 from float8kit.tensor import Float8TrainingTensor
@@ -129,7 +129,7 @@ class Float8AllGatherWeight(HpWeight):
             return fsdp_mx.pre_all_gather(
                 module, self._tensor, self._config, outer_size, mesh.size(), group, where
             )
-        groups = granularity.weight(cast)
+        groups = formats.weight(cast)
         if self._block_size is not None and not groups.cuts(outer_size[0], mesh.size()):
             return self._pre_all_gather_blocks(mesh, outer_size)
         scale = weight_scale_for_all_gather(self, mesh, module, where)
@@ -151,7 +151,7 @@ class Float8AllGatherWeight(HpWeight):
     @property
     def _block_size(self) -> int | None:
         """The row count of a scale block of this weight (None: not block-scaled)."""
-        block = granularity.weight(self._config.cast_config_weight).block
+        block = formats.weight(self._config.cast_config_weight).block
         return None if block is None else block[0]
 
     def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size):
@@ -166,7 +166,7 @@ class Float8AllGatherWeight(HpWeight):
 
     def _post_all_gather_blocks(self, all_gather_outputs, metadata, param_dtype, out):
         c = self._config
-        gran = granularity.weight(c.cast_config_weight)
+        gran = formats.weight(c.cast_config_weight)
         if len(all_gather_outputs) == 1 and len(metadata) > 1:
             # shards that cut blocks: the whole-block scales came as metadata (replicated);
             # drop the padding rows (a view, as rowwise below)
@@ -222,7 +222,7 @@ class Float8AllGatherWeight(HpWeight):
             _refill_scale(out, scale)
             return None
         data = data.view(self._fp8_dtype)
-        gran = granularity.weight(self._config.cast_config_weight)
+        gran = formats.weight(self._config.cast_config_weight)
         # Rowwise: drop the padding rows here (a view: FSDP2 frees and refills ``data``'s
         # storage), so the weight has one scale per row; FSDP2's as_strided to the full size
         # is then the identity.
@@ -310,7 +310,7 @@ class PrecomputedScale:
     (``gathered_amax``: one read of the local shard, no collective, no host sync), and the
     next ``precompute_scales`` compares them with ``local_amax``, the ones the scale was made
     from, and warns naming the layer (the scale is exactly stale when some group's amax
-    moved on some rank). Tensorwise these are shape (), rowwise (N, 1) (see float8kit.granularity).
+    moved on some rank). Tensorwise these are shape (), rowwise (N, 1) (see float8kit.formats).
     """
 
     scale: torch.Tensor
@@ -328,7 +328,7 @@ def weight_scale_for_all_gather(
 ) -> torch.Tensor:
     """The full weight's scale for this step's all-gather, identical on every rank of
     ``mesh`` (``where``: the shard's place in the full weight; the shard is cast with its
-    part of it, ``Granularity.shard_scale``).
+    part of it, ``Format.shard_scale``).
 
     The scale itself comes from ``operand_scale`` (float8kit/linear.py), the decision every
     cast of the layer goes through; this function only supplies its inputs for a shard:
@@ -348,7 +348,7 @@ def weight_scale_for_all_gather(
     config = weight._config
     cast = config.cast_config_weight
     kind = cast.scaling_type
-    groups, own = granularity.weight(cast), module.fp8_state
+    groups, own = formats.weight(cast), module.fp8_state
     if kind is ScalingType.STATIC and "weight" in own.uncalibrated:
         raise RuntimeError(
             "float8kit: the STATIC weight scale of a float8 all-gather weight is not set: "
@@ -498,7 +498,7 @@ def _precompute_spec(m: nn.Module) -> ShardSpec | None:
 def _group_amaxes(m: nn.Module, where: ShardSpec) -> torch.Tensor:
     """The group amaxes of ``m``'s local weight shard in the full weight's scale shape."""
     shard = m.weight._local_tensor._tensor
-    return granularity.weight(m.config.cast_config_weight).group_amaxes(shard, where)
+    return formats.weight(m.config.cast_config_weight).group_amaxes(shard, where)
 
 
 def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -535,7 +535,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
 
     One contribution for all of them: the local shards' group amaxes (tensorwise weights:
     one each, in one batched pass; rowwise: one per row of the full weight, 0 for the rows
-    other ranks own, see ``float8kit.granularity``), and an ``apply`` that turns the all-reduced
+    other ranks own, see ``float8kit.formats``), and an ``apply`` that turns the all-reduced
     amaxes into next-step scales (tensorwise: batched per cast) and stores each on its
     module, stamped with the weight version it was read at.
 
@@ -569,10 +569,10 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
                 fp4.append((m, m.weight._local_tensor._tensor, start, where.outer_shape))
             continue
         mesh = m.fp8_state.shard_mesh or m.weight.device_mesh
-        gran = granularity.weight(cast)
+        gran = formats.weight(cast)
         if gran.block is not None and not gran.cuts(where.outer_shape[0], mesh.size()):
             continue  # whole blocks on every shard: each rank's block scales are its own
-        if gran is granularity.TENSORWISE:
+        if gran is formats.TENSORWISE:
             groups.setdefault((cast, m.config.round_scales_to_power_of_2), []).append(m)
         else:
             others.append((m, where))

@@ -50,7 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from float8kit import cast as casting
 from float8kit import scaling, versions
 from float8kit.config import MX_BLOCK, Float8LinearConfig, GemmRole
-from float8kit.granularity import MX, ShardSpec
+from float8kit.formats import MX, ShardSpec
 from float8kit.tensor import Float8TrainingTensor, local
 
 

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from float8kit import nvfp4, scaling
+from float8kit import scaling
 from float8kit.config import NVFP4_BLOCK, Float8LinearConfig, GemmRole
-from float8kit.granularity import NVFP4, ShardSpec
+from float8kit.formats import NVFP4, ShardSpec, nvfp4
 from float8kit.tensor import Float8TrainingTensor
 
 WEIGHT = NVFP4(NVFP4_BLOCK, NVFP4_BLOCK)

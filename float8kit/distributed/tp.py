@@ -39,13 +39,12 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
-from float8kit import versions
+from float8kit import formats, versions
 from float8kit.cast import cast_to_float8
 from float8kit.config import (
     CastConfig,
     Float8LinearConfig,
     GemmRole,
-    ScalingGranularity,
     ScalingType,
 )
 from float8kit.linear import Float8Linear
@@ -148,7 +147,8 @@ def _float8_redistribute(
 
 
 def _check_config(config: Float8LinearConfig, where: str, field: str = "cast_config_input"):
-    """The cast before an all-gather takes its scale from the tensor itself: DYNAMIC."""
+    """The cast before an all-gather takes its scale from the whole tensor itself: DYNAMIC,
+    in a format whose DTensor cast takes the global amax (``formats.GLOBAL_AMAX``)."""
     cast = getattr(config, field)
     if cast.scaling_type is not ScalingType.DYNAMIC:
         raise ValueError(
@@ -156,12 +156,30 @@ def _check_config(config: Float8LinearConfig, where: str, field: str = "cast_con
             f"Float8LinearConfig.{field} to be DYNAMIC (got {cast.scaling_type.value}): use "
             "torch's ColwiseParallel / RowwiseParallel / PrepareModuleInput (hp all-gather) here"
         )
-    if cast.scaling_granularity is ScalingGranularity.BLOCKWISE:
+    if formats.capabilities(cast).tensor_parallel != formats.GLOBAL_AMAX:
+        fine = [
+            g.value
+            for g, fmt in formats.FORMATS.items()
+            if fmt.capabilities.tensor_parallel == formats.GLOBAL_AMAX
+        ]
         raise ValueError(
-            f"float8kit: {where} casts before the all-gather, which supports tensorwise and "
-            f"rowwise casts; Float8LinearConfig.{field} is blockwise: use torch's "
-            "ColwiseParallel / RowwiseParallel / PrepareModuleInput (hp all-gather) here"
+            f"float8kit: {where} casts before the all-gather, which supports "
+            f"{' and '.join(fine)} casts; Float8LinearConfig.{field} is "
+            f"{cast.scaling_granularity.value}: use torch's ColwiseParallel / RowwiseParallel "
+            "/ PrepareModuleInput (hp all-gather) here"
         )
+
+
+def _check_formats(module: Float8Linear, style: str) -> None:
+    """Every cast of the layer in a format that tensor parallelism supports (the allowlist:
+    refused here, at parallelize time, not in a collective later)."""
+    formats.require(
+        module.config,
+        lambda caps: caps.tensor_parallel is not None,
+        f"{style} (tensor parallelism)",
+        "keep this layer out of parallelize_module (or shard it with FSDP2 only), or use a "
+        "recipe whose formats tensor parallelism supports",
+    )
 
 
 def _check_float8_linear(module: nn.Module, style: str) -> None:
@@ -190,6 +208,7 @@ class Float8ColwiseParallel(ColwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_float8_linear(module, "ColwiseParallel")
+        _check_formats(module, "Float8ColwiseParallel")
         if self.input_layouts != self.desired_input_layouts:
             _check_config(module.config, "Float8ColwiseParallel")
         return super()._apply(module, device_mesh)
@@ -216,6 +235,7 @@ class Float8RowwiseParallel(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_float8_linear(module, "RowwiseParallel")
+        _check_formats(module, "Float8RowwiseParallel")
         if self.output_layouts[0].is_shard():
             where = "Float8RowwiseParallel(output_layouts=Shard(d))"
             _check_config(module.config, where, "cast_config_grad_output")
