@@ -23,8 +23,16 @@ unchanged before and after internal modules move. Cases (every key starts with i
 
 A tensor's hash covers its dtype, shape and raw bytes; a DTensor is gathered first
 (``full_tensor``), a ``Float8TrainingTensor`` is dequantized. Hashes depend on the CPU (its
-kernels round differently) and the torch version: ``--check`` on another machine than the
-recording's reports the difference in ``env``.
+kernels round differently: Intel and AMD CPUs of one capability too) and the torch version:
+``--check`` on another machine than the recording's reports the difference in ``env``.
+
+Recordings, one per kind of machine the project has run on (tests/test_golden.py picks the
+one whose ``env`` matches):
+
+- ``tools/golden_hashes.json``: AMD EPYC, before 0.4's restructuring (its ``env`` predates
+  ``cpu_vendor``: AuthenticAMD).
+- ``tools/golden_hashes_intel.json``: Intel Xeon (AVX512-BF16, AMX), recorded from a99e938,
+  before 0.5's formats (HEAD of that day, whose library this recording ran).
 """
 
 from __future__ import annotations
@@ -768,9 +776,23 @@ def run_dist(names: list[str]) -> tuple[dict[str, str], dict[str, float]]:
 # ---------------------------------------------------------------------------- main
 
 
+def cpu_vendor() -> str:
+    """The CPU's vendor (``vendor_id`` in /proc/cpuinfo: GenuineIntel, AuthenticAMD): fp32
+    and bf16 kernels round differently on Intel and AMD CPUs of the same capability."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def environment() -> dict:
     return {
         "torch": torch.__version__,
+        "cpu_vendor": cpu_vendor(),
         "cpu_avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "platform": platform.platform(),
@@ -814,6 +836,7 @@ def main() -> int:
     if args.record:
         with open(args.record, "w") as f:
             json.dump({"env": environment(), "hashes": hashes}, f, indent=1, sort_keys=True)
+            f.write("\n")
             f.write("\n")
         print(f"{len(hashes)} hashes written to {args.record}")
         return 0
