@@ -1,4 +1,5 @@
-"""Per-call eager overhead of a small float8 Linear: float8kit vs torchao.float8.
+"""Per-call host overhead of a small float8 Linear: float8kit vs torchao.float8, eager or
+compiled (``--compile``).
 
 A layer so small that the gemms cost next to nothing (default 16x64x64), forward + backward,
 eager. float8kit, torchao and a bf16 ``nn.Linear`` (same weights) are timed in blocks of
@@ -10,9 +11,15 @@ every layer of a small model; on a GPU the wall time of a small layer is the sam
 number (launch-bound), so --device cuda measures it with a synchronize per block. Each row
 also counts the aten ops one call dispatches (each one a kernel launch on a GPU, eager).
 
+``--compile``: each library's layer runs under ``torch.compile`` (a step function of its own,
+so that each has its own dynamo cache), forward + backward; each row then counts the dynamo
+guards the compiled forward checks before it runs (the leaf guards of every cache entry of
+its frame): host work on every call, which a per-step sync turns into GPU idle time.
+
     python benchmarks/bench_overhead.py --threads 1                   # CPU, tensorwise
     python benchmarks/bench_overhead.py --recipes tensorwise,rowwise --profile
     python benchmarks/bench_overhead.py --device cuda --shape 16x4096x4096
+    python benchmarks/bench_overhead.py --threads 1 --compile          # compiled, with guards
 
 --profile adds torch.profiler's top ops (self CPU time per call) for each library, which is
 what benchmarks/NOTES.md reads. Writes ``runs/benchmarks/<date>-<device>-overhead.json``
@@ -26,6 +33,7 @@ import copy
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import common
@@ -55,31 +63,55 @@ def make_layers(k: int, n: int, recipe: str, device, ao_float8) -> dict[str, nn.
     }
 
 
-def call(mod: nn.Module, x: torch.Tensor, go: torch.Tensor) -> None:
-    mod(x).backward(go)
-    x.grad = None
-    mod[0].weight.grad = None
+class Step:
+    """One library's fwd+bwd call on its layer: eager, or compiled from a step function of
+    its own (a code object per library: dynamo keeps its cache entries per code object)."""
+
+    def __init__(self, lib: str, mod: nn.Module, compiled: bool):
+        def step(x):
+            return mod(x)
+
+        code = step.__code__.replace(co_name=f"step_{lib}")
+        self.fn = types.FunctionType(code, step.__globals__, code.co_name, None, step.__closure__)
+        self.mod, self.run = mod, torch.compile(self.fn) if compiled else self.fn
+
+    def __call__(self, x: torch.Tensor, go: torch.Tensor) -> None:
+        self.run(x).backward(go)
+        x.grad = None
+        self.mod[0].weight.grad = None
+
+    def guards(self) -> int:
+        """The leaf guards of every dynamo cache entry of the compiled step's frame."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        def leaves(manager) -> int:
+            return len(manager.get_leaf_guards()) + sum(
+                leaves(child) for child in manager.get_child_managers()
+            )
+
+        entries = _debug_get_cache_entry_list(self.fn.__code__)
+        return sum(leaves(e.guard_manager.root) for e in entries)
 
 
-def block_us(mod, x, go, calls: int, device) -> float:
+def block_us(step: Step, x, go, calls: int, device) -> float:
     """Mean wall time per call over one block of ``calls`` calls, in microseconds."""
     common.sync(device)
     t0 = time.perf_counter()
     for _ in range(calls):
-        call(mod, x, go)
+        step(x, go)
     common.sync(device)
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def profile_top(mod, x, go, calls: int, top: int) -> list[dict]:
+def profile_top(step: Step, x, go, calls: int, top: int) -> list[dict]:
     """torch.profiler's ops by self CPU time, per call."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
-        call(mod, x, go)
+        step(x, go)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
-            call(mod, x, go)
+            step(x, go)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events)
     return [
@@ -115,6 +147,11 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=20, help="calls per timed block")
     p.add_argument("--warmup", type=int, default=20, help="untimed calls per layer first")
     p.add_argument(
+        "--compile",
+        action="store_true",
+        help="run every layer under torch.compile and count its dynamo guards",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="also record torch.profiler top ops per library (into the JSON)",
@@ -144,18 +181,19 @@ def main() -> int:
     rows, profiles = [], {}
     for recipe in [r.strip() for r in args.recipes.split(",")]:
         layers = make_layers(K, N, recipe, device, ao_float8)
+        steps = {lib: Step(lib, mod, args.compile) for lib, mod in layers.items()}
         from float8kit import precompute_scales
 
         for lib, mod in layers.items():
             for _ in range(args.warmup):
-                call(mod, x, go)
+                steps[lib](x, go)
                 if lib == "float8kit":  # steady state: DELAYED scales set, as in training
                     precompute_scales(mod)
         per_call: dict[str, list[float]] = {lib: [] for lib in LIBS}
         ratios = []
         for r in range(args.rounds):
             order = LIBS[r % 3 :] + LIBS[: r % 3]
-            got = {lib: block_us(layers[lib], x, go, args.calls, device) for lib in order}
+            got = {lib: block_us(steps[lib], x, go, args.calls, device) for lib in order}
             for lib in LIBS:
                 per_call[lib].append(got[lib])
             ratios.append(got["float8kit"] / got["torchao"])
@@ -166,7 +204,7 @@ def main() -> int:
             "K": K,
             "N": N,
             "mode": "fwd_bwd",
-            "compiled": False,
+            "compiled": args.compile,
             "float8kit_us": round(common.median(per_call["float8kit"]), 2),
             "torchao_us": round(common.median(per_call["torchao"]), 2),
             "bf16_us": round(common.median(per_call["bf16"]), 2),
@@ -176,6 +214,7 @@ def main() -> int:
             **{
                 f"{lib}_aten_ops": common.count_aten_ops(layers[lib], M, K, N, True) for lib in LIBS
             },
+            **({f"{lib}_guards": steps[lib].guards() for lib in LIBS} if args.compile else {}),
             "rounds": args.rounds,
             "calls_per_round": args.calls,
         }
@@ -183,11 +222,12 @@ def main() -> int:
         print(" ".join(f"{k}={common.fmt(v)}" for k, v in row.items()), flush=True)
         if args.profile:
             profiles[recipe] = {
-                lib: profile_top(layers[lib], x, go, 50, args.top)
+                lib: profile_top(steps[lib], x, go, 50, args.top)
                 for lib in ("float8kit", "torchao")
             }
 
-    payload = {**info, "kind": "overhead", "shape": [M, K, N], "rows": rows}
+    payload = {**info, "kind": "overhead", "shape": [M, K, N], "compiled": args.compile}
+    payload["rows"] = rows
     if profiles:
         payload["profile"] = profiles
     columns = [
@@ -205,6 +245,8 @@ def main() -> int:
         ("torchao_aten_ops", "ao aten ops"),
         ("bf16_aten_ops", "bf16 aten ops"),
     ]
+    if args.compile:
+        columns += [(f"{lib}_guards", f"{lib} dynamo guards") for lib in LIBS]
     table = common.markdown_table(rows, columns)
     for recipe, libs in profiles.items():
         for lib, ops in libs.items():
@@ -221,7 +263,11 @@ def main() -> int:
             )
     out = args.out or common.default_out(device, "overhead")
     json_path, md_path = common.write_results(
-        out, payload, table, "bench_overhead: eager per-call time, float8kit vs torchao.float8"
+        out,
+        payload,
+        table,
+        f"bench_overhead: {'compiled' if args.compile else 'eager'} per-call time, float8kit vs "
+        "torchao.float8",
     )
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")

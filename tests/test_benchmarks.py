@@ -127,6 +127,28 @@ def test_bench_overhead_ratio(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_overhead_compiled_counts_guards(tmp_path):
+    data = run_script(
+        "bench_overhead",
+        tmp_path / "overhead.json",
+        "--threads",
+        "1",
+        "--compile",
+        "--rounds",
+        "2",
+        "--calls",
+        "2",
+        "--warmup",
+        "2",
+    )
+    (row,) = data["rows"]
+    assert data["compiled"] is True and row["compiled"] is True
+    assert math.isfinite(row["ratio_float8kit_over_torchao"])
+    # every library's compiled step has guards; a bf16 Linear needs no more than a float8 one
+    assert 0 < row["bf16_guards"] <= min(row["float8kit_guards"], row["torchao_guards"])
+
+
+@pytest.mark.slow
 def test_bench_comm_bytes(tmp_path):
     data = run_script(
         "bench_comm",

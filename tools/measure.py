@@ -924,6 +924,18 @@ def bench_overhead() -> None:
     )
 
 
+def bench_overhead_compiled() -> None:
+    bench(
+        "bench_overhead",
+        "bench_overhead_compiled",
+        "--threads",
+        "1",
+        "--compile",
+        "--recipes",
+        "tensorwise,rowwise,rowwise_with_gw_hp",
+    )
+
+
 def bench_comm() -> None:
     bench("bench_comm", "bench_comm_tiny")
     bench("bench_comm", "bench_comm_small", "--preset", "small")
@@ -1155,6 +1167,7 @@ NAMES: dict[str, Callable[[], None]] = {
     "demo_busy": demo_busy,
     "demo_avx2": demo_avx2,
     "bench_overhead": bench_overhead,
+    "bench_overhead_compiled": bench_overhead_compiled,
     "bench_comm": bench_comm,
     "bench_linear": bench_linear,
     "roofline": roofline,

@@ -1009,7 +1009,10 @@ def overhead_rows() -> dict[str, dict]:
     return {r["recipe"]: r for r in load("bench_overhead")["rows"]}
 
 
-def bench_overhead_table() -> str:
+def _overhead_table(name: str, mode: str, extra: list[tuple[str, object]]) -> str:
+    """bench_overhead's rows (``name``: its JSON), with ``extra`` (header, cells of a row)
+    columns."""
+    d = load(name)
     rows = [
         [
             r["recipe"],
@@ -1017,21 +1020,46 @@ def bench_overhead_table() -> str:
             f(r["torchao_us"], ".0f"),
             f(r["bf16_us"], ".0f"),
             f"{r['ratio_float8kit_over_torchao']:.3f} ({r['ratio_q1']:.3f}-{r['ratio_q3']:.3f})",
-            f"{r['float8kit_aten_ops']} / {r['torchao_aten_ops']} / {r['bf16_aten_ops']}",
+            *(cells(r) for _, cells in extra),
         ]
-        for r in overhead_rows().values()
+        for r in d["rows"]
     ]
-    m, k, n = load("bench_overhead")["shape"]
-    return f"{caption('bench_overhead')}; {m}x{k}x{n}, fwd+bwd, eager\n\n" + table(
+    m, k, n = d["shape"]
+    header = ["recipe", "float8kit us", "torchao us", "bf16 us"]
+    header += ["float8kit / torchao (median of rounds, q1-q3)", *(h for h, _ in extra)]
+    return f"{caption(name)}; {m}x{k}x{n}, fwd+bwd, {mode}\n\n" + table(header, rows)
+
+
+def bench_overhead_table() -> str:
+    ops = "aten ops float8kit / torchao / bf16"
+    return _overhead_table(
+        "bench_overhead",
+        "eager",
         [
-            "recipe",
-            "float8kit us",
-            "torchao us",
-            "bf16 us",
-            "float8kit / torchao (median of rounds, q1-q3)",
-            "aten ops float8kit / torchao / bf16",
+            (
+                ops,
+                lambda r: (
+                    f"{r['float8kit_aten_ops']} / {r['torchao_aten_ops']} / {r['bf16_aten_ops']}"
+                ),
+            )
         ],
-        rows,
+    )
+
+
+def bench_overhead_compiled_table() -> str:
+    return _overhead_table(
+        "bench_overhead_compiled",
+        "torch.compile",
+        [
+            (
+                "dynamo guards float8kit / torchao / bf16",
+                lambda r: f"{r['float8kit_guards']} / {r['torchao_guards']} / {r['bf16_guards']}",
+            ),
+            (
+                "guards float8kit / torchao",
+                lambda r: f"{r['float8kit_guards'] / r['torchao_guards']:.2f}x",
+            ),
+        ],
     )
 
 
@@ -1672,6 +1700,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "tp": tp_table,
     "perf": perf_table,
     "bench_overhead": bench_overhead_table,
+    "bench_overhead_compiled": bench_overhead_compiled_table,
     "overhead_profile": overhead_profile_table,
     "bench_comm_tiny": lambda: bench_comm_table("bench_comm_tiny"),
     "bench_comm_small": lambda: bench_comm_table("bench_comm_small"),
