@@ -219,21 +219,26 @@ def cuda_block_gemm_path():
     import types
 
     import float8kit.gemm as g
+    from float8kit.formats import Blockwise
 
-    real_emulated, real_f = g._emulated_block_mm, g.F
+    real_emulated, real_f = Blockwise.emulated_mm, g.F
 
-    def kernel_path(a_data, b_data, inv_a, inv_b, block_a, block_b):
-        return g._kernel_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b, None)
+    def kernel_path(self, a, b):  # in place of the format's fp32 emulation
+        inv_a = a._scale.to(torch.float32).reciprocal()
+        inv_b = b._scale.to(torch.float32).reciprocal()
+        return g._kernel_block_mm(
+            a._data, b._data, inv_a, inv_b, a._gran.block, b._gran.block, None
+        )
 
     def scaled_mm(a, b, inv_a, _ra, inv_b, _rb, output_dtype):
         return _block_gemm_stub(a, b, inv_a, inv_b)
 
-    g._emulated_block_mm = kernel_path
+    Blockwise.emulated_mm = kernel_path
     g.F = types.SimpleNamespace(scaled_mm=scaled_mm, ScalingType=real_f.ScalingType, pad=real_f.pad)
     try:
         yield
     finally:
-        g._emulated_block_mm, g.F = real_emulated, real_f
+        Blockwise.emulated_mm, g.F = real_emulated, real_f
 
 
 # ----------------------------------------------------------------------------
