@@ -16,8 +16,15 @@ import dataclasses
 import pytest
 import torch
 
-from float8kit import CastConfig, Float8LinearConfig, Float8Recipe, formats, gemm
-from float8kit.config import GemmRole, ScalingType
+from float8kit import (
+    CastConfig,
+    Float8ExpertsConfig,
+    Float8LinearConfig,
+    Float8Recipe,
+    formats,
+    gemm,
+)
+from float8kit.config import GemmRole, ScalingGranularity, ScalingType
 from float8kit.formats import FORMATS, Format
 from tests.helpers import sqnr
 
@@ -157,3 +164,43 @@ def test_the_base_format_raises_for_everything():
     for call in calls:
         with pytest.raises(NotImplementedError, match="Bare"):
             call()
+
+
+def _recipe_of(granularity) -> Float8Recipe:
+    """A named recipe whose weight is cast in ``granularity``."""
+    return next(
+        r
+        for r in Float8Recipe
+        if Float8LinearConfig.from_recipe_name(r).cast_config_weight.scaling_granularity
+        is granularity
+    )
+
+
+def _accepted(make) -> bool:
+    try:
+        make()
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.value)
+def test_config_validation_agrees_with_the_capabilities(granularity):
+    # the data a format declares is what the configs accept: a policy, float8 all-gather,
+    # MoE experts (Float8ExpertsConfig takes e4m3 operands)
+    caps = FORMATS[granularity].capabilities
+    for kind in (ScalingType.DYNAMIC, ScalingType.DELAYED, ScalingType.STATIC):
+        extra = {"static_scale": 1.0} if kind is ScalingType.STATIC else {}
+        ok = _accepted(
+            lambda kind=kind, extra=extra: CastConfig(
+                scaling_type=kind, scaling_granularity=granularity, **extra
+            )
+        )
+        assert ok == (kind in caps.scaling_types), kind
+    base = Float8LinearConfig.from_recipe_name(_recipe_of(granularity))
+    assert caps.fsdp_float8_all_gather == _accepted(
+        lambda: dataclasses.replace(base, enable_fsdp_float8_all_gather=True)
+    )
+    e4m3 = {} if granularity is ScalingGranularity.NVFP4 else {"target_dtype": torch.float8_e4m3fn}
+    cast = CastConfig(scaling_granularity=granularity, **e4m3)
+    assert caps.experts == _accepted(lambda: Float8ExpertsConfig(cast_config=cast))
