@@ -97,7 +97,8 @@ def test_transpose_commutes_with_dequantize(granularity):
         assert torch.equal(t_fmt.dequantize(data.t(), t_scale), fmt.dequantize(data, scale).t())
         back, back_scale = t_fmt.transpose(t_scale, 0, 1)
         assert back == fmt and torch.equal(back_scale, scale)
-        assert hash(t_fmt) == hash(dataclasses.replace(t_fmt))  # frozen, hashable
+        # a rebuilt object is equal and hashes equal (compiled graphs guard on formats)
+        assert hash(back) == hash(fmt)
 
 
 @pytest.mark.parametrize("granularity", GRANULARITIES, ids=lambda g: g.value)
