@@ -529,11 +529,11 @@ class Float8LinearConfig:
             self._check_fsdp_float8_all_gather()
 
     def _check_fsdp_float8_all_gather(self) -> None:
-        """The weights FSDP2 can gather in float8 (float8kit/fsdp.py): one cast is gathered,
-        the one the output gemm uses; the grad_input gemm uses it as is (the same tensorwise
-        or blockwise cast) or re-casts it locally (axiswise forward cast), which is exact
-        only when both scales are powers of two. MX weights gather each gemm's own cast, one
-        per pass (float8kit/distributed/fsdp_mx.py), so both casts must be MX."""
+        """The weights FSDP2 can gather in float8 (float8kit/distributed/fsdp.py): one cast
+        is gathered, the one the output gemm uses; the grad_input gemm uses it as is (the
+        same tensorwise or blockwise cast) or re-casts it locally (axiswise forward cast),
+        which is exact only when both scales are powers of two. MX weights gather each gemm's
+        own cast, one per pass (float8kit/formats/mx.py), so both casts must be MX."""
         w, gi = self.cast_config_weight, self.cast_config_weight_for_grad_input
         if not w.enabled:
             raise ValueError(
@@ -541,7 +541,7 @@ class Float8LinearConfig:
                 "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
             )
         if w.is_mx or gi.is_mx:
-            # MX (float8kit/distributed/fsdp_mx.py): forward gathers the weight cast along K
+            # MX (float8kit/formats/mx.py): forward gathers the weight cast along K
             # per cast_config_weight, backward's re-gather the one along N per
             # cast_config_weight_for_grad_input: both must be MX.
             if not (w.is_mx and gi.is_mx and gi.enabled):

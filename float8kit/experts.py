@@ -58,7 +58,7 @@ from torch import nn
 
 from float8kit import cast
 from float8kit.config import E4M3, Float8ExpertsConfig
-from float8kit.distributed.fsdp import local_scale_inputs, local_scale_outputs
+from float8kit.formats.base import local_scale_inputs, local_scale_outputs
 from float8kit.grouped_gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
 from float8kit.quantized_rows import QuantizedRows, dequantize, quantize_rows

@@ -95,11 +95,11 @@ def _weight_for_grad_input(
 
 def _fsdp_mx_copy(weight: torch.Tensor, dim: int, gemm: str) -> Float8TrainingTensor:
     """The MX copy blocked along ``dim`` of an FSDP2 float8 all-gather ``weight`` that holds
-    the other one (float8kit/distributed/fsdp_mx.py gathers it from the shards, bitwise the
-    one-device cast). An MX block is not its own transpose: re-casting the held copy from
+    the other one (float8kit.distributed.fsdp.regather gathers it from the shards, bitwise
+    the one-device cast). An MX block is not its own transpose: re-casting the held copy from
     its dequantized values would not be the cast of the hp weight, so a weight with no
     shards to gather from is refused."""
-    got = _FSDP_MX_COPY[0](weight, dim) if _FSDP_MX_COPY else None
+    got = _FSDP_REGATHER[0](weight, dim) if _FSDP_REGATHER else None
     if got is None:
         have, want = ("N", "K") if dim == 1 else ("K", "N")
         raise RuntimeError(
@@ -430,14 +430,14 @@ class _Float8Matmul(torch.autograd.Function):
 _FSDP_WEIGHT_WRAPPER: list[Callable[[nn.Parameter, Float8LinearConfig], nn.Parameter]] = []
 
 
-# The FSDP2 MX weight's other copy, gathered from its shards: float8kit.distributed.fsdp_mx
-# registers it (``(weight, dim) -> Float8TrainingTensor | None``).
-_FSDP_MX_COPY: list[Callable[[torch.Tensor, int], Float8TrainingTensor | None]] = []
+# An FSDP2 float8 all-gather weight's copy for another pass, gathered from its shards:
+# float8kit.distributed.fsdp registers it (``(weight, dim) -> Float8TrainingTensor | None``).
+_FSDP_REGATHER: list[Callable[[torch.Tensor, int], Float8TrainingTensor | None]] = []
 
 
-def register_fsdp_mx_copy(gather: Callable[[torch.Tensor, int], Float8TrainingTensor | None]):
-    """Set the function that gathers an FSDP2 MX weight's copy along another dim."""
-    _FSDP_MX_COPY[:] = [gather]
+def register_fsdp_regather(gather: Callable[[torch.Tensor, int], Float8TrainingTensor | None]):
+    """Set the function that gathers an FSDP2 weight's copy blocked along another dim."""
+    _FSDP_REGATHER[:] = [gather]
 
 
 def register_fsdp_weight_wrapper(

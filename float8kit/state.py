@@ -108,20 +108,29 @@ class LayerState:
       recording forwards since the last ``precompute_scales``.
     - ``uncalibrated``: operands whose STATIC scale is not set; ``calibration_amax``: the
       input amax ``calibrate`` records meanwhile.
-    - ``all_gather_scale`` (a ``fsdp.PrecomputedScale``) and ``shard_mesh`` (FSDP2's).
+    - ``all_gather_scale`` (a ``fsdp.PrecomputedScale``), ``shard_mesh`` (FSDP2's) and
+      ``last_all_gather`` (the weight's last FSDP2 all-gather, a ``fsdp.AllGather``).
     """
 
     def __init__(self, config: Float8LinearConfig):
         self.scales_set: tuple[str, ...] = ()
         self.tie: Tie | None = None
-        self.tie_refused = self.calibration_amax = self.all_gather_scale = self.shard_mesh = None
+        self.tie_refused = self.calibration_amax = self.all_gather_scale = None
+        self.shard_mesh = self.last_all_gather = None
         self.forward_count = torch.zeros((), dtype=torch.int64, device="cpu")
         self.uncalibrated = needs_calibration(config)
 
     def __getstate__(self) -> dict:
         # a tie holds weak references to the tied layers (not picklable, and a copy's tie
-        # would name the original's layers): a copy or a loaded pickle starts untied
-        return {**self.__dict__, "tie": None, "tie_refused": None}
+        # would name the original's layers): a copy or a loaded pickle starts untied; the
+        # FSDP2 all-gather state names the original's parameter, shard and process group
+        return {
+            **self.__dict__,
+            "tie": None,
+            "tie_refused": None,
+            "all_gather_scale": None,
+            "last_all_gather": None,
+        }
 
     def mark_scales_set(self, operand: str) -> None:
         if operand not in self.scales_set:

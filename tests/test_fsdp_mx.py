@@ -1,4 +1,4 @@
-"""FSDP2 float8 all-gather of MX (mxfp8) weights (float8kit/distributed/fsdp_mx.py): on real
+"""FSDP2 float8 all-gather of MX (mxfp8) weights (MX's rule in float8kit/formats/mx.py): on real
 gloo ranks (2, 3), losses and gradients bitwise the hp all-gather, the gathered copies
 bitwise the one-device casts (along K in forward, along N in backward, blocks cut by shard
 boundaries included), bytes per collective and per pass against bf16, the along-N copy
@@ -16,8 +16,8 @@ from benchmarks.measures.fsdp_mx import LAYERS, MX, MX_AG, mx_net
 from benchmarks.measures.gloo import _bitwise, spawn
 from float8kit import E5M2, CastConfig, Float8LinearConfig, GemmRole, ScalingGranularity
 from float8kit.cast import cast_to_float8
-from float8kit.distributed.fsdp_mx import cut_blocks
 from float8kit.formats import MX as MXGran
+from float8kit.formats.mx import cut_blocks
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""FSDP2 float8 all-gather of NVFP4 weights (float8kit/distributed/fsdp_nvfp4.py): on real
+"""FSDP2 float8 all-gather of NVFP4 weights (NVFP4's rule in float8kit/formats/nvfp4.py): on real
 gloo ranks (2, 3), losses and gradients bitwise the hp all-gather, the gathered weight
 bitwise the one-device cast in forward and backward (16x16 blocks cut by shard boundaries,
 uneven shards, a NaN and an inf on both sides of a boundary), the bytes per pass against
@@ -16,7 +16,7 @@ from torch import nn
 from benchmarks.measures.fsdp_nvfp4 import LAYERS, NV_AG
 from benchmarks.measures.gloo import _bitwise, spawn
 from float8kit import Float8Linear, convert_to_float8_training, nvfp4_config
-from float8kit.distributed.fsdp_nvfp4 import packs
+from float8kit.formats.nvfp4 import packs
 
 
 @pytest.fixture(scope="module")

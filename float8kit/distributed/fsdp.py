@@ -2,27 +2,32 @@
 
 With ``Float8LinearConfig.enable_fsdp_float8_all_gather=True`` a ``Float8Linear``'s weight
 parameter holds a ``Float8AllGatherWeight`` around its hp tensor. Before each all-gather FSDP2
-calls ``fsdp_pre_all_gather`` on the local shard, which casts it to fp8 with a scale that is
-the same on every rank (the full weight's: ``precompute_scales`` reduces every weight's amaxes
-in one collective through ``fsdp_weight_contributions``; without a fresh one the hook
-all-reduces itself), so the all-gather moves 1 byte per element; ``fsdp_post_all_gather``
-wraps the gathered bytes as the ``Float8TrainingTensor`` the gemms use without casting again.
-Shards of whole blocks (blockwise) cast alone and gather their block scales with the bytes.
-MX weights gather the copy of the pass the all-gather serves (along K in forward, along N in
-backward): float8kit.distributed.fsdp_mx. NVFP4 weights gather their one 16x16-block copy as
-e2m1 codes, packed two per byte on even shards: float8kit.distributed.fsdp_nvfp4.
-How a granularity's scaling groups map onto shards and meshes is its granularity object's
-(float8kit.formats); freshness of a precomputed scale is judged by signals alike on every
-rank (the parameter's identity and version). docs/fsdp.md explains each choice.
+calls ``fsdp_pre_all_gather`` on the local shard, which casts it to float8 with scales that
+are the full weight's (the same on every rank), so the all-gather moves the float8 bytes;
+``fsdp_post_all_gather`` wraps the gathered bytes as the ``Float8TrainingTensor`` the gemms
+use without casting again.
+
+One lifecycle for every format, here: the hooks, the re-gather of a pass that has no
+all-gather of its own (``regather``), the precomputed scale (``precompute_scales`` reduces
+every weight's amaxes in one collective through ``fsdp_weight_contributions``; without a fresh
+one the hook all-reduces itself) and refilling FSDP2's ``out`` on later all-gathers. What a
+pass gathers is the weight's format's (``Format.all_gather_inputs`` and the methods after it,
+float8kit.formats): tensorwise and rowwise cast the shard with their part of the full scale,
+blockwise shards of whole blocks cast alone, MX gathers the copy of the pass (along K in
+forward, along N in backward), NVFP4 its one 16x16-block copy as e2m1 codes. ``AllGather``
+is what the lifecycle gives the format: the shard, where it sits, the layer's scale and the
+collectives over the shard's ranks. Freshness of a precomputed scale is judged by signals
+alike on every rank (the parameter's identity and version). docs/fsdp.md explains each choice.
 
 Internal, except ``fsdp_weight_contributions`` (the provider ``precompute_scales`` uses).
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -31,10 +36,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import cast as casting
-from float8kit import formats, linear, scaling, state
-from float8kit.config import Float8LinearConfig, GemmRole, ScalingGranularity, ScalingType
-from float8kit.distributed import fsdp_mx, fsdp_nvfp4
-from float8kit.formats import ShardSpec
+from float8kit import formats, linear, state, versions
+from float8kit.config import Float8LinearConfig, GemmRole, ScalingType
+from float8kit.formats import Format, ShardSpec
 from float8kit.hp_weight import HpWeight, padded_shard_size
 from float8kit.reports import REPORT_CALLS, report_flags
 from float8kit.tensor import Float8TrainingTensor
@@ -50,8 +54,8 @@ class Float8AllGatherWeight(HpWeight):
         - ``_tensor`` is the plain hp tensor this stands for: same shape, strides, dtype,
           device. Every aten op runs on ``_tensor``; results of ``KEEP_SUBCLASS`` ops are
           re-wrapped, in-place ops return the wrapper they mutated, all else is plain.
-        - ``_config`` is the owning layer's config (a tensorwise, rowwise, blockwise or MX float8
-          weight, validated by ``Float8LinearConfig``).
+        - ``_config`` is the owning layer's config (a weight format with the FSDP2 float8
+          all-gather capability, validated by ``Float8LinearConfig``).
         - ``data_ptr()`` is ``_tensor``'s (``float8kit.hp_weight``): trainers tell parameters
           apart by it.
         - It holds no scale state: FSDP2 may replace the local shard object (it re-pads
@@ -64,12 +68,12 @@ class Float8AllGatherWeight(HpWeight):
     def __repr__(self):
         return (
             f"Float8AllGatherWeight(hp={self.dtype}, shape={tuple(self.shape)}, "
-            f"fp8={self._fp8_dtype})"
+            f"fp8={self._config.cast_config_weight.dtype_for(GemmRole.WEIGHT)})"
         )
 
     @property
-    def _fp8_dtype(self) -> torch.dtype:
-        return self._config.cast_config_weight.dtype_for(GemmRole.WEIGHT)
+    def _format(self) -> Format:
+        return formats.weight(self._config.cast_config_weight)
 
     def __tensor_flatten__(self):
         return ["_tensor"], self._config
@@ -87,8 +91,8 @@ class Float8AllGatherWeight(HpWeight):
         outer_stride: tuple[int, ...],
         module: nn.Module,
         mp_policy,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor]]:
-        """Cast this local shard to fp8 with the replicated scale; return its bytes.
+    ) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        """Cast this local shard to float8 as its format gathers it; return the bytes.
 
         Called by FSDP2 (torch 2.13, 5-argument form) on the sharded local tensor.
 
@@ -96,197 +100,214 @@ class Float8AllGatherWeight(HpWeight):
             mesh: the shard mesh (1-D) the all-gather runs over.
             outer_size: the unsharded weight's size.
             outer_stride: its contiguous strides (unused).
-            module: the module owning the weight (where a delayed/static scale would live).
-            mp_policy: FSDP2's MixedPrecisionPolicy (unused: the fp8 cast reads the hp
+            module: the module owning the weight (where its scale state lives).
+            mp_policy: FSDP2's MixedPrecisionPolicy (unused: the float8 cast reads the hp
                 master shard directly, which is more precise than casting a bf16 copy).
 
         Returns:
-            ``((data_uint8,), (scale,))``: the fp8 shard as raw bytes with FSDP2's *padded*
+            The format's ``all_gather_inputs``: the shard's bytes with FSDP2's *padded*
             sharded size (uneven sharding pads the last ranks' shards, an empty shard is all
-            padding), and the scale the gathered weight needs (the full weight's: shape ()
-            tensorwise, (N, 1) rowwise; the same on every rank).
+            padding; raw uint8, which gloo can gather and FSDP2 can gather with hp biases in
+            one buffer), and the metadata the post hook needs (the scales the gathered
+            weight needs: the same on every rank).
         """
-        cast = self._config.cast_config_weight
+        fmt = self._format
         where = shard_spec(self.shape, outer_size, mesh, module)
-        if where.dim not in (None, 0) and cast.scaling_granularity is not (
-            ScalingGranularity.TENSORWISE
-        ):
+        if where.dim not in (None, 0) and not fmt.shards_any_dim:
             # alike on every rank (FSDP2 shards other dims evenly), before any collective
             raise ValueError(
-                f"float8kit: {type(module).__name__}({module.extra_repr()}): a "
-                f"{cast.scaling_granularity.value} float8 all-gather weight must be sharded "
-                f"along dim 0 (FSDP2's default); FSDP2 shards it along dim {where.dim} over "
-                f"mesh {mesh}: drop the shard_placement_fn for it, or set "
+                f"float8kit: {_layer(module)}: a {fmt.short()} float8 all-gather weight must be "
+                f"sharded along dim 0 (FSDP2's default); FSDP2 shards it along dim {where.dim} "
+                f"over mesh {mesh}: drop the shard_placement_fn for it, or set "
                 "enable_fsdp_float8_all_gather=False"
             )
-        if cast.is_nvfp4:  # e2m1 codes, 16x16 blocks: one copy for both passes
-            group = mesh.get_group() if mesh.size() > 1 else None
-            return fsdp_nvfp4.pre_all_gather(
-                module, self._tensor, outer_size, mesh.size(), group, where
-            )
-        if cast.is_mx:  # this pass's copy (along K forward, along N backward): fsdp_mx
-            group = mesh.get_group() if mesh.size() > 1 else None
-            return fsdp_mx.pre_all_gather(
-                module, self._tensor, self._config, outer_size, mesh.size(), group, where
-            )
-        groups = formats.weight(cast)
-        if self._block_size is not None and not groups.cuts(outer_size[0], mesh.size()):
-            return self._pre_all_gather_blocks(mesh, outer_size)
-        scale = weight_scale_for_all_gather(self, mesh, module, where)
-        shard_scale = groups.shard_scale(scale, self._tensor, where)
-        data = casting.cast_with_scale(self._tensor, shard_scale, self._fp8_dtype)
-        # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
-        # uint8 input lets FSDP2 gather fp8 weights and hp biases in one uint8 buffer.
-        data = data.view(torch.uint8)
-        padded_size = padded_shard_size(self.shape, outer_size, mesh.size())
-        if data.shape != padded_size:
-            padded = data.new_zeros(padded_size)
-            padded[: data.size(0)].copy_(data)
-            data = padded
-        scale = groups.gathered_scale(scale, where)  # the outer (FSDP2-unsharded) weight's
-        if self._block_size is not None:  # blocks cut by the shards: whole-block scales
-            return (data,), (scale, outer_size[0])
-        return (data,), (scale,)
-
-    @property
-    def _block_size(self) -> int | None:
-        """The row count of a scale block of this weight (None: not block-scaled)."""
-        block = formats.weight(self._config.cast_config_weight).block
-        return None if block is None else block[0]
-
-    def _pre_all_gather_blocks(self, mesh, outer_size: torch.Size):
-        """The blockwise ``fsdp_pre_all_gather`` for shards of whole blocks: every scale is
-        local to its shard (``local_scale_inputs``)."""
-        config = self._config
-        fp8 = casting.cast_to_float8(
-            self._tensor, config.cast_config_weight, GemmRole.WEIGHT, -1, config
+        job = AllGather(
+            module=module,
+            shard_ref=weakref.ref(self._tensor),
+            config=self._config,
+            where=where,
+            outer_size=torch.Size(outer_size),
+            mesh=mesh,
+            backward=_in_backward(),
         )
-        chunk = padded_shard_size(self.shape, outer_size, mesh.size())
-        return local_scale_inputs(fp8._data, fp8._scale, chunk[0], self._block_size, mesh.size())
-
-    def _post_all_gather_blocks(self, all_gather_outputs, metadata, param_dtype, out):
-        c = self._config
-        gran = formats.weight(c.cast_config_weight)
-        if len(all_gather_outputs) == 1 and len(metadata) > 1:
-            # shards that cut blocks: the whole-block scales came as metadata (replicated);
-            # drop the padding rows (a view, as rowwise below)
-            (data,), (scale, rows) = all_gather_outputs, metadata
-            if out is not None:
-                _refill_scale(out, scale)
-                return None
-            fp8 = data[:rows].view(self._fp8_dtype)
-            weight = Float8TrainingTensor(fp8, scale.clone(), param_dtype, GemmRole.WEIGHT, gran, c)
-            return weight, (data,)
-        got = local_scale_outputs(all_gather_outputs, metadata, self._fp8_dtype, out)
-        if got is None:
-            return None
-        data, scale, free = got
-        return Float8TrainingTensor(data, scale, param_dtype, GemmRole.WEIGHT, gran, c), free
+        module.fp8_state.last_all_gather = job
+        _GATHERED.add(module)
+        return fmt.all_gather_inputs(job)
 
     def fsdp_post_all_gather(
         self,
         all_gather_outputs: tuple[torch.Tensor, ...],
-        metadata: tuple[torch.Tensor],
+        metadata: tuple,
         param_dtype: torch.dtype,
         *,
         out: torch.Tensor | None = None,
     ):
-        """Wrap the gathered fp8 bytes as the unsharded ``Float8TrainingTensor`` weight.
+        """Wrap the gathered float8 bytes as the unsharded ``Float8TrainingTensor`` weight.
 
         Args:
-            all_gather_outputs: ``(data_uint8,)``, the padded shards of every rank in order.
-            metadata: ``(scale,)`` from ``fsdp_pre_all_gather``.
+            all_gather_outputs: the all-gather inputs of every rank, in order (padded).
+            metadata: from ``fsdp_pre_all_gather``.
             param_dtype: the hp dtype the weight stands for in the gemms (FSDP2's
                 ``mp_policy.param_dtype``, or the weight's own dtype).
             out: on later all-gathers, the weight built the first time: its data already
-                views the (re-filled) all-gather buffer, so only its scale is updated, in
-                place (tensors derived from it share the scale tensor).
+                views the (re-filled) all-gather buffers, so the format refills the rest
+                in place (tensors derived from it share its scale).
 
         Returns:
-            ``(weight, (data,))`` the first time (FSDP2 frees ``data``'s storage when it
+            ``(weight, tensors)`` the first time (FSDP2 frees ``tensors``' storage when it
             reshards and refills it before the next use); None when ``out`` is given.
         """
-        if self._config.cast_config_weight.is_nvfp4:
-            return fsdp_nvfp4.post_all_gather(
-                all_gather_outputs, metadata, param_dtype, self._config, out
-            )
-        if self._config.cast_config_weight.is_mx:
-            return fsdp_mx.post_all_gather(
-                all_gather_outputs, metadata, param_dtype, self._config, out
-            )
-        if self._block_size is not None:
-            return self._post_all_gather_blocks(all_gather_outputs, metadata, param_dtype, out)
-        (data,) = all_gather_outputs
-        (scale,) = metadata
+        fmt = self._format
         if out is not None:
-            _refill_scale(out, scale)
+            fmt.refill(_built_weight(out), all_gather_outputs, metadata)
             return None
-        data = data.view(self._fp8_dtype)
-        gran = formats.weight(self._config.cast_config_weight)
-        # Rowwise: drop the padding rows here (a view: FSDP2 frees and refills ``data``'s
-        # storage), so the weight has one scale per row; FSDP2's as_strided to the full size
-        # is then the identity.
-        fp8 = data if gran.axiswise_dim is None else data[: scale.shape[0]]
-        # clone: the scale may be the precomputed one, which must not alias the weight's.
-        weight = Float8TrainingTensor(
-            fp8, scale.clone(), param_dtype, GemmRole.WEIGHT, gran, self._config
-        )
-        return weight, (data,)
+        config = self._config
+        data, scale, gathered, free = fmt.all_gathered(all_gather_outputs, metadata, config)
+        weight = Float8TrainingTensor(data, scale, param_dtype, GemmRole.WEIGHT, gathered, config)
+        return weight, free
 
 
-def local_scale_inputs(
-    data: torch.Tensor, scale: torch.Tensor, padded_rows: int, rows_per_scale: int, world: int
-):
-    """``fsdp_pre_all_gather``'s return for a float8 shard whose scales are its own (a dense
-    weight's whole blocks, an expert weight's per-expert scales): the fp8 bytes and the fp32
-    scales' bytes as two uint8 all-gather inputs, both padded along dim 0 to FSDP2's padded
-    shard size (``padded_rows`` data rows; a padding scale is 1.0). On one rank FSDP2 copies
-    only the first all-gather input, so the scales go as metadata there instead."""
-    data = data.view(torch.uint8)
-    if padded_rows != data.shape[0]:  # uneven: the last ranks' shards are padded
-        pad = padded_rows - data.shape[0]
-        data = torch.nn.functional.pad(data, (0, 0) * (data.dim() - 1) + (0, pad))
-        pad = padded_rows // rows_per_scale - scale.shape[0]
-        scale = torch.nn.functional.pad(scale, (0, 0) * (scale.dim() - 1) + (0, pad), value=1.0)
-    if world == 1:
-        return (data,), (scale,)
-    return (data, scale.contiguous().view(torch.uint8)), ()
-
-
-def local_scale_outputs(all_gather_outputs, metadata, fp8_dtype: torch.dtype, out):
-    """``(data, scale, tensors to free)`` from what ``local_scale_inputs`` sent, for the post
-    hook to wrap; None on a re-gather (``out``), where the weight's data and scales view the
-    buffers FSDP2 refilled (on one rank, the scales from metadata are copied in place)."""
-    if len(all_gather_outputs) == 1:  # one rank: the scales came as metadata
-        (data,), (scale,) = all_gather_outputs, metadata
-        if out is not None:
-            _refill_scale(out, scale)
-            return None
-        return data.view(fp8_dtype), scale.clone(), (data,)
-    if out is not None:
-        return None
-    data, scale_bytes = all_gather_outputs
-    data, scale = data.view(fp8_dtype), scale_bytes.view(torch.float32)
-    return data, scale, (data, scale)
-
-
-def _refill_scale(out: torch.Tensor, scale: torch.Tensor) -> None:
-    """A re-gather (FSDP2's ``out``): copy the new scale into the weight built by the first
-    all-gather, whose data already views the refilled all-gather buffer.
-
-    In place, without a version bump, the way FSDP2 refills the data bytes. Autograd may
-    have saved this scale in the forward (compiled graphs with activation checkpointing save
-    graph inputs, not derived tensors), and the backward re-gather must not invalidate it.
-    Sound for the same reason as FSDP2's data refill: between a forward and its backward the
-    weight does not change, so every re-gather writes back the value that was saved."""
-    local = out._local_tensor if hasattr(out, "_local_tensor") else out
-    if getattr(local, "_scale", None) is None:
+def _built_weight(out: torch.Tensor) -> Float8TrainingTensor:
+    """The float8 tensor inside FSDP2's ``out`` (the weight the first all-gather built)."""
+    weight = out._local_tensor if hasattr(out, "_local_tensor") else out
+    if not isinstance(weight, Float8TrainingTensor):
         raise RuntimeError(
-            f"float8kit: FSDP2 passed out={type(local).__name__}, expected the float8 "
+            f"float8kit: FSDP2 passed out={type(weight).__name__}, expected the float8 "
             "weight built by the first all-gather"
         )
-    with torch.autograd._unsafe_preserve_version_counter(local._scale):
-        local._scale.copy_(scale)
+    return weight
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running (FSDP2's pre-backward re-gather, its backward
+    prefetch) rather than a forward: the pass an all-gather serves."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _layer(module: nn.Module) -> str:
+    return f"{type(module).__name__}({module.extra_repr()})"
+
+
+@dataclass(frozen=True, eq=False)
+class AllGather:
+    """One all-gather of a weight shard, as its format sees it (``Format.all_gather_inputs``):
+    the shard and where it sits, the pass, the layer's scale state and the collectives over
+    the shard's ranks (none on one rank)."""
+
+    module: nn.Module
+    shard_ref: weakref.ref  # the hp local shard (FSDP2 may replace it between steps)
+    config: Float8LinearConfig
+    where: ShardSpec
+    outer_size: torch.Size  # FSDP2's unsharded size
+    mesh: object  # FSDP2's 1-D shard mesh
+    backward: bool  # the pass: backward (the autograd engine running) or forward
+
+    @property
+    def shard(self) -> torch.Tensor:
+        return self.shard_ref()
+
+    @property
+    def world(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def group(self):
+        return self.mesh.get_group() if self.world > 1 else None
+
+    @property
+    def layer(self) -> str:
+        return _layer(self.module)
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.config.cast_config_weight.dtype_for(GemmRole.WEIGHT)
+
+    @property
+    def padded_rows(self) -> int:
+        """FSDP2's padded shard size along dim 0."""
+        return padded_shard_size(self.shard.shape, self.outer_size, self.world)[0]
+
+    def pad(self, t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """``t`` with zero rows added up to ``rows`` (FSDP2's padded shard rows)."""
+        rows = self.padded_rows if rows is None else rows
+        if t.shape[0] == rows:
+            return t
+        padded = t.new_zeros((rows, *t.shape[1:]))
+        padded[: t.shape[0]].copy_(t)
+        return padded
+
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` made the MAX over the shard's ranks, in place (one all-reduce)."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t
+
+    def all_gather_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (same shape everywhere) stacked along dim 0: one all-gather."""
+        if self.world == 1:
+            return t
+        out = t.new_empty((self.world * t.shape[0], *t.shape[1:]))
+        getattr(dist, versions.ALL_GATHER_SINGLE)(out, t.contiguous(), group=self.group)
+        return out
+
+    def policy_scale(self) -> torch.Tensor:
+        """The full weight's scale per the layer's policy (``weight_scale_for_all_gather``)."""
+        return weight_scale_for_all_gather(self)
+
+    def cast_own(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(data, scale)`` of the shard cast alone, as the layer casts a weight (for scales
+        local to the shard)."""
+        fp8 = casting.cast_to_float8(
+            self.shard, self.config.cast_config_weight, GemmRole.WEIGHT, -1, self.config
+        )
+        return fp8._data, fp8._scale
+
+    def kept_scale(self) -> torch.Tensor | None:
+        """The scale kept for this weight (by ``precompute_scales`` or an earlier hook) while
+        the weight is unchanged since (the same parameter at the same version), else None."""
+        kept = self.module.fp8_state.all_gather_scale
+        return kept.scale if kept is not None and kept.fresh(self.module.weight) else None
+
+    def keep(self, scale: torch.Tensor, local_amax: torch.Tensor) -> torch.Tensor:
+        """Keep ``scale`` (made from the shard's ``local_amax``) for the weight as it is now."""
+        weight = self.module.weight
+        self.module.fp8_state.all_gather_scale = PrecomputedScale(
+            scale, weakref.ref(weight), weight._version, local_amax
+        )
+        return scale
+
+
+# modules whose weight FSDP2 all-gathered in float8 (their last ``AllGather`` is on their
+# ``fp8_state``), and FSDP2's unsharded weight parameter -> its module (found once)
+_GATHERED: weakref.WeakSet = weakref.WeakSet()
+_MODULE_OF = WeakIdKeyDictionary()
+
+
+def regather(weight: torch.Tensor, dim: int) -> Float8TrainingTensor | None:
+    """The copy of the FSDP2 float8 all-gather weight ``weight`` (FSDP2's unsharded parameter,
+    which holds the other copy) that the pass gathering along ``dim`` makes (0: backward, 1:
+    forward), cast from the shards and all-gathered now, bitwise what the hook would gather;
+    None when ``weight`` is no such parameter or its shard is gone.
+
+    For a pass without its own FSDP2 all-gather, where a format gathers one copy per pass
+    (MX): a backward after a forward that did not reshard (``reshard_after_forward=False``,
+    FSDP2's root), or a forward recomputed in backward (activation checkpointing) after
+    FSDP2's re-gather. Every rank runs the same layers' gemms in the same order, so every
+    rank calls this alike."""
+    module = _MODULE_OF.get(weight)
+    if module is None:
+        module = next((m for m in list(_GATHERED) if m.weight is weight), None)
+        if module is None:
+            return None
+        _MODULE_OF[weight] = module
+    job = replace(module.fp8_state.last_all_gather, backward=dim == 0)
+    if job.shard is None:  # FSDP2 replaced the shard since: no all-gather since
+        return None
+    fmt = formats.weight(job.config.cast_config_weight)
+    (data,), metadata = fmt.all_gather_inputs(job)
+    data, scale, gathered, _ = fmt.all_gathered((job.all_gather_rows(data),), metadata, job.config)
+    hp_dtype = local_tensor(weight)._orig_dtype
+    return Float8TrainingTensor(data, scale, hp_dtype, GemmRole.WEIGHT, gathered, job.config)
 
 
 def _mesh_rank(mesh) -> int:
@@ -323,12 +344,10 @@ class PrecomputedScale:
         return self.param() is param and param._version == self.version
 
 
-def weight_scale_for_all_gather(
-    weight: Float8AllGatherWeight, mesh, module: nn.Module, where: ShardSpec
-) -> torch.Tensor:
-    """The full weight's scale for this step's all-gather, identical on every rank of
-    ``mesh`` (``where``: the shard's place in the full weight; the shard is cast with its
-    part of it, ``Format.shard_scale``).
+def weight_scale_for_all_gather(job: AllGather) -> torch.Tensor:
+    """The full weight's scale for this step's all-gather, identical on every rank of the
+    shard mesh (``job.where``: the shard's place in the full weight; the shard is cast with
+    its part of it, ``Format.shard_scale``).
 
     The scale itself comes from ``operand_scale`` (float8kit/linear.py), the decision every
     cast of the layer goes through; this function only supplies its inputs for a shard:
@@ -345,7 +364,7 @@ def weight_scale_for_all_gather(
       un-precomputed DYNAMIC weight. The mark is a host flag that flips alike on every rank,
       so every rank makes the same choice, with no host read of the buffer.
     """
-    config = weight._config
+    module, config, where, shard = job.module, job.config, job.where, job.shard
     cast = config.cast_config_weight
     kind = cast.scaling_type
     groups, own = formats.weight(cast), module.fp8_state
@@ -358,7 +377,7 @@ def weight_scale_for_all_gather(
         precomputed: PrecomputedScale | None = own.all_gather_scale
         if precomputed is not None:
             if precomputed.fresh(module.weight):
-                precomputed.gathered_amax = groups.group_amaxes(weight._tensor, where)
+                precomputed.gathered_amax = groups.group_amaxes(shard, where)
                 return precomputed.scale
             warnings.warn(
                 "float8kit: a weight changed after precompute_scales(); its float8 all-gather "
@@ -373,10 +392,10 @@ def weight_scale_for_all_gather(
     state_scale, amax_record = local_tensor(state_scale), local_tensor(amax_record)
     amax = None
     if casting.needs_amax(cast, amax_record is not None, scale_set):
-        amax = groups.group_amaxes(weight._tensor, where)
+        amax = groups.group_amaxes(shard, where)
         if kind is ScalingType.DYNAMIC or not scale_set:
             # the scale needs the whole weight's amax: over every mesh dim it is sharded on
-            amax = _all_reduce_max(amax, amax_group(module, mesh))
+            amax = _all_reduce_max(amax, amax_group(module, job.mesh))
     return casting.operand_scale(
         cast, GemmRole.WEIGHT, config, amax, state_scale, amax_record, scale_set
     )
@@ -495,12 +514,6 @@ def _precompute_spec(m: nn.Module) -> ShardSpec | None:
     return shard_spec(shard.shape, torch.Size(outer), mesh, m)
 
 
-def _group_amaxes(m: nn.Module, where: ShardSpec) -> torch.Tensor:
-    """The group amaxes of ``m``'s local weight shard in the full weight's scale shape."""
-    shard = m.weight._local_tensor._tensor
-    return formats.weight(m.config.cast_config_weight).group_amaxes(shard, where)
-
-
 def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """(fqn, module) of every Float8Linear in ``module`` whose weight FSDP2 sharded with
     float8 all-gather."""
@@ -533,11 +546,13 @@ def _report_stale_weights(mods: list[tuple[str, nn.Module]]) -> None:
 def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
     """``precompute_scales``' provider for FSDP2 float8 all-gather weights.
 
-    One contribution for all of them: the local shards' group amaxes (tensorwise weights:
-    one each, in one batched pass; rowwise: one per row of the full weight, 0 for the rows
-    other ranks own, see ``float8kit.formats``), and an ``apply`` that turns the all-reduced
-    amaxes into next-step scales (tensorwise: batched per cast) and stores each on its
-    module, stamped with the weight version it was read at.
+    One contribution for all of them: the local shards' amaxes of every DYNAMIC weight whose
+    format precomputes its all-gather scale (``Format.precomputes``; tensorwise: one each,
+    in one batched pass; rowwise: one per row of the full weight, 0 for the rows other ranks
+    own; NVFP4: its block-amax grid, see ``float8kit.formats``), and an ``apply`` that turns
+    the all-reduced amaxes into next-step scales (``Format.precomputed_scales``, one call per
+    format and cast) and stores each on its module, stamped with the weight version it was
+    read at.
 
     Args:
         module: the (FSDP2-wrapped) model.
@@ -549,64 +564,49 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
     if not sharded:
         return []
     _report_stale_weights(sharded)
-    # Tensorwise weights: group by scale computation (cast, power-of-2 rounding) and order
-    # the weights group by group, so each group is one slice of the amaxes: no index tensor
-    # to copy to the device. Rowwise weights follow, one slice per weight. A blockwise
-    # weight's scales are local to its shard: nothing to reduce.
-    groups: dict[tuple, list[nn.Module]] = {}
-    others: list[tuple[nn.Module, ShardSpec]] = []
-    fp4: list[tuple] = []  # NVFP4 weights: fsdp_nvfp4.contribution
+    # Weights grouped by format and scale computation (cast, power-of-2 rounding), ordered
+    # group by group, so each group is one slice of the amaxes: no index tensor to copy to
+    # the device.
+    groups: dict[tuple, list[tuple[nn.Module, ShardSpec]]] = {}
     for _, m in sharded:
         cast = m.config.cast_config_weight
-        if cast.scaling_type is not ScalingType.DYNAMIC or cast.is_mx:
-            continue  # MX: every scale is made in the hook (see fsdp_mx)
+        if cast.scaling_type is not ScalingType.DYNAMIC:
+            continue
         where = _precompute_spec(m)
         if where is None:
             continue
-        if cast.is_nvfp4:
-            if where.n_slots == 1:  # (the hook refuses multi-dim meshes)
-                start = where.offset if where.dim == 0 else 0
-                fp4.append((m, m.weight._local_tensor._tensor, start, where.outer_shape))
-            continue
+        fmt = formats.weight(cast)
         mesh = m.fp8_state.shard_mesh or m.weight.device_mesh
-        gran = formats.weight(cast)
-        if gran.block is not None and not gran.cuts(where.outer_shape[0], mesh.size()):
-            continue  # whole blocks on every shard: each rank's block scales are its own
-        if gran is formats.TENSORWISE:
-            groups.setdefault((cast, m.config.round_scales_to_power_of_2), []).append(m)
-        else:
-            others.append((m, where))
-    extra = [fsdp_nvfp4.contribution(fp4)] if fp4 else []
-    if not groups and not others:
-        return extra
-    mods = [m for rows in groups.values() for m in rows] + [m for m, _ in others]
-    n_tensorwise = len(mods) - len(others)
-    tensorwise = [m.weight._local_tensor._tensor for m in mods[:n_tensorwise]]
-    pieces = [scaling.local_amaxes(tensorwise)] if tensorwise else []
-    group_amaxes = [_group_amaxes(m, where) for m, where in others]
-    amaxes = torch.cat(pieces + [g.reshape(-1) for g in group_amaxes])
+        if fmt.precomputes(where, mesh.size()):
+            key = (fmt, cast, m.config.round_scales_to_power_of_2)
+            groups.setdefault(key, []).append((m, where))
+    if not groups:
+        return []
+    pieces, plan = [], []
+    for (fmt, _, _), rows in groups.items():
+        shards = [m.weight._local_tensor._tensor for m, _ in rows]
+        got, shapes = fmt.precompute_amaxes(shards, [where for _, where in rows])
+        pieces += got
+        plan.append((fmt, [m for m, _ in rows], shapes))
+    amaxes = torch.cat(pieces)
+    mods = [m for _, rows, _ in plan for m in rows]
     stamps = [(weakref.ref(m.weight), m.weight._version) for m in mods]
 
     def apply(reduced: torch.Tensor) -> None:
-        start = 0
-        for (cast, _), rows in groups.items():
-            stop = start + len(rows)
-            scales = casting.operand_scale(
-                cast, GemmRole.WEIGHT, rows[0].config, reduced[start:stop]
+        start, i = 0, 0
+        for fmt, rows, shapes in plan:
+            stop = start + sum(math.prod(s) for s in shapes)
+            config = rows[0].config
+            scales = fmt.precomputed_scales(
+                reduced[start:stop], shapes, config.cast_config_weight, config
             )
-            for i, scale in zip(range(start, stop), scales.unbind(0), strict=True):
-                mods[i].fp8_state.all_gather_scale = PrecomputedScale(scale, *stamps[i], amaxes[i])
-            start = stop
-        for i, local in enumerate(group_amaxes, start=n_tensorwise):
-            m, stop = mods[i], start + local.numel()
-            full = reduced[start:stop].reshape(local.shape)
-            scale = casting.operand_scale(
-                m.config.cast_config_weight, GemmRole.WEIGHT, m.config, full
-            )
-            m.fp8_state.all_gather_scale = PrecomputedScale(scale, *stamps[i], local)
-            start = stop
+            for m, scale, shape in zip(rows, scales, shapes, strict=True):
+                n = math.prod(shape)
+                local = amaxes[start : start + n].reshape(shape)
+                m.fp8_state.all_gather_scale = PrecomputedScale(scale, *stamps[i], local)
+                start, i = start + n, i + 1
 
-    return [(amaxes, apply), *extra]
+    return [(amaxes, apply)]
 
 
 # ---------------------------------------------------------------------------- Float8Linear
@@ -646,4 +646,4 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
 
 
 linear.register_fsdp_weight_wrapper(wrap_weight)
-linear.register_fsdp_mx_copy(fsdp_mx.gather_copy)
+linear.register_fsdp_regather(regather)

@@ -12,13 +12,14 @@ from float8kit.formats.base import (
     Capabilities,
     Float8Elements,
     Format,
+    GroupScaledGather,
     check_dim0,
     same_scales,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class Axiswise(Float8Elements, Format):
+class Axiswise(GroupScaledGather, Float8Elements, Format):
     capabilities = Capabilities(
         scaling_types=(ScalingType.DYNAMIC,),
         fsdp_float8_all_gather=True,
@@ -101,3 +102,8 @@ class Axiswise(Float8Elements, Format):
 
     def cuts(self, outer_rows, world):
         return False
+
+    def _gathered_rows(self, data, scale):
+        # drop the padding rows here (a view: FSDP2 frees and refills the buffer), so the
+        # weight has one scale per row; FSDP2's as_strided to the full size is the identity
+        return data[: scale.shape[0]]

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 
 from float8kit import scaling
-from float8kit.config import E4M3, ScalingType
+from float8kit.config import E4M3, GemmRole, ScalingType
 
 # what a format's ``dtensor_cast`` capability says a tensor-parallel (DTensor) operand needs:
 # the amax of the whole tensor (one small all-reduce over the mesh), or nothing beyond the
@@ -74,6 +74,8 @@ class Format:
     mx_dim: int | None = None
     # the (rows, cols) of an NVFP4 operand's scale block (None: not NVFP4)
     nvfp4_block: tuple[int, int] | None = None
+    # FSDP2 may shard a float8 all-gather weight along any dim (False: dim 0 only)
+    shards_any_dim: ClassVar[bool] = False
 
     @classmethod
     def for_operand(cls, cast, role, reduce_dim: int, ndim: int) -> Format:
@@ -187,6 +189,43 @@ class Format:
         scaling group whose scale is local to the rows (a block)."""
         return self._missing("shard cut rule")
 
+    # ------------------------------------------------------------------ FSDP2 all-gather
+    # float8kit.distributed.fsdp runs one lifecycle for every format: the hooks, the re-gather
+    # of a pass that has none of its own, the precomputed scale, refilling FSDP2's ``out``.
+    # A format supplies what a pass gathers, given the lifecycle's ``job`` (fsdp.AllGather:
+    # the shard, where it sits, its layer's scale and the collectives over its ranks).
+
+    def all_gather_inputs(self, job) -> tuple[tuple[torch.Tensor, ...], tuple]:
+        """``fsdp_pre_all_gather``'s return for ``job.shard``: the all-gather inputs (each
+        with FSDP2's padded shard size) and the metadata ``all_gathered`` reads."""
+        return self._missing("FSDP2 float8 all-gather")
+
+    def all_gathered(self, outputs: tuple[torch.Tensor, ...], metadata: tuple, config):
+        """``(data, scale, format, tensors FSDP2 frees)`` of the gathered weight, from the
+        inputs of every rank in order (``outputs``) and ``all_gather_inputs``' metadata."""
+        return self._missing("FSDP2 float8 all-gather")
+
+    def refill(self, weight, outputs: tuple[torch.Tensor, ...], metadata: tuple) -> None:
+        """A re-gather: make ``weight`` (the float8 tensor the first all-gather built, whose
+        data views FSDP2's refilled buffers) this all-gather's weight, in place."""
+        return self._missing("FSDP2 float8 all-gather")
+
+    def precomputes(self, where: ShardSpec, world: int) -> bool:
+        """Whether ``precompute_scales`` makes this weight's next all-gather scale (its amaxes
+        join the one all-reduce); False: the hook makes every scale, or each is local."""
+        return self._missing("precomputed all-gather scale")
+
+    def precompute_amaxes(self, shards: list, wheres: list) -> tuple[list, list]:
+        """For weights of this format and cast: ``(pieces, shapes)``, their shards' amaxes as
+        1-D pieces (concatenated, in order, they are each weight's amaxes flattened) and each
+        weight's amax shape. The all-reduce(MAX) over the ranks makes them the full weight's."""
+        return self._missing("precomputed all-gather scale")
+
+    def precomputed_scales(self, reduced: torch.Tensor, shapes: list, cast, config) -> list:
+        """Each weight's next all-gather scale from its reduced amaxes (``reduced``: theirs,
+        flattened and concatenated in order; ``shapes``: ``precompute_amaxes``')."""
+        return self._missing("precomputed all-gather scale")
+
 
 class Float8Elements:
     """A format of float8 elements (tensorwise, axiswise, blockwise, MX): the elements are
@@ -219,6 +258,108 @@ class Float8Elements:
 
     def element_max(self, data):
         return scaling.fp8_max(data.dtype)
+
+
+# FSDP2 float8 all-gather of weights whose data is the float8 cast of the hp shard with a
+# scale from the full weight's group amaxes (tensorwise, rowwise, blockwise where shards cut
+# blocks): the scale is the layer's policy's (``job.policy_scale``: precomputed, or from one
+# all-reduce; delayed and static from the layer's buffers), each shard is cast with its part
+# of it, and the gathered weight carries the part the outer weight needs.
+
+
+class GroupScaledGather:
+    """The FSDP2 all-gather rule of a ``Float8Elements`` format whose scaling groups span
+    shards (see the comment above); ``_gathered_rows`` says which rows of the padded gathered
+    buffer the weight keeps."""
+
+    def all_gather_inputs(self, job):
+        scale = job.policy_scale()
+        shard = job.shard
+        data = to_fp8_saturated(shard, self.shard_scale(scale, shard, job.where), job.fp8_dtype)
+        # Raw bytes: gloo cannot gather float8 dtypes ("Invalid scalar type"), and a uniform
+        # uint8 input lets FSDP2 gather fp8 weights and hp biases in one uint8 buffer.
+        data = job.pad(data.view(torch.uint8))
+        return (data,), (self.gathered_scale(scale, job.where), *self._rows_metadata(job))
+
+    def _rows_metadata(self, job) -> tuple:
+        return ()
+
+    def all_gathered(self, outputs, metadata, config):
+        (data,), (scale, *rows) = outputs, metadata
+        fp8 = data.view(config.cast_config_weight.dtype_for(GemmRole.WEIGHT))
+        # clone: the scale may be the precomputed one, which must not alias the weight's
+        return self._gathered_rows(fp8, scale, *rows), scale.clone(), self, (data,)
+
+    def _gathered_rows(self, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # the padded buffer itself: FSDP2's as_strided to the full size takes its rows
+        return data
+
+    def refill(self, weight, outputs, metadata):
+        refill_scale(weight, metadata[0])
+
+    def precomputes(self, where, world):
+        return True
+
+    def precompute_amaxes(self, shards, wheres):
+        amaxes = [self.group_amaxes(s, w) for s, w in zip(shards, wheres, strict=True)]
+        return [a.reshape(-1) for a in amaxes], [a.shape for a in amaxes]
+
+    def precomputed_scales(self, reduced, shapes, cast, config):
+        # the DYNAMIC weight scale of the layer's policy (cast.operand_scale), elementwise
+        scale = scaling.amax_to_scale(
+            reduced, cast.dtype_for(GemmRole.WEIGHT), config.round_scales_to_power_of_2
+        )
+        sizes = [math.prod(s) for s in shapes]
+        return [s.reshape(shape) for s, shape in zip(scale.split(sizes), shapes, strict=True)]
+
+
+def refill_scale(weight, scale: torch.Tensor) -> None:
+    """A re-gather (FSDP2's ``out``): copy the new scale into ``weight``, the float8 tensor
+    the first all-gather built, whose data already views the refilled all-gather buffer.
+
+    In place, without a version bump, the way FSDP2 refills the data bytes. Autograd may
+    have saved this scale in the forward (compiled graphs with activation checkpointing save
+    graph inputs, not derived tensors), and the backward re-gather must not invalidate it.
+    Sound for the same reason as FSDP2's data refill: between a forward and its backward the
+    weight does not change, so every re-gather writes back the value that was saved."""
+    with torch.autograd._unsafe_preserve_version_counter(weight._scale):
+        weight._scale.copy_(scale)
+
+
+def local_scale_inputs(
+    data: torch.Tensor, scale: torch.Tensor, padded_rows: int, rows_per_scale: int, world: int
+):
+    """``fsdp_pre_all_gather``'s return for a float8 shard whose scales are its own (a dense
+    weight's whole blocks, an expert weight's per-expert scales): the fp8 bytes and the fp32
+    scales' bytes as two uint8 all-gather inputs, both padded along dim 0 to FSDP2's padded
+    shard size (``padded_rows`` data rows; a padding scale is 1.0). On one rank FSDP2 copies
+    only the first all-gather input, so the scales go as metadata there instead."""
+    data = data.view(torch.uint8)
+    if padded_rows != data.shape[0]:  # uneven: the last ranks' shards are padded
+        pad = padded_rows - data.shape[0]
+        data = torch.nn.functional.pad(data, (0, 0) * (data.dim() - 1) + (0, pad))
+        pad = padded_rows // rows_per_scale - scale.shape[0]
+        scale = torch.nn.functional.pad(scale, (0, 0) * (scale.dim() - 1) + (0, pad), value=1.0)
+    if world == 1:
+        return (data,), (scale,)
+    return (data, scale.contiguous().view(torch.uint8)), ()
+
+
+def local_scale_outputs(all_gather_outputs, metadata, fp8_dtype: torch.dtype, out):
+    """``(data, scale, tensors to free)`` from what ``local_scale_inputs`` sent, for the post
+    hook to wrap; None on a re-gather (``out``), where the weight's data and scales view the
+    buffers FSDP2 refilled (on one rank, the scales from metadata are copied in place)."""
+    if len(all_gather_outputs) == 1:  # one rank: the scales came as metadata
+        (data,), (scale,) = all_gather_outputs, metadata
+        if out is not None:
+            refill_scale(out, scale)
+            return None
+        return data.view(fp8_dtype), scale.clone(), (data,)
+    if out is not None:
+        return None
+    data, scale_bytes = all_gather_outputs
+    data, scale = data.view(fp8_dtype), scale_bytes.view(torch.float32)
+    return data, scale, (data, scale)
 
 
 class WholeBlocks:

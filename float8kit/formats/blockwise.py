@@ -16,15 +16,18 @@ from float8kit.formats.base import (
     Capabilities,
     Float8Elements,
     Format,
+    GroupScaledGather,
     WholeBlocks,
     check_dim0,
+    local_scale_inputs,
+    local_scale_outputs,
     to_fp8_saturated,
 )
 from float8kit.formats.layout import CUDA_ALIGN, GEMM_DIMS
 
 
 @dataclasses.dataclass(frozen=True)
-class Blockwise(WholeBlocks, Float8Elements, Format):
+class Blockwise(WholeBlocks, GroupScaledGather, Float8Elements, Format):
     capabilities = Capabilities(
         scaling_types=(ScalingType.DYNAMIC,),
         fsdp_float8_all_gather=True,
@@ -115,6 +118,38 @@ class Blockwise(WholeBlocks, Float8Elements, Format):
 
     def cuts(self, outer_rows, world):
         return world > 1 and math.ceil(outer_rows / world) % self.rows != 0
+
+    # FSDP2 all-gather: where the shards cut blocks, the scales of the full weight's blocks
+    # (GroupScaledGather; the gathered weight's row count rides along to drop the padding);
+    # on shards of whole blocks each shard is cast alone and its block scales are gathered
+    # with its bytes (``local_scale_inputs``).
+    def all_gather_inputs(self, job):
+        if self.cuts(job.outer_size[0], job.world):
+            return super().all_gather_inputs(job)
+        data, scale = job.cast_own()
+        return local_scale_inputs(data, scale, job.padded_rows, self.rows, job.world)
+
+    def _rows_metadata(self, job):
+        return (job.outer_size[0],)
+
+    def _gathered_rows(self, data, scale, rows):
+        return data[:rows]
+
+    def all_gathered(self, outputs, metadata, config):
+        if len(outputs) == 1 and len(metadata) > 1:  # shards that cut blocks
+            return super().all_gathered(outputs, metadata, config)
+        fp8_dtype = config.cast_config_weight.dtype_for(GemmRole.WEIGHT)
+        data, scale, free = local_scale_outputs(outputs, metadata, fp8_dtype, None)
+        return data, scale, self, free
+
+    def refill(self, weight, outputs, metadata):
+        if len(outputs) == 1 and len(metadata) > 1:
+            return super().refill(weight, outputs, metadata)
+        local_scale_outputs(outputs, metadata, None, weight)
+
+    def precomputes(self, where, world):
+        # whole blocks on every shard: each rank's block scales are its own
+        return self.cuts(where.outer_shape[0], world)
 
 
 def to_fp8_blocks(

@@ -13,7 +13,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from float8kit import scaling, versions
-from float8kit.config import E4M3, MX_BLOCK, ScalingType
+from float8kit.config import E4M3, MX_BLOCK, GemmRole, ScalingType
 from float8kit.formats.base import Capabilities, Float8Elements, Format, to_fp8_saturated
 from float8kit.formats.layout import (
     KernelPlan,
@@ -124,8 +124,63 @@ class MX(Float8Elements, Format):
             "math is really meant"
         )
 
-    # the FSDP2 float8 all-gather of MX weights casts each pass's copy itself
-    # (float8kit/distributed/fsdp_mx.py): no shard-amax rule here yet
+    # ------------------------------------------------------------------ FSDP2 all-gather
+    # An MX block is not its own transpose: the output gemm needs the (N, K) weight in
+    # blocks along K (MX(1)), the grad_input gemm along N (MX(0)). A pass gathers its copy,
+    # never both:
+    #
+    # - forward (any all-gather outside backward): each rank casts its rows along K. A block
+    #   lies within one row and FSDP2 shards whole rows (dim 0): each shard casts alone.
+    # - backward (FSDP2's re-gather after ``reshard_after_forward``): each rank casts its
+    #   rows along N. A block is 32 rows; where a shard boundary falls inside one
+    #   (``cut_blocks``), the block's scale byte is the MAX of both sides' partial bytes: one
+    #   all-reduce of those blocks' bytes only (K bytes each). The shard is then cast by
+    #   ``to_mx`` itself with a value of that byte planted in a padding row
+    #   (``_value_of_byte``), so every byte is the one-device cast's.
+    #
+    # The fp8 bytes ride FSDP2's all-gather (1 byte per element); the e8m0 scale bytes (1 per
+    # 32 elements) take one all-gather of their own, in the hook, and reach the post hook as
+    # metadata (FSDP2 requires every all-gather input of an unevenly sharded parameter to
+    # have the padded shard's size, which a scale is not). The gathered weight is one object
+    # for the whole run (FSDP2's ``out``): a re-gather gives it the pass's copy, so the
+    # tensor forward saved holds the along-N copy when backward reads it. A pass without an
+    # all-gather of its own gathers its copy through the lifecycle (``fsdp.regather``).
+    # Every scale is made in the hook: nothing to precompute.
+
+    def all_gather_inputs(self, job):
+        if job.where.n_slots != 1 or tuple(job.where.full_shape) != tuple(job.outer_size):
+            raise ValueError(
+                "float8kit: an MX float8 all-gather weight on a multi-dim mesh (tensor "
+                "parallel, HSDP) is not supported: shard it with FSDP2 on a 1-D mesh, or set "
+                "enable_fsdp_float8_all_gather=False"
+            )
+        dim = 0 if job.backward else 1
+        shard, world = job.shard, job.world
+        cast = _cast_for(job.config, dim)
+        fp8_dtype = cast.dtype_for(GemmRole.WEIGHT)
+        n = job.outer_size[0]
+        chunk = math.ceil(n / world)
+        start = min(job.where.offset if job.where.dim == 0 else 0, n)
+        if dim == 1:
+            data, scale = to_mx(shard, 1, fp8_dtype, cast.mx_scale_rounding)
+            scale = job.all_gather_rows(job.pad(scale, chunk))[:n]
+        else:
+            data, local_scale = _cast_along_rows(job, start, n, fp8_dtype, cast)
+            scale = _gather_block_scales(job, local_scale, start, n)
+        data = job.pad(data.contiguous().view(torch.uint8), chunk)
+        return (data,), (scale, dim, n)
+
+    def all_gathered(self, outputs, metadata, config):
+        (data,), (scale, dim, rows) = outputs, metadata
+        fp8 = data[:rows].view(_cast_for(config, dim).dtype_for(GemmRole.WEIGHT))
+        return fp8, scale, MX(dim), (data,)
+
+    def refill(self, weight, outputs, metadata):
+        scale, dim, _ = metadata
+        weight._gran, weight._scale = MX(dim), scale
+
+    def precomputes(self, where, world):
+        return False
 
 
 def to_mx(
@@ -260,3 +315,81 @@ def mx_kernel_plan(k: int, n: int, gemm: str | None = None) -> KernelPlan:
     16 (cuBLAS's rule) or K is not a multiple of 32 outside the grad_weight gemm (a layer
     dim: the default module filter keeps such layers in hp)."""
     return k32_plan("MX float8", k, n, gemm, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------- FSDP2 shards
+
+
+def cut_blocks(rows: int, world: int) -> list[int]:
+    """The 32-row blocks of a ``rows``-row weight that FSDP2's dim-0 shards over ``world``
+    ranks cut (a shard boundary inside the block), in order; alike on every rank."""
+    chunk = math.ceil(rows / world)
+    cuts = (j * chunk for j in range(1, world))
+    return sorted({c // MX_BLOCK for c in cuts if c < rows and c % MX_BLOCK})
+
+
+def _cast_for(config, dim: int):
+    """The cast of the copy blocked along ``dim``: the output gemm's (1) or grad_input's (0)."""
+    return config.cast_config_weight_for_grad_input if dim == 0 else config.cast_config_weight
+
+
+def _cast_along_rows(job, start: int, n: int, fp8_dtype: torch.dtype, cast):
+    """The shard's rows cast in 32-row blocks of the full (n-row) weight: ``(data, scale)``
+    with ``scale`` the bytes of the blocks the shard touches (block ``start // 32`` on).
+
+    The shard is cast by ``to_mx`` itself, padded to whole blocks of the full weight with
+    zero rows (which change no amax). A block cut by a shard boundary gets its whole-block
+    scale byte: the byte is monotone in the amax, so it is the MAX over ranks of each part's
+    byte (one all-reduce of the cut blocks' bytes, a NaN's 255 included), and a padding row
+    of the block (one exists: part of the block lies outside the shard) carries a value of
+    that byte (``_value_of_byte``) into ``to_mx``."""
+    shard = job.shard
+    rows = shard.shape[0]
+    top = start % MX_BLOCK
+    bottom = -(start + rows) % MX_BLOCK
+    padded = shard.new_zeros((top + rows + bottom, shard.shape[1]))
+    padded[top : top + rows] = shard
+    cut = cut_blocks(n, job.world)
+    if cut:
+        first, rounding = start // MX_BLOCK, cast.mx_scale_rounding
+        local = scaling.mx_block_amax(padded, 0)
+        touched = [(i, b - first) for i, b in enumerate(cut) if 0 <= b - first < local.shape[0]]
+        parts = shard.new_zeros((len(cut), shard.shape[1]), dtype=torch.uint8)
+        for i, j in touched:
+            parts[i] = scaling.mx_scale_bits(local[j], fp8_dtype, rounding)
+        job.all_reduce_max(parts)
+        fp8_max, big = scaling.fp8_max(fp8_dtype), torch.finfo(shard.dtype).max
+        for i, j in touched:
+            row = j * MX_BLOCK if j * MX_BLOCK < top else (j + 1) * MX_BLOCK - 1
+            padded[row] = _value_of_byte(parts[i], fp8_max, big, rounding).to(shard.dtype)
+    data, scale = to_mx(padded, 0, fp8_dtype, cast.mx_scale_rounding)
+    return data[top : top + rows], scale
+
+
+def _value_of_byte(byte: torch.Tensor, fp8_max: float, big: float, rounding: str):
+    """An fp32 amax whose e8m0 byte (``scaling.mx_scale_bits`` with ``rounding``) is
+    ``byte``, within ``big`` (the hp dtype's max) where finite: ``fp8_max * 2 ** (byte -
+    127)`` (255: NaN). Beyond fp32's range that is inf: with "floor" (the byte keeps the
+    amax's exponent) only an inf amax has such a byte; with "rceil" 254 is an inf amax's,
+    and the largest finite amaxes round up to a byte whose value is beyond the dtype: the
+    dtype's max has that byte."""
+    value = scaling.mx_descale(byte) * fp8_max
+    if rounding == "floor":
+        return value
+    value = torch.clamp(value, max=big)  # keeps NaN
+    return torch.where(byte == 254, math.inf, value)
+
+
+def _gather_block_scales(job, local_scale: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """The full weight's (ceil(n / 32), K) scale from each rank's block scales: each rank
+    sends the blocks that start in its rows (padded to ceil(chunk / 32)), one all-gather."""
+    chunk = math.ceil(n / job.world)
+    per_rank = math.ceil(chunk / MX_BLOCK)
+    skip = math.ceil(start / MX_BLOCK) - start // MX_BLOCK  # a first block begun before
+    own = local_scale[skip:] if job.shard.shape[0] else local_scale[:0]
+    gathered = job.all_gather_rows(job.pad(own, per_rank))
+    # block b comes from the rank holding its first row, r, which sent it as its
+    # (b - ceil(r * chunk / 32))-th (index arithmetic on the device: no host copy)
+    b = torch.arange(math.ceil(n / MX_BLOCK), device=gathered.device)
+    r = b * MX_BLOCK // chunk
+    return gathered[r * per_rank + b + (-(r * chunk)).div(MX_BLOCK, rounding_mode="floor")]

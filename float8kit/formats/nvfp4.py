@@ -34,6 +34,7 @@ all its codes are 0 (torchao's reference divides by a zero scale there and gives
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
@@ -286,8 +287,91 @@ class NVFP4(WholeBlocks, Format):
         # FSDP2's view of the gathered weight: its first rows, the first rows of the grid
         return None if rows is None else scale[:, : -(-rows // self.rows)]
 
-    # the FSDP2 float8 all-gather of NVFP4 weights makes its scales itself
-    # (float8kit/distributed/fsdp_nvfp4.py): no shard-amax rule here yet
+    # ------------------------------------------------------------------ FSDP2 all-gather
+    # The weight's one NVFP4 copy (16x16 blocks serve the output and the grad_input gemm
+    # alike), gathered as e2m1 codes. Each rank casts its rows with the *whole* weight's
+    # scales, so the gathered weight is bitwise the one-device cast (``quantize(w, (16,
+    # 16))``):
+    #
+    # - The scales need every block's amax and the tensor's (the max of the blocks'): each
+    #   rank takes the amaxes of the blocks its rows touch (a block cut by a shard boundary
+    #   gets a partial amax from each side), and one all-reduce(MAX) of the block-amax grid
+    #   (with a NaN flag per block: MAX is not defined on NaN) gives every rank the full grid.
+    #   The block amaxes join ``precompute_scales``' one all-reduce after the optimizer step,
+    #   and the hooks of the next step use the scale it keeps; without a fresh one (the first
+    #   step, no ``precompute_scales``) the hook all-reduces itself and keeps its scale, so
+    #   the backward's re-gather reuses the forward's (``job.kept_scale``: fresh while the
+    #   weight is the same parameter at the same version, alike on every rank).
+    # - The shard's codes: its elements times their block's factor ``(1 / tensor_scale) /
+    #   block_scale``, rounded to nearest: the products the one-device cast forms.
+    #
+    # What travels: the codes packed two per byte (0.5 byte per element, a quarter of bf16's)
+    # when FSDP2's shards are even (``packs``). On uneven shards FSDP2 requires every
+    # all-gather input to have the padded shard's *shape*, which packed rows do not: the codes
+    # then travel one per byte. The scale grid (the same on every rank) reaches the post hook
+    # as metadata. An odd in_features cannot be packed: refused at the first gather.
+
+    def all_gather_inputs(self, job):
+        if job.where.n_slots != 1 or tuple(job.where.full_shape) != tuple(job.outer_size):
+            raise ValueError(
+                "float8kit: an NVFP4 float8 all-gather weight on a multi-dim mesh (tensor "
+                "parallel, HSDP) is not supported: shard it with FSDP2 on a 1-D mesh, or set "
+                "enable_fsdp_float8_all_gather=False"
+            )
+        n, k = job.outer_size
+        packed = packs(n, job.world)
+        if packed and k % 2:
+            raise ValueError(
+                f"float8kit: {job.layer}: an NVFP4 float8 all-gather packs two e2m1 codes per "
+                f"byte along in_features, which must be even (here {k}); keep this layer in hp "
+                "(the default module filter does)"
+            )
+        shard = job.shard
+        start = min(job.where.offset if job.where.dim == 0 else 0, n)
+        scale = job.kept_scale()
+        if scale is None:
+            partial = job.all_reduce_max(_partial_amaxes(shard, start, job.outer_size))
+            scale = job.keep(_scale_of_grid(partial), partial)
+        codes = _cast_rows(shard, start, scale)
+        if packed:
+            codes = pack(codes)
+        chunk = math.ceil(n / job.world)
+        if codes.shape[0] != chunk:  # uneven or empty shard: FSDP2's padded shard size
+            codes = F.pad(codes, (0, 0, 0, chunk - codes.shape[0]))
+        return (codes,), (scale, n, packed)
+
+    def all_gathered(self, outputs, metadata, config):
+        (data,), (scale, rows, packed) = outputs, metadata
+        codes = _unpack(data[:rows]) if packed else data[:rows]
+        # FSDP2 frees these after the pass and re-allocates them before the next gather
+        return codes, scale.clone(), FSDP_WEIGHT, ((data, codes) if packed else (data,))
+
+    def refill(self, weight, outputs, metadata):
+        (data,), (scale, rows, packed) = outputs, metadata
+        # in place without a version bump, as FSDP2 refills its buffers: autograd saved this
+        # weight in forward, and the backward re-gather writes back the same values
+        with torch.autograd._unsafe_preserve_version_counter(weight._scale):
+            weight._scale.copy_(scale)
+        if packed:
+            with torch.autograd._unsafe_preserve_version_counter(weight._data):
+                weight._data.copy_(_unpack(data[:rows]))
+
+    def precomputes(self, where, world):
+        return where.n_slots == 1  # (the hook refuses multi-dim meshes)
+
+    def precompute_amaxes(self, shards, wheres):
+        parts = []
+        for shard, where in zip(shards, wheres, strict=True):
+            start = where.offset if where.dim == 0 else 0
+            parts.append(_partial_amaxes(shard, start, where.outer_shape))
+        return [p.reshape(-1) for p in parts], [p.shape for p in parts]
+
+    def precomputed_scales(self, reduced, shapes, cast, config):
+        sizes = [math.prod(s) for s in shapes]
+        return [
+            _scale_of_grid(r.reshape(shape))
+            for r, shape in zip(reduced.split(sizes), shapes, strict=True)
+        ]
 
 
 # ---------------------------------------------------------------------------- gemm plan
@@ -376,3 +460,61 @@ def nvfp4_kernel_plan(k: int, n: int, gemm: str | None = None) -> KernelPlan:
     raises when N is not a multiple of 16 or K not a multiple of 32 elsewhere (a layer dim:
     the default module filter keeps such layers in hp)."""
     return k32_plan("NVFP4", k, n, gemm, torch.float32)
+
+
+# ---------------------------------------------------------------------------- FSDP2 shards
+
+# the gathered weight's format: one 16x16-block copy for both of its gemms
+FSDP_WEIGHT = NVFP4(NVFP4_BLOCK, NVFP4_BLOCK)
+
+
+def packs(rows: int, world: int) -> bool:
+    """Whether the codes travel packed: FSDP2's dim-0 shards of ``rows`` rows are even."""
+    return rows % world == 0
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Codes two per byte (``pack``) back to one per byte."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+
+
+def _cast_rows(shard: torch.Tensor, start: int, scale: torch.Tensor) -> torch.Tensor:
+    """The codes of weight rows ``start:start + len(shard)`` cast with the whole weight's
+    ``scale``: per element the fp32 product the one-device cast forms, rounded to nearest."""
+    factor = (1.0 / scale[1]) / scale[0]  # per 16x16 block, as quantize
+    rows = (torch.arange(shard.shape[0], device=shard.device) + start) // NVFP4_BLOCK
+    per_element = factor[rows].repeat_interleave(NVFP4_BLOCK, dim=1)[:, : shard.shape[1]]
+    return round_nearest(torch.clamp(shard.to(torch.float32) * per_element, -E2M1_MAX, E2M1_MAX))
+
+
+def _scale_of_grid(reduced: torch.Tensor) -> torch.Tensor:
+    """The whole weight's scale (2, ceil(N / 16), ceil(K / 16)) from its all-reduced
+    ``_partial_amaxes``."""
+    grid = torch.where(reduced[1] > 0, math.nan, reduced[0])
+    tensor = tensor_scale(scaling.amax(grid))  # NaN propagates, as one device's
+    blocks = block_scale(grid, tensor)
+    return torch.stack([blocks, tensor.expand_as(blocks)])
+
+
+def _partial_amaxes(shard: torch.Tensor, start: int, outer_size: torch.Size) -> torch.Tensor:
+    """(2, ceil(N / 16), ceil(K / 16)): this shard's block amaxes (NaN as inf: MAX is not
+    defined on NaN) and a flag per block where a NaN is; all-reduce(MAX) makes them the whole
+    weight's."""
+    grid = _block_amaxes(shard, start, outer_size)
+    return torch.stack([scaling.nan_to_inf(grid), grid.isnan().to(torch.float32)])
+
+
+def _block_amaxes(shard: torch.Tensor, start: int, outer_size: torch.Size) -> torch.Tensor:
+    """The (ceil(N / 16), ceil(K / 16)) 16x16 block amaxes over this shard's rows (0 for the
+    blocks it does not touch; NaN where a NaN is)."""
+    n, k = outer_size
+    b = NVFP4_BLOCK
+    grid = shard.new_zeros((-(-n // b), -(-k // b)), dtype=torch.float32)
+    rows = shard.shape[0]
+    if rows == 0:
+        return grid
+    top = start % b
+    padded = F.pad(shard, (0, 0, top, 0))  # to the block boundary above
+    part = scaling.block_amax(padded, (b, b))
+    grid[start // b : start // b + part.shape[0]] = part
+    return grid

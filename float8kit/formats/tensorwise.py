@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from float8kit import scaling
 from float8kit.config import ScalingType
 from float8kit.formats.base import (
@@ -13,12 +15,13 @@ from float8kit.formats.base import (
     Capabilities,
     Float8Elements,
     Format,
+    GroupScaledGather,
     same_scales,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class Tensorwise(Float8Elements, Format):
+class Tensorwise(GroupScaledGather, Float8Elements, Format):
     capabilities = Capabilities(
         scaling_types=(ScalingType.DYNAMIC, ScalingType.DELAYED, ScalingType.STATIC),
         fsdp_float8_all_gather=True,
@@ -29,6 +32,7 @@ class Tensorwise(Float8Elements, Format):
         min_cuda_capability=(8, 9),
         gemm="scaled",
     )
+    shards_any_dim = True  # one scale: every shard of any dim casts with it
 
     @classmethod
     def for_operand(cls, cast, role, reduce_dim, ndim):
@@ -70,6 +74,10 @@ class Tensorwise(Float8Elements, Format):
 
     def cuts(self, outer_rows, world):
         return False
+
+    def precompute_amaxes(self, shards, wheres):
+        # every weight's one amax in one batched pass
+        return [scaling.local_amaxes(shards)], [torch.Size([])] * len(shards)
 
 
 TENSORWISE = Tensorwise()
