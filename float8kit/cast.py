@@ -402,7 +402,7 @@ def _cast_dtensor(
     state_scale, amax_record = local(state_scale), local(amax_record)
     amax_value = None
     if needs_amax(cast, amax_record is not None, scale_set):
-        amax_value = scaling.dtensor_amax(hp, gran.axiswise_dim)
+        amax_value = gran.dtensor_amax(hp)
     scale = operand_scale(cast, role, config, amax_value, state_scale, amax_record, scale_set)
     guard = cast.scaling_type is not ScalingType.DYNAMIC
     fp8 = hp_to_float8(

@@ -3,8 +3,8 @@
 ``convert_experts_to_float8_training`` wraps each selected 3-D expert weight (experts, in,
 out) in a ``Float8ExpertWeight``, a parameter subclass around the same hp tensor. The model
 keeps calling ``torch._grouped_mm(x, w, offs=offs)`` (or ``F.grouped_mm``); the subclass's
-``__torch_function__`` sees that call and runs ``_Float8GroupedMM`` instead, whose three
-grouped gemms go through ``grouped_gemm.scaled_grouped_mm``:
+``__torch_function__`` sees that call and runs ``_GroupedMM`` instead, whose three
+grouped gemms go through ``grouped_gemm.scaled_grouped_mm`` (rowwise):
 
     output      = x (M,K)      @ w (G,K,N)      scales: per token (row), per expert column
     grad_input  = grad_out (M,N) @ w.T (G,N,K)  scales: per token (row), per expert column
@@ -16,7 +16,7 @@ cumulative ends, as torch wants). Rowwise scales along the inner dim come from
 dim is the jagged token dim, so its scales are per group (``scaling.group_amax``), and an expert
 that got no tokens gets an exactly zero gradient.
 
-With an MX ``Float8ExpertsConfig`` (``from_recipe_name("mxfp8")``) ``_MXGroupedMM`` runs the
+With an MX ``Float8ExpertsConfig`` (``from_recipe_name("mxfp8")``) ``_GroupedMM`` runs the
 same three gemms in MXFP8 (``grouped_gemm.mx_scaled_grouped_mm``): every operand cast from hp by
 ``cast.to_mx`` along the dim its gemm reduces (one e8m0 scale per 32 elements), token groups
 zero-padded to multiples of 32 rows for the grad_weight gemm, whose 32-blocks run along
@@ -48,6 +48,7 @@ the right guess. Every later all-gather uses the recorded layout.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -61,7 +62,7 @@ from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.formats.base import local_scale_inputs, local_scale_outputs
 from float8kit.grouped_gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
-from float8kit.quantized_rows import QuantizedRows, dequantize, quantize_rows
+from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
 
 aten = torch.ops.aten
 
@@ -189,26 +190,62 @@ def token_groups(offs: torch.Tensor, num_tokens: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------- the gemms
 
 
-class _Float8GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(x, weight, offs=offs)`` with all three gemms in float8; internal.
+class _GroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm(x, weight, offs=offs)`` with all three gemms in float8, in the
+    format the config's cast names; internal. What is format-specific (how the weight is
+    cast for each gemm, the kernel, the grad_weight gemm's casts along the tokens) is its
+    gemm family's (``_EXPERT_GEMMS``: ``_RowwiseGemms``, ``_MXGemms``).
 
-    Invariants: ``x`` is 2-D (M, K) hp, sorted by group; ``weight`` is (G, K, N): a
-    ``Float8ExpertWeight`` (hp, or float8 data + per-expert-column scales from an FSDP2
-    float8 all-gather) or a plain hp tensor. Returns (M, N) in ``x``'s dtype, grad_input in
-    ``x``'s dtype and grad_weight in the weight's dtype. Saves hp ``x`` (the grad_weight gemm
-    needs other scales than the output gemm) and the hp weight (or its float8 data and
-    scales). The grad_input gemm recasts the output gemm's float8 weight, dequantized, with
-    scales along N: for an FSDP2 float8-gathered weight (which has no hp values) and for an
-    hp one alike, so both give bitwise the same gradients. A gathered weight whose scales run
-    along N here was gathered in the other layout: on its first use (layout undecided, or
-    decided since this weight was gathered) the layout is recorded and the weight cast from
-    its hp shards instead, the same numbers; otherwise (set in the config, or the weight used
-    both ways) it raises.
+    Invariants: ``x`` is 2-D (M, K) hp (or ``QuantizedRows`` cast for this gemm), sorted by
+    group; ``weight`` is (G, K, N): a ``Float8ExpertWeight`` (hp, or, rowwise, float8 data +
+    per-expert-column scales from an FSDP2 float8 all-gather) or a plain hp tensor. Returns
+    (M, N) in ``x``'s dtype, grad_input in ``x``'s dtype and grad_weight in the weight's
+    dtype. Saves hp ``x`` (or its float8 rows, ``wgrad_operands="dequantized"``) and what
+    the family keeps of the weight.
     """
 
     @staticmethod
     def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
-        groups, _, n = weight.shape
+        gemms = _expert_gemms(config)
+        w_data, w_scale, w_saved = gemms.weight(weight, config)
+        x_data, x_scale, x_saved = _input_rows(x, config)
+        ctx.save_for_backward(*x_saved, offs, *w_saved)
+        ctx.n_x, ctx.config, ctx.w_dtype, ctx.x_dtype = len(x_saved), config, weight.dtype, x.dtype
+        return gemms.output(x_data, x_scale, w_data, w_scale, offs, config, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        c = ctx.config
+        gemms = _expert_gemms(c)
+        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
+        x_saved, (offs, *w_saved) = saved[: ctx.n_x], saved[ctx.n_x :]
+        go_rows = _GradRows(grad_output, c)
+        grad_input = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_input = gemms.grad_input(go_rows, w_saved, offs, c, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            x = _wgrad_rows(x_saved, c)
+            groups = w_saved[0].shape[0]
+            grad_weight = gemms.grad_weight(x, go_rows.wgrad(), offs, groups, c, ctx.w_dtype)
+        return grad_input, grad_weight, None, None
+
+
+class _RowwiseGemms:
+    """The ``scaled`` family (rowwise scales, ``grouped_gemm.scaled_grouped_mm``).
+
+    The grad_input gemm recasts the output gemm's float8 weight, dequantized, with scales
+    along N: for an FSDP2 float8-gathered weight (which has no hp values) and for an hp one
+    alike, so both give bitwise the same gradients. A gathered weight whose scales run along
+    N here was gathered in the other layout: on its first use (layout undecided, or decided
+    since this weight was gathered) the layout is recorded and the weight cast from its hp
+    shards instead, the same numbers; otherwise (set in the config, or the weight used both
+    ways) it raises. The grad_weight gemm's scales are per token group and row/column
+    (``cast.cast_per_group``)."""
+
+    @staticmethod
+    def weight(weight, config):
+        """``(data, scale, saved)``: the weight along K for the output gemm, and what
+        backward keeps of it (the hp weight, or the gathered float8 data and scales)."""
         if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
             if weight._scale.size(1) == 1:
                 # float8 from the all-gather, scaled along K as this gemm needs: use it as is
@@ -217,163 +254,151 @@ class _Float8GroupedMM(torch.autograd.Function):
                     weight._layout.value = weight._source[2]  # the first guess was right
             else:
                 w_data, w_scale = _cast_gathered_the_other_way(weight)
-            w_saved = (w_data, w_scale)
-        else:
-            w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
-            w_data, w_scale = cast.cast_rowwise(w_hp, 1, config.round_scales_to_power_of_2)
-            w_saved = (w_hp,)
-        x_data, x_scale, x_saved = _input_rows(x, "rowwise", config)
-        ctx.save_for_backward(*x_saved, offs, *w_saved)
-        ctx.n_x, ctx.config, ctx.w_dtype, ctx.x_dtype = len(x_saved), config, weight.dtype, x.dtype
+            return w_data, w_scale, (w_data, w_scale)
+        w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
+        w_data, w_scale = cast.cast_rowwise(w_hp, 1, config.round_scales_to_power_of_2)
+        return w_data, w_scale, (w_hp,)
+
+    @staticmethod
+    def output(x_data, x_scale, w_data, w_scale, offs, config, out_dtype):
+        groups, _, n = w_data.shape
         return scaled_grouped_mm(
             x_data,
             x_scale.reshape(-1),
             w_data,
             w_scale.reshape(groups, n),
             offs,
-            out_dtype=x.dtype,
+            out_dtype=out_dtype,
             emulate=config.emulate,
             use_fast_accum=config.gemm_config_output.use_fast_accum,
         )
 
     @staticmethod
-    def backward(ctx, grad_output):
-        c = ctx.config
-        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
-        x_saved, (offs, *w_saved) = saved[: ctx.n_x], saved[ctx.n_x :]
-        groups, k, n = w_saved[0].shape
-        go_rows = _GradRows(grad_output, "rowwise", c)
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            if len(w_saved) == 2:
-                w_data, w_scale = w_saved
-            else:  # the forward's cast again (same amax, same scale: bitwise the same)
-                w_data, w_scale = cast.cast_rowwise(w_saved[0], 1, c.round_scales_to_power_of_2)
-            # grad_input uses the forward's float8 weight (exact in fp32), recast along N:
-            # the same numbers whether that float8 weight came from this cast or from an
-            # FSDP2 float8 all-gather, so sharded and single-device training agree bitwise.
-            w_hp = w_data.to(torch.float32) / w_scale
-            go_data, go_scale = go_rows.cast()
-            # one scale per expert and K: reduce N
-            w_data, w_scale = cast.cast_rowwise(w_hp, 2, c.round_scales_to_power_of_2)
-            grad_input = scaled_grouped_mm(
-                go_data,
-                go_scale.reshape(-1),
-                w_data.transpose(-2, -1),
-                w_scale.reshape(groups, k),
-                offs,
-                out_dtype=ctx.x_dtype,
-                emulate=c.emulate,
-            )
-        if ctx.needs_input_grad[1]:
-            x = _wgrad_rows(x_saved, "rowwise")
-            token_group = token_groups(offs, x.size(0))
-            x_data, x_scale = cast.cast_per_group(
-                x, token_group, groups, c.round_scales_to_power_of_2
-            )
-            go_data, go_scale = cast.cast_per_group(
-                go_rows.wgrad(), token_group, groups, c.round_scales_to_power_of_2
-            )
-            grad_weight = scaled_grouped_mm(
-                x_data.t(),
-                x_scale.reshape(-1),
-                go_data,
-                go_scale.reshape(-1),
-                offs,
-                out_dtype=ctx.w_dtype,
-                emulate=c.emulate,
-            )
-        return grad_input, grad_weight, None, None
-
-
-class _MXGroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm(x, weight, offs=offs)`` with all three gemms in MXFP8 (a
-    ``Float8ExpertsConfig`` with an MX ``cast_config``); internal.
-
-    Invariants: ``x`` is 2-D (M, K) hp, sorted by group; ``weight`` is the hp (G, K, N)
-    tensor (an MX config refuses the float8 all-gather). Every operand is cast from hp by
-    ``cast.to_mx`` along the dim its gemm reduces, never a quantized tensor transposed:
-    output = x along K @ weight along K; grad_input = grad_out along N @ weight along N;
-    grad_weight = x.T @ grad_out along the tokens, per group, after every token group is
-    zero-padded to a multiple of 32 rows in hp (``grouped_gemm.pad_token_groups``, no host sync) so
-    that no 32-block straddles two experts (an expert without tokens sums 32 zero rows:
-    an exactly zero gradient). Saves hp ``x`` and the hp weight. Results come out of the
-    kernel (or its emulation) as bf16 and are cast to ``x``'s / the weight's dtype.
-    """
+    def grad_input(go_rows, w_saved, offs, config, out_dtype):
+        pow2 = config.round_scales_to_power_of_2
+        groups, k, _ = w_saved[0].shape
+        if len(w_saved) == 2:
+            w_data, w_scale = w_saved
+        else:  # the forward's cast again (same amax, same scale: bitwise the same)
+            w_data, w_scale = cast.cast_rowwise(w_saved[0], 1, pow2)
+        # the forward's float8 weight (exact in fp32), recast along N: the same numbers
+        # whether that float8 weight came from this cast or from an FSDP2 float8 all-gather,
+        # so sharded and single-device training agree bitwise
+        w_hp = w_data.to(torch.float32) / w_scale
+        go_data, go_scale = go_rows.cast()
+        w_data, w_scale = cast.cast_rowwise(w_hp, 2, pow2)  # one scale per expert and K
+        return scaled_grouped_mm(
+            go_data,
+            go_scale.reshape(-1),
+            w_data.transpose(-2, -1),
+            w_scale.reshape(groups, k),
+            offs,
+            out_dtype=out_dtype,
+            emulate=config.emulate,
+        )
 
     @staticmethod
-    def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
+    def grad_weight(x, grad_output, offs, groups, config, out_dtype):
+        pow2 = config.round_scales_to_power_of_2
+        token_group = token_groups(offs, x.size(0))
+        x_data, x_scale = cast.cast_per_group(x, token_group, groups, pow2)
+        go_data, go_scale = cast.cast_per_group(grad_output, token_group, groups, pow2)
+        return scaled_grouped_mm(
+            x_data.t(),
+            x_scale.reshape(-1),
+            go_data,
+            go_scale.reshape(-1),
+            offs,
+            out_dtype=out_dtype,
+            emulate=config.emulate,
+        )
+
+
+class _MXGemms:
+    """The ``mx`` family (MXFP8, ``grouped_gemm.mx_scaled_grouped_mm``). Every operand is cast
+    from hp by ``cast.to_mx`` along the dim its gemm reduces, never a quantized tensor
+    transposed: output = x along K @ weight along K; grad_input = grad_out along N @ weight
+    along N; grad_weight = x.T @ grad_out along the tokens, per group, after every token
+    group is zero-padded to a multiple of 32 rows in hp (``pad_token_groups``, no host sync)
+    so that no 32-block straddles two experts (an expert without tokens sums 32 zero rows:
+    an exactly zero gradient). Backward keeps the hp weight. Results come out of the kernel
+    (or its emulation) as bf16 and are cast to ``x``'s / the weight's dtype."""
+
+    @staticmethod
+    def weight(weight, config):
         w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
         if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
             raise ValueError(  # the config refuses this; a hand-made weight could reach it
                 "float8kit: an MX expert weight cannot come from a float8 all-gather: set "
                 "Float8ExpertsConfig.enable_fsdp_float8_all_gather=False"
             )
-        rounding = config.cast_config.mx_scale_rounding
-        x_data, x_scale, x_saved = _input_rows(x, "mx", config)
-        w_data, w_scale = cast.to_mx(w_hp, 1, E4M3, rounding)
-        ctx.save_for_backward(*x_saved, offs, w_hp)
-        ctx.n_x, ctx.config, ctx.w_dtype, ctx.x_dtype = len(x_saved), config, weight.dtype, x.dtype
+        w_data, w_scale = cast.to_mx(w_hp, 1, E4M3, config.cast_config.mx_scale_rounding)
+        return w_data, w_scale, (w_hp,)
+
+    @staticmethod
+    def output(x_data, x_scale, w_data, w_scale, offs, config, out_dtype):
         return mx_scaled_grouped_mm(
-            x_data, x_scale, w_data, w_scale, offs, out_dtype=x.dtype, emulate=config.emulate
+            x_data, x_scale, w_data, w_scale, offs, out_dtype=out_dtype, emulate=config.emulate
         )
 
     @staticmethod
-    def backward(ctx, grad_output):
-        c = ctx.config
-        rounding = c.cast_config.mx_scale_rounding
-        saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
-        x_saved, (offs, w_hp) = saved[: ctx.n_x], saved[ctx.n_x :]
-        go_rows = _GradRows(grad_output, "mx", c)
-        grad_input = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            go_data, go_scale = go_rows.cast()
-            w_data, w_scale = cast.to_mx(w_hp, 2, E4M3, rounding)  # along N
-            grad_input = mx_scaled_grouped_mm(
-                go_data,
-                go_scale,
-                w_data.transpose(-2, -1),
-                w_scale.transpose(-2, -1),
-                offs,
-                out_dtype=ctx.x_dtype,
-                emulate=c.emulate,
-            )
-        if ctx.needs_input_grad[1]:
-            x_pad, offs_pad, _ = pad_token_groups(_wgrad_rows(x_saved, "mx"), offs, 32)
-            go_pad, _, _ = pad_token_groups(go_rows.wgrad(), offs, 32)
-            x_data, x_scale = cast.to_mx(x_pad, 0, E4M3, rounding)
-            go_data, go_scale = cast.to_mx(go_pad, 0, E4M3, rounding)
-            grad_weight = mx_scaled_grouped_mm(
-                x_data.t(),
-                x_scale.t(),
-                go_data,
-                go_scale,
-                offs_pad,
-                out_dtype=ctx.w_dtype,
-                emulate=c.emulate,
-            )
-        return grad_input, grad_weight, None, None
+    def grad_input(go_rows, w_saved, offs, config, out_dtype):
+        go_data, go_scale = go_rows.cast()
+        rounding = config.cast_config.mx_scale_rounding
+        w_data, w_scale = cast.to_mx(w_saved[0], 2, E4M3, rounding)  # along N
+        return mx_scaled_grouped_mm(
+            go_data,
+            go_scale,
+            w_data.transpose(-2, -1),
+            w_scale.transpose(-2, -1),
+            offs,
+            out_dtype=out_dtype,
+            emulate=config.emulate,
+        )
+
+    @staticmethod
+    def grad_weight(x, grad_output, offs, groups, config, out_dtype):
+        rounding = config.cast_config.mx_scale_rounding
+        x_pad, offs_pad, _ = pad_token_groups(x, offs, 32)
+        go_pad, _, _ = pad_token_groups(grad_output, offs, 32)
+        x_data, x_scale = cast.to_mx(x_pad, 0, E4M3, rounding)
+        go_data, go_scale = cast.to_mx(go_pad, 0, E4M3, rounding)
+        return mx_scaled_grouped_mm(
+            x_data.t(),
+            x_scale.t(),
+            go_data,
+            go_scale,
+            offs_pad,
+            out_dtype=out_dtype,
+            emulate=config.emulate,
+        )
 
 
-def _input_rows(x, kind: str, config: Float8ExpertsConfig):
+# every expert format's gemm family (``Capabilities.gemm``) -> its expert gemms
+_EXPERT_GEMMS = {"scaled": _RowwiseGemms, "mx": _MXGemms}
+
+
+def _expert_gemms(config: Float8ExpertsConfig):
+    return _EXPERT_GEMMS[rows_format(config).capabilities.gemm]
+
+
+def _input_rows(x, config: Float8ExpertsConfig):
     """The output gemm's ``(data, scale)`` for input rows ``x`` (cast along K, or taken as
     dispatched: ``QuantizedRows``) and what the weight-gradient gemm needs saved of them: hp
     ``x`` (``wgrad_operands="hp"``), else the float8 rows and their scales."""
     if isinstance(x, QuantizedRows):
-        _check_rows(x, kind, config, "input")
+        _check_rows(x, config, "input")
         data, scale = x._data, x._scale
     else:
-        data, scale = quantize_rows(
-            x, kind, config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
-        )
+        data, scale = quantize_rows(x, config)
     if config.wgrad_operands == "hp":
         return data, scale, (x,)
     return data, scale, (data, scale)
 
 
-def _wgrad_rows(saved: tuple, kind: str) -> torch.Tensor:
+def _wgrad_rows(saved: tuple, config: Float8ExpertsConfig) -> torch.Tensor:
     """The input rows the weight-gradient gemm casts along the tokens: hp, or dequantized."""
-    return saved[0] if len(saved) == 1 else dequantize(*saved, kind)
+    return saved[0] if len(saved) == 1 else rows_format(config).dequantize(*saved)
 
 
 class _GradRows:
@@ -381,33 +406,32 @@ class _GradRows:
     as sent when they arrive as ``QuantizedRows``: expert parallelism's combine backward),
     ``wgrad()`` for the weight-gradient gemm (hp, or the dequantized cast)."""
 
-    def __init__(self, grad_output, kind: str, config: Float8ExpertsConfig):
-        self.kind, self.config = kind, config
+    def __init__(self, grad_output, config: Float8ExpertsConfig):
+        self.format, self.config = rows_format(config), config
         if isinstance(grad_output, QuantizedRows):
-            _check_rows(grad_output, kind, config, "grad_output")
+            _check_rows(grad_output, config, "grad_output")
             self.hp, self.data, self.scale = None, grad_output._data, grad_output._scale
         else:
             self.hp, self.data = grad_output.contiguous(), None
 
     def cast(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.data is None:
-            c = self.config
-            self.data, self.scale = quantize_rows(
-                self.hp, self.kind, c.round_scales_to_power_of_2, c.cast_config.mx_scale_rounding
-            )
+            self.data, self.scale = quantize_rows(self.hp, self.config, self.format)
         return self.data, self.scale
 
     def wgrad(self) -> torch.Tensor:
         if self.config.wgrad_operands == "hp" and self.hp is not None:
             return self.hp
-        return dequantize(*self.cast(), self.kind)
+        return self.format.dequantize(*self.cast())
 
 
-def _check_rows(rows: QuantizedRows, kind: str, config: Float8ExpertsConfig, what: str) -> None:
-    if rows._kind != kind:
+def _check_rows(rows: QuantizedRows, config: Float8ExpertsConfig, what: str) -> None:
+    fmt = rows_format(config)
+    if rows._format != fmt:
         raise ValueError(
-            f"float8kit: the expert gemm's {what} arrived as {rows._kind} float8 rows, but its "
-            f"Float8ExpertsConfig casts {kind}: dispatch with the experts' config"
+            f"float8kit: the expert gemm's {what} arrived as {rows._format.short()} float8 "
+            f"rows, but its Float8ExpertsConfig casts {fmt.short()}: dispatch with the "
+            "experts' config"
         )
     if config.wgrad_operands != "dequantized":
         raise ValueError(
@@ -416,11 +440,6 @@ def _check_rows(rows: QuantizedRows, kind: str, config: Float8ExpertsConfig, wha
             'Float8ExpertsConfig.wgrad_operands="dequantized" (or dispatch in hp: '
             'EPConfig(comm="hp"))'
         )
-
-
-def _grouped_function(config: Float8ExpertsConfig):
-    """The autograd Function that runs a converted weight's grouped gemms."""
-    return _MXGroupedMM if config.cast_config.is_mx else _Float8GroupedMM
 
 
 def _cast_gathered_the_other_way(weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,7 +485,7 @@ def float8_grouped_mm(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``torch._grouped_mm(mat_a, mat_b, offs=offs)`` for a float8 expert weight ``mat_b``:
-    the three gemms in float8 (``_Float8GroupedMM``). Raises for a form it does not run in
+    the three gemms in float8 (``_GroupedMM``). Raises for a form it does not run in
     float8 (no silent hp fallback)."""
     if (
         isinstance(mat_b, Float8ExpertWeight)
@@ -477,7 +496,7 @@ def float8_grouped_mm(
         and bias is None
         and out_dtype in (None, mat_a.dtype)
     ):
-        return _grouped_function(mat_b._config).apply(mat_a, mat_b, offs, mat_b._config)
+        return _GroupedMM.apply(mat_a, mat_b, offs, mat_b._config)
     raise NotImplementedError(
         "float8kit: a float8 expert weight supports torch._grouped_mm(x, w, offs=offs) with "
         "x 2-D (tokens, in), w the 3-D weight (experts, in, out), no bias and no out_dtype; "
@@ -494,7 +513,7 @@ def _float8_expert_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.size(-1))
     offs = torch.full((1,), x2.size(0), dtype=torch.int32, device=x.device)
-    out = _grouped_function(w._config).apply(x2, w.unsqueeze(0), offs, w._config)
+    out = _GroupedMM.apply(x2, w.unsqueeze(0), offs, w._config)
     return out.reshape(*lead, out.size(-1))
 
 
@@ -566,7 +585,7 @@ class Float8ExpertWeight(HpWeight):
           ``_source`` is (its FSDP2 shard, the shard mesh, the layout it was gathered in, the
           padded scale buffer ``_scale`` views).
         - ``torch._grouped_mm(x, w, offs=offs)`` with ``w`` this weight, ``x`` 2-D hp, no
-          bias and no other out_dtype runs ``_Float8GroupedMM``, as do transformers'
+          bias and no other out_dtype runs ``_GroupedMM``, as do transformers'
           ``grouped_mm_fallback`` and ``F.linear(x, w[e])`` / ``x @ w[e]`` (one group); any
           other grouped_mm form, gemm (``_GEMM_OPS``) or foreign op raises (no silent hp
           fallback). Other ops run on ``_tensor`` (hp); views, copies and picked experts
@@ -735,16 +754,12 @@ def _describe(t) -> str:
 # ---------------------------------------------------------------------------- conversion
 
 
-def default_expert_filter(param: nn.Parameter, fqn: str) -> bool:
+def default_expert_filter(param: nn.Parameter, fqn: str, multiple: int = 16) -> bool:
     """Convert a parameter when it is 3-D (experts, in, out) with ``in`` and ``out``
-    multiples of 16 (what the CUDA float8 grouped gemm needs)."""
-    return param.dim() == 3 and param.shape[-2] % 16 == 0 and param.shape[-1] % 16 == 0
-
-
-def mx_expert_filter(param: nn.Parameter, fqn: str) -> bool:
-    """The default filter with an MX config: 3-D with ``in`` and ``out`` multiples of 32 (each
-    is the inner dim of one grouped gemm, cut in 32-element MX blocks)."""
-    return param.dim() == 3 and param.shape[-2] % 32 == 0 and param.shape[-1] % 32 == 0
+    multiples of ``multiple``: 16, what the CUDA float8 grouped gemm needs; the conversion
+    passes its format's own need (``Format.filter_multiple``: 32 for MX, whose blocks cut
+    each of them as the inner dim of one grouped gemm)."""
+    return param.dim() == 3 and param.shape[-2] % multiple == 0 and param.shape[-1] % multiple == 0
 
 
 def _store_plain_experts(module, state_dict, prefix, local_metadata) -> None:
@@ -776,8 +791,8 @@ def convert_experts_to_float8_training(
         module: any module.
         config: how the grouped gemms cast; default ``Float8ExpertsConfig()``.
         param_filter_fn: ``fn(param, fqn) -> bool``; True converts that parameter. Default:
-            ``default_expert_filter`` (3-D, last two dims multiples of 16), with an MX config
-            ``mx_expert_filter`` (multiples of 32).
+            ``default_expert_filter`` (3-D, last two dims multiples of 16; of 32 with an
+            MX config).
 
     Returns:
         ``module``, converted.
@@ -792,7 +807,8 @@ def convert_experts_to_float8_training(
     config = config if config is not None else Float8ExpertsConfig()
     if not isinstance(config, Float8ExpertsConfig):
         raise ValueError(f"config must be a Float8ExpertsConfig, got {type(config).__name__}")
-    default = mx_expert_filter if config.cast_config.is_mx else default_expert_filter
+    multiple = rows_format(config).filter_multiple(config.cast_config)
+    default = functools.partial(default_expert_filter, multiple=multiple)
     keep = param_filter_fn if param_filter_fn is not None else default
     wrapped: dict[int, nn.Parameter] = {}  # id(original) -> its wrapped parameter (ties)
     plan = []

@@ -372,15 +372,15 @@ def _tensor_or_row_scaled_mm(a, b, *, use_fast_accum, emulate, pad_inner_dim, ou
     return out.to(out_dtype)
 
 
-def _block_family(name: str):
-    """A block-scaled family's gemm, the module function ``name`` (looked up per call, so a
-    test can wrap it): no fast accumulation, no inner-dim padding flag (its kernel plan pads
-    what it must), empty products first."""
+def _block_family(gemm_of):
+    """A block-scaled family's gemm, ``gemm_of()`` (a lambda naming the module function, so
+    a test that wraps the function sees its calls): no fast accumulation, no inner-dim
+    padding flag (its kernel plan pads what it must), empty products first."""
 
     def run(a, b, *, use_fast_accum, emulate, pad_inner_dim, out_dtype, gemm):
         if (zeros := _empty(a, b, out_dtype)) is not None:
             return zeros
-        return globals()[name](a, b, emulate=emulate, out_dtype=out_dtype, gemm=gemm)
+        return gemm_of()(a, b, emulate=emulate, out_dtype=out_dtype, gemm=gemm)
 
     return run
 
@@ -388,9 +388,9 @@ def _block_family(name: str):
 # every format's gemm family (``Capabilities.gemm``) -> its gemm
 _FAMILIES = {
     "scaled": _tensor_or_row_scaled_mm,
-    "block": _block_family("block_scaled_mm"),
-    "mx": _block_family("mx_scaled_mm"),
-    "nvfp4": _block_family("nvfp4_scaled_mm"),
+    "block": _block_family(lambda: block_scaled_mm),
+    "mx": _block_family(lambda: mx_scaled_mm),
+    "nvfp4": _block_family(lambda: nvfp4_scaled_mm),
 }
 
 

@@ -9,7 +9,7 @@ import torch
 
 from benchmarks.measures.expert_parallel import CASES, DIM, HIDDEN
 from benchmarks.measures.gloo import spawn
-from float8kit import Float8ExpertsConfig
+from float8kit import Float8ExpertsConfig, formats
 from float8kit.distributed import expert_parallel as ep
 from float8kit.scaling import amax_to_scale
 
@@ -91,13 +91,14 @@ def test_e8m0_scale_bytes_are_exact_for_every_power_of_two_scale():
     amax = torch.cat([torch.logspace(-30, 38, 2000), torch.tensor([0.0, 1e-45, 448.0])])
     scale = amax_to_scale(amax, torch.float8_e4m3fn, round_to_pow2=True).view(-1, 1)
     pow2 = (scale.view(torch.int32) & 0x7FFFFF) == 0
-    back = ep._scale_from_bytes(ep._scale_bytes(scale, "e8m0"), "e8m0")
+    rows = formats.Axiswise(1)  # the format of rowwise rows on EP's wire
+    back = rows.scale_from_bytes(rows.scale_bytes(scale, "e8m0"), "e8m0")
     assert torch.equal(back[pow2], scale[pow2])
     # the quotients kept for amaxes within 12% of fp32's max, a NaN, and an inf amax (scale 0)
     odd = amax_to_scale(torch.tensor([3.1e38, math.nan, math.inf]), torch.float8_e4m3fn, True)
-    back = ep._scale_from_bytes(ep._scale_bytes(odd.view(-1, 1), "e8m0"), "e8m0").view(-1)
+    back = rows.scale_from_bytes(rows.scale_bytes(odd.view(-1, 1), "e8m0"), "e8m0").view(-1)
     assert back[0].isnan() and back[1].isnan() and back[2] == 0.0 == odd[2]
-    fp32 = ep._scale_from_bytes(ep._scale_bytes(odd.view(-1, 1), "fp32"), "fp32").view(-1)
+    fp32 = rows.scale_from_bytes(rows.scale_bytes(odd.view(-1, 1), "fp32"), "fp32").view(-1)
     assert torch.equal(fp32[[0, 2]], odd[[0, 2]]) and fp32[1].isnan()
 
 

@@ -490,10 +490,10 @@ MX_COUNTS = {"aligned": [64, 0, 96, 32], "jagged": [37, 0, 50, 41], "small": [5,
 
 def _mx_grouped(x, w, offs, config=MX_CONFIG):
     """x (M, K), w (G, K, N) through the MX experts Function; returns out, grads."""
-    from float8kit.experts import _MXGroupedMM
+    from float8kit.experts import _GroupedMM
 
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    out = _MXGroupedMM.apply(x, w, offs, config)
+    out = _GroupedMM.apply(x, w, offs, config)
     return out, x, w
 
 

@@ -40,9 +40,9 @@ from float8kit import (
     gemm,
 )
 from float8kit.config import GEMM_ROLES
-from float8kit.experts import Float8ExpertWeight, _Float8GroupedMM
+from float8kit.experts import Float8ExpertWeight, _GroupedMM
 from float8kit.linear import _Float8Matmul
-from float8kit.quantized_rows import QuantizedRows, quantize_rows
+from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
 from tests.helpers import blocked_scale_reference
 
 pytestmark = pytest.mark.skipif(
@@ -239,9 +239,8 @@ ROUTINGS = [[37, 0, 463, 37], [0, 0, 537, 0], [5, 16, 379, 30], [16, 16, 16, 16]
 
 def dispatched(hp: torch.Tensor, config: Float8ExpertsConfig) -> QuantizedRows:
     """``hp`` rows as expert parallelism delivers them: cast for the grouped gemm."""
-    kind = "mx" if config.cast_config.is_mx else "rowwise"
-    data, scale = quantize_rows(hp, kind, config.round_scales_to_power_of_2)
-    return QuantizedRows(data, scale, hp.dtype, kind)
+    data, scale = quantize_rows(hp, config)
+    return QuantizedRows(data, scale, hp.dtype, rows_format(config))
 
 
 @pytest.mark.parametrize(
@@ -274,11 +273,11 @@ def test_experts_grouped_gemms_on_fake_cuda(fsdp_gathered, rows):
             ctx = Ctx(4)
             try:
                 inp = dispatched(x, config) if rows == "dispatched" else x
-                out = _Float8GroupedMM.forward(ctx, inp, weight, offs, config)
+                out = _GroupedMM.forward(ctx, inp, weight, offs, config)
                 assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16
                 go = torch.randn_like(out)
                 go = dispatched(go, config) if rows == "dispatched" else go
-                grad_x, grad_w, *_ = _Float8GroupedMM.backward(ctx, go)
+                grad_x, grad_w, *_ = _GroupedMM.backward(ctx, go)
             except Exception as e:
                 raise AssertionError(f"experts, tokens per expert {counts}") from e
             assert grad_x.shape == x.shape and grad_w.shape == hp.shape
@@ -427,7 +426,7 @@ def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch, rows):
     # that pass torch's meta checks (2-D per-group blocked scales, 3-D per-expert
     # (G, round_up(K / 32, 4) * round_up(N, 128))), token groups off multiples of 32, an
     # empty expert, rows past the last expert
-    from float8kit.experts import _MXGroupedMM
+    from float8kit.experts import _GroupedMM
 
     seen = []
     inner = torch._scaled_grouped_mm
@@ -452,10 +451,10 @@ def test_mx_experts_grouped_gemms_on_fake_cuda(monkeypatch, rows):
             ctx = Ctx(4)
             try:
                 inp = dispatched(x, config) if rows == "dispatched" else x
-                out = _MXGroupedMM.forward(ctx, inp, weight, offs, config)
+                out = _GroupedMM.forward(ctx, inp, weight, offs, config)
                 go = torch.randn_like(out)
                 go = dispatched(go, config) if rows == "dispatched" else go
-                grad_x, grad_w, *_ = _MXGroupedMM.backward(ctx, go)
+                grad_x, grad_w, *_ = _GroupedMM.backward(ctx, go)
             except Exception as e:
                 raise AssertionError(f"MX experts, tokens per expert {counts}") from e
             assert out.shape == (tokens, hidden) and out.dtype == torch.bfloat16

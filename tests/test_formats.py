@@ -16,14 +16,18 @@ import dataclasses
 import pytest
 import torch
 
+from benchmarks.measures.gloo import spawn
 from float8kit import (
     CastConfig,
     Float8ExpertsConfig,
     Float8LinearConfig,
     Float8Recipe,
+    convert_to_float8_training,
     formats,
     gemm,
+    precompute_scales,
 )
+from float8kit.cast import cast_to_float8
 from float8kit.config import GemmRole, ScalingGranularity, ScalingType
 from float8kit.formats import FORMATS, Format
 from tests.helpers import sqnr
@@ -160,6 +164,15 @@ def test_the_base_format_raises_for_everything():
         lambda: bare.view(t, t.shape, (16,), "view"),
         lambda: bare.group_amaxes(t, None),
         lambda: bare.cuts(4, 2),
+        lambda: bare.dtensor_amax(t),
+        lambda: bare.scale_bytes(t, "fp32"),
+        lambda: bare.scale_from_bytes(t, "fp32"),
+        lambda: bare.all_gather_inputs(None),
+        lambda: bare.all_gathered((t,), (), None),
+        lambda: bare.refill(None, (t,), ()),
+        lambda: bare.precomputes(None, 2),
+        lambda: bare.precompute_amaxes([t], [None]),
+        lambda: bare.precomputed_scales(t, [t.shape], None, None),
         lambda: Bare.for_operand(CastConfig(), GemmRole.INPUT, -1, 2),
     ]
     for call in calls:
@@ -205,3 +218,103 @@ def test_config_validation_agrees_with_the_capabilities(granularity):
     e4m3 = {} if granularity is ScalingGranularity.NVFP4 else {"target_dtype": torch.float8_e4m3fn}
     cast = CastConfig(scaling_granularity=granularity, **e4m3)
     assert caps.experts == _accepted(lambda: Float8ExpertsConfig(cast_config=cast))
+
+
+# ---------------------------------------------------------------------------- FSDP2 all-gather
+
+# every format that FSDP2 can all-gather in float8, from the registry
+FSDP_FORMATS = [g for g in GRANULARITIES if FORMATS[g].capabilities.fsdp_float8_all_gather]
+# a weight whose rows FSDP2 shards unevenly over 3 ranks (214, 214, 212), cutting every block
+# size (16, 32, 128); over 2 ranks evenly (NVFP4's codes then travel packed)
+ROWS, COLS = 640, 256
+
+
+def _fsdp_layer(granularity):
+    """A float8 all-gather Float8Linear of the named recipe of ``granularity`` (same weight on
+    every rank), and its config."""
+    config = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(_recipe_of(granularity)),
+        enable_fsdp_float8_all_gather=True,
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(COLS, ROWS, bias=False))
+    model = convert_to_float8_training(model, config=config, module_filter_fn=lambda m, n: True)
+    return model, config
+
+
+def _one_device_cast(granularity) -> tuple:
+    model, config = _fsdp_layer(granularity)
+    hp = model[0].weight._tensor
+    want = cast_to_float8(hp, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
+    return want._gran, want._data.view(torch.uint8), want._scale
+
+
+def _gathered(weight) -> tuple:
+    """(format, bytes of the weight's rows, scale) of a gathered float8 weight."""
+    w = weight._local_tensor if hasattr(weight, "_local_tensor") else weight
+    return w._gran, w._data.view(torch.uint8)[:ROWS].clone(), w._scale.clone()
+
+
+class _OneRank:
+    def size(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("granularity", FSDP_FORMATS, ids=lambda g: g.value)
+def test_one_rank_all_gather_is_the_one_device_cast(granularity):
+    # the lifecycle's hooks on one rank (no collective): the gathered weight is the cast of
+    # the hp weight, bitwise, and a re-gather into FSDP2's ``out`` keeps it so
+    model, _ = _fsdp_layer(granularity)
+    layer = model[0]
+    w = layer.weight.data
+    want = _one_device_cast(granularity)
+
+    def gather(out=None):
+        inputs, meta = w.fsdp_pre_all_gather(_OneRank(), w.shape, (COLS, 1), layer, None)
+        return w.fsdp_post_all_gather(inputs, meta, torch.float32, out=out)
+
+    weight, _ = gather()
+    got = _gathered(weight)
+    assert got[0] == want[0]
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    assert gather(out=weight) is None
+    again = _gathered(weight)
+    assert torch.equal(again[1], want[1]) and torch.equal(again[2], want[2])
+
+
+def _all_gather_worker(rank: int, world: int, tmp: str) -> dict:
+    """Every FSDP2 format's weight as FSDP2 gathers it in forward on ``world`` gloo ranks: by
+    the hook's own collective (no precomputed scale), then after ``precompute_scales``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(8, COLS, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for granularity in FSDP_FORMATS:
+        model, _ = _fsdp_layer(granularity)
+        fully_shard(model, mesh=mesh)
+        seen = []
+        model[0].register_forward_pre_hook(lambda m, a, seen=seen: seen.append(_gathered(m.weight)))
+        model(x)
+        precompute_scales(model)
+        model(x)
+        out[granularity.value] = seen
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_all_gather_is_the_one_device_cast(world, tmp_path):
+    # the registry's FSDP2 formats on real gloo ranks, uneven shards and cut blocks at 3:
+    # every rank's gathered weight is bitwise the one-device cast, with the hook's scale and
+    # with the precomputed one
+    ranks = spawn("tests.test_formats:_all_gather_worker", world, tmp_path)
+    for granularity in FSDP_FORMATS:
+        fmt, data, scale = _one_device_cast(granularity)
+        for r, got in enumerate(ranks):
+            for when, (g, d, s) in zip(
+                ("hook", "precomputed"), got[granularity.value], strict=True
+            ):
+                assert g == fmt, (granularity, r, when)
+                assert torch.equal(d, data), (granularity, r, when)
+                assert torch.equal(s, scale), (granularity, r, when)

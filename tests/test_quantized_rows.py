@@ -11,8 +11,8 @@ from torch import nn
 
 from benchmarks.measures.experts import DIM, HIDDEN, OFFS, TOKENS, Experts, run
 from benchmarks.measures.refs import sqnr
-from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training
-from float8kit.quantized_rows import QuantizedRows, dequantize, quantize_rows
+from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training, formats
+from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
 from tests.helpers import assert_compiled_matches_eager
 
 ROWWISE = Float8ExpertsConfig.from_recipe_name("rowwise")
@@ -40,11 +40,9 @@ def test_gemms_take_quantized_rows_bitwise_what_they_cast_from_hp(kind, dtype):
     config = DEQ[kind]
     x, grad = _data(dtype)
     want = run(experts(config, dtype), x, grad)
-    data, scale = quantize_rows(
-        x, kind, config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
-    )
+    data, scale = quantize_rows(x, config)
     m = experts(config, dtype)
-    rows = QuantizedRows(data, scale, dtype, kind).requires_grad_()
+    rows = QuantizedRows(data, scale, dtype, rows_format(config)).requires_grad_()
     out = m(rows, OFFS)
     out.backward(grad)
     got = (out.detach(), rows.grad, m.w1.grad, m.w2.grad)
@@ -80,8 +78,8 @@ def test_dequantize_is_exact_for_power_of_two_scales():
     x, _ = _data()
     x[3, 5], x[7] = 0.0, 0.0  # a zero element, an all-zero row
     for kind in ("rowwise", "mx"):
-        data, scale = quantize_rows(x, kind, True)
-        back = dequantize(data, scale, kind)
+        data, scale = quantize_rows(x, DEQ[kind])
+        back = rows_format(DEQ[kind]).dequantize(data, scale)
         if kind == "rowwise":
             exact = data.double() / scale.double()
         else:  # 2^(byte - 127) per 32-block
@@ -91,15 +89,18 @@ def test_dequantize_is_exact_for_power_of_two_scales():
 
 
 def test_rows_refuse_every_other_op_and_configs_name_the_field():
-    data, scale = quantize_rows(torch.randn(4, 32), "rowwise", True)
-    rows = QuantizedRows(data, scale, torch.bfloat16, "rowwise")
+    data, scale = quantize_rows(torch.randn(4, 32), DEQ["rowwise"])
+    rows = QuantizedRows(data, scale, torch.bfloat16, rows_format(ROWWISE))
     assert rows.dtype == torch.bfloat16 and rows.shape == (4, 32)
     with pytest.raises(NotImplementedError, match="only float8kit's expert grouped gemms"):
         rows + 1
     with pytest.raises(NotImplementedError, match="only float8kit's expert grouped gemms"):
         nn.functional.linear(rows, torch.randn(8, 32))
-    with pytest.raises(ValueError, match="kind"):
-        QuantizedRows(data, scale, torch.bfloat16, "blockwise")
+    with pytest.raises(ValueError, match="rows dispatched by expert parallelism"):
+        QuantizedRows(data, scale, torch.bfloat16, "rowwise")  # a format object, not a name
+    with pytest.raises(ValueError, match="rows dispatched by expert parallelism"):
+        QuantizedRows(data, scale, torch.bfloat16, formats.Blockwise(1, 128))
+    assert rows_format(ROWWISE) == formats.Axiswise(1) and rows_format(MXFP8) == formats.MX(1)
     with pytest.raises(ValueError, match="wgrad_operands"):
         Float8ExpertsConfig(wgrad_operands="fp8")
     with pytest.raises(ValueError, match="round_scales_to_power_of_2"):
@@ -107,11 +108,11 @@ def test_rows_refuse_every_other_op_and_configs_name_the_field():
     # rows dispatched in float8 into experts whose weight gradient wants hp rows
     m = experts(ROWWISE)
     x, _ = _data()
-    rows = QuantizedRows(*quantize_rows(x, "rowwise", True), torch.float32, "rowwise")
+    rows = QuantizedRows(*quantize_rows(x, DEQ["rowwise"]), torch.float32, formats.Axiswise(1))
     with pytest.raises(ValueError, match='wgrad_operands="dequantized"'):
         m(rows, OFFS)
-    mx_rows = QuantizedRows(*quantize_rows(x, "mx", True), torch.float32, "mx")
-    with pytest.raises(ValueError, match="arrived as mx float8 rows"):
+    mx_rows = QuantizedRows(*quantize_rows(x, DEQ["mx"]), torch.float32, formats.MX(1))
+    with pytest.raises(ValueError, match=r"arrived as mx\(dim=1, 1x32\) float8 rows"):
         experts(DEQ["rowwise"])(mx_rows, OFFS)
 
 
@@ -145,14 +146,12 @@ def test_compiled_experts_take_quantized_rows_bitwise_eager(kind):
     # the expert block compiled (fullgraph) on rows dispatched in float8
     config = DEQ[kind]
     x, grad = _data(torch.bfloat16)
-    data, scale = quantize_rows(
-        x, kind, config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
-    )
+    data, scale = quantize_rows(x, config)
     results = []
     for compiled in (False, True):
         torch._dynamo.reset()
         m = experts(config, torch.bfloat16)
-        rows = QuantizedRows(data, scale, torch.bfloat16, kind).requires_grad_()
+        rows = QuantizedRows(data, scale, torch.bfloat16, rows_format(config)).requires_grad_()
         out = (torch.compile(m, fullgraph=True) if compiled else m)(rows, OFFS)
         out.backward(grad)
         results.append((out.detach(), rows.grad, m.w1.grad, m.w2.grad))

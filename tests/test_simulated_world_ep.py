@@ -27,6 +27,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from benchmarks.measures import ep_simulated as sim
+from float8kit import formats
 
 CASES = {c.name: c for c in sim.CASES}
 RECIPES = list(sim.CONFIGS)
@@ -45,7 +46,8 @@ def test_every_rank_receives_one_ranks_cast_of_its_experts_rows(case, recipe):
     world = sim.simulate(CASES[case], recipe)
     for r, rank in enumerate(world.ranks):
         got = rank.received
-        assert got._kind == ("mx" if recipe == "mxfp8" else "rowwise"), r
+        want = formats.MX(1) if recipe == "mxfp8" else formats.Axiswise(1)
+        assert got._format == want, r
         assert got.dtype == torch.bfloat16 and got.shape == (len(rank.ref_data), world.case.dim)
         assert torch.equal(got._data.view(torch.uint8), rank.ref_data), r
         assert torch.equal(_bits(got._scale), _bits(rank.ref_scale)), r

@@ -161,7 +161,7 @@ def test_float8_all_gathers_need_dynamic_casts():
 
 
 # the formats tensor parallelism refuses, from the registry (MX and NVFP4 today)
-NO_TP = [g.value for g, fmt in formats.FORMATS.items() if fmt.capabilities.tensor_parallel is None]
+NO_TP = formats.supporting(lambda caps: caps.tensor_parallel is None)
 NO_TP_RECIPES = [
     r.value
     for r in float8kit.Float8Recipe

@@ -183,10 +183,7 @@ def one_rank_rows(case: Case, config: Float8ExpertsConfig, data):
     x = torch.cat([x for x, _ in data])
     experts = torch.cat([experts for _, experts in data])
     token, row_expert = sort_rows(experts)
-    kind = "mx" if config.cast_config.is_mx else "rowwise"
-    d, s = quantize_rows(
-        x[token], kind, config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
-    )
+    d, s = quantize_rows(x[token], config)
     ends = ep.expert_counts(row_expert, case.n_experts).cumsum(0)
     return d.view(torch.uint8), s, ends
 

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from float8kit.config import E4M3, Float8ExpertsConfig
-from float8kit.quantized_rows import QuantizedRows, quantize_rows
+from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
 
 COMMS = ("float8", "hp")
 SCALE_FORMATS = ("auto", "e8m0", "fp32")
@@ -159,49 +159,21 @@ def _exchange(send: torch.Tensor, out_sizes: list[int], in_sizes: list[int], gro
     return out
 
 
-def _scale_bytes(scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """A rowwise (R, 1) fp32 scale as bytes on the wire: its exponent field (e8m0: exact
-    for a positive power of two and for 0, byte 255 = NaN otherwise) or its 4 bytes."""
-    if fmt == "fp32":
-        return scale.contiguous().view(torch.uint8)
-    bits = scale.contiguous().view(torch.int32)
-    pow2 = (bits >= 0) & ((bits & 0x7FFFFF) == 0)  # positive, mantissa 0 (0.0 too)
-    return torch.where(pow2, bits >> 23, 255).to(torch.uint8)
+def _pack(data: torch.Tensor, scale: torch.Tensor, fmt, wire: str) -> torch.Tensor:
+    return torch.cat([data.view(torch.uint8), fmt.scale_bytes(scale, wire)], dim=1)
 
 
-def _scale_from_bytes(b: torch.Tensor, fmt: str) -> torch.Tensor:
-    if fmt == "fp32":
-        return b.contiguous().view(torch.float32)
-    bits = b.to(torch.int32) << 23
-    return torch.where(b == 255, torch.nan, bits.view(torch.float32))
-
-
-def _pack(data: torch.Tensor, scale: torch.Tensor, kind: str, fmt: str) -> torch.Tensor:
-    sb = scale if kind == "mx" else _scale_bytes(scale, fmt)
-    return torch.cat([data.view(torch.uint8), sb], dim=1)
-
-
-def _unpack(buf: torch.Tensor, k: int, kind: str, fmt: str, fp8_dtype):
+def _unpack(buf: torch.Tensor, k: int, fmt, wire: str, fp8_dtype):
     # copies with row-major strides (.contiguous() keeps an empty slice's strides)
     data = buf.new_empty((buf.size(0), k)).copy_(buf[:, :k]).view(fp8_dtype)
     sb = buf.new_empty((buf.size(0), buf.size(1) - k)).copy_(buf[:, k:])
-    return data, (sb if kind == "mx" else _scale_from_bytes(sb, fmt))
-
-
-def _kind(config: Float8ExpertsConfig) -> str:
-    return "mx" if config.cast_config.is_mx else "rowwise"
+    return data, fmt.scale_from_bytes(sb, wire)
 
 
 def _scale_format(config: Float8ExpertsConfig, ep: EPConfig) -> str:
     if ep.scale_format != "auto":
         return ep.scale_format
     return "e8m0" if config.round_scales_to_power_of_2 else "fp32"
-
-
-def _quantize(hp: torch.Tensor, config: Float8ExpertsConfig):
-    return quantize_rows(
-        hp, _kind(config), config.round_scales_to_power_of_2, config.cast_config.mx_scale_rounding
-    )
 
 
 def _to_expert_major(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
@@ -219,8 +191,8 @@ def pack_rows(
     """What this rank sends: ``hp`` (T, K) cast once per row as the experts' gemm casts it,
     data and scale bytes side by side (uint8 (R, K + s)), rows ``token`` (or all, for
     ``token`` None) in this rank's sorted order."""
-    data, scale = _quantize(hp, config)
-    packed = _pack(data, scale, _kind(config), _scale_format(config, ep))
+    data, scale = quantize_rows(hp, config)
+    packed = _pack(data, scale, rows_format(config), _scale_format(config, ep))
     return packed if token is None else packed.index_select(0, token)
 
 
@@ -234,9 +206,9 @@ def unpack_rows(
 ) -> QuantizedRows:
     """What this rank received (rank-major packed rows) as ``QuantizedRows`` of its experts,
     expert-major."""
-    kind, fmt = _kind(config), _scale_format(config, ep)
-    data, scale = _unpack(_to_expert_major(received, plan), k, kind, fmt, E4M3)
-    return QuantizedRows(data, scale, hp_dtype, kind)
+    fmt = rows_format(config)
+    data, scale = _unpack(_to_expert_major(received, plan), k, fmt, _scale_format(config, ep), E4M3)
+    return QuantizedRows(data, scale, hp_dtype, fmt)
 
 
 def _send_quantized(hp, token, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):

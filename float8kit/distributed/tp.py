@@ -157,11 +157,7 @@ def _check_config(config: Float8LinearConfig, where: str, field: str = "cast_con
             "torch's ColwiseParallel / RowwiseParallel / PrepareModuleInput (hp all-gather) here"
         )
     if formats.capabilities(cast).tensor_parallel != formats.GLOBAL_AMAX:
-        fine = [
-            g.value
-            for g, fmt in formats.FORMATS.items()
-            if fmt.capabilities.tensor_parallel == formats.GLOBAL_AMAX
-        ]
+        fine = formats.supporting(lambda caps: caps.tensor_parallel == formats.GLOBAL_AMAX)
         raise ValueError(
             f"float8kit: {where} casts before the all-gather, which supports "
             f"{' and '.join(fine)} casts; Float8LinearConfig.{field} is "

@@ -75,12 +75,17 @@ def enabled_casts(config) -> Iterator[tuple[str, CastConfig]]:
             yield f.name, cast
 
 
+def supporting(ok: Callable[[Capabilities], bool]) -> list[str]:
+    """The ``scaling_granularity`` values of the formats whose capabilities ``ok`` accepts."""
+    return [g.value for g, fmt in FORMATS.items() if ok(fmt.capabilities)]
+
+
 def require(config, ok: Callable[[Capabilities], bool], what: str, fix: str) -> None:
     """The allowlist: raise ``ValueError`` naming the first enabled cast field of ``config``
     whose format ``ok`` refuses, what supports it instead, and ``fix``."""
     for field, cast in enabled_casts(config):
         if not ok(capabilities(cast)):
-            fine = [g.value for g, fmt in FORMATS.items() if ok(fmt.capabilities)]
+            fine = supporting(ok)
             raise ValueError(
                 f"float8kit: {what} does not support {type(config).__name__}.{field} with "
                 f"scaling_granularity={cast.scaling_granularity.value!r} (it supports "
@@ -91,5 +96,6 @@ def require(config, ok: Callable[[Capabilities], bool], what: str, fix: str) -> 
 __all__ = [
     "FORMATS", "GLOBAL_AMAX", "LOCAL_BLOCKS", "MX", "NVFP4", "TENSORWISE", "Axiswise",
     "Blockwise", "Capabilities", "Format", "ShardSpec", "Tensorwise", "capabilities",
-    "enabled_casts", "of", "require", "to_fp8_blocks", "to_fp8_saturated", "to_mx", "weight",
+    "enabled_casts", "of", "require", "supporting", "to_fp8_blocks", "to_fp8_saturated", "to_mx",
+    "weight",
 ]  # fmt: skip

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from float8kit import scaling
 from float8kit.config import ScalingType
 from float8kit.formats.base import (
@@ -48,6 +50,9 @@ class Axiswise(GroupScaledGather, Float8Elements, Format):
     def amax(self, hp):
         return scaling.amax(hp, self.dim)
 
+    def dtensor_amax(self, hp):
+        return scaling.dtensor_amax(hp, self.dim)
+
     def transpose(self, scale, d0, d1):
         dim = {d0: d1, d1: d0}.get(self.dim, self.dim)
         return Axiswise(dim), scale.transpose(d0, d1)
@@ -63,6 +68,21 @@ class Axiswise(GroupScaledGather, Float8Elements, Format):
             f"float8kit: {func} from {tuple(old)} to {tuple(new)} would mix the scales of an "
             f"axiswise tensor (scaled along dim {self.dim})"
         )
+
+    def scale_bytes(self, scale, wire):
+        # fp32 as its 4 bytes, or its exponent field (e8m0: exact for a positive power of
+        # two and for 0, byte 255 = NaN otherwise)
+        if wire == "fp32":
+            return scale.contiguous().view(torch.uint8)
+        bits = scale.contiguous().view(torch.int32)
+        pow2 = (bits >= 0) & ((bits & 0x7FFFFF) == 0)  # positive, mantissa 0 (0.0 too)
+        return torch.where(pow2, bits >> 23, 255).to(torch.uint8)
+
+    def scale_from_bytes(self, data, wire):
+        if wire == "fp32":
+            return data.contiguous().view(torch.float32)
+        bits = data.to(torch.int32) << 23
+        return torch.where(data == 255, torch.nan, bits.view(torch.float32))
 
     def strided(self, scale, rows, ndim):
         # a gathered row-scaled weight: its first rows keep their row scales

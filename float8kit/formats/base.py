@@ -116,6 +116,12 @@ class Format:
         """The amax of each scaling group of ``hp``, in the scale's shape (float8kit.scaling)."""
         return self._missing("amax")
 
+    def dtensor_amax(self, hp) -> torch.Tensor:
+        """The amax of each scaling group of a tensor-parallel DTensor ``hp`` as a plain
+        local tensor in the local scale's shape (the formats whose TP cast takes the global
+        amax, ``GLOBAL_AMAX``)."""
+        return self._missing("DTensor amax")
+
     def expand(self, scale: torch.Tensor, shape) -> torch.Tensor:
         """``scale`` broadcastable to one scale per element of data of ``shape``."""
         return self._missing("scale expansion")
@@ -139,6 +145,16 @@ class Format:
     def element_max(self, data: torch.Tensor) -> float:
         """The largest finite element value of ``data``'s format."""
         return self._missing("element max")
+
+    def scale_bytes(self, scale: torch.Tensor, wire: str) -> torch.Tensor:
+        """Rows' (R, s) scale as uint8 (R, b) bytes on the wire (expert parallelism's
+        dispatch): ``wire`` "fp32" (exact) or "e8m0" (the exponent byte: exact for powers
+        of two), where the format's scale is not bytes already."""
+        return self._missing("scale bytes")
+
+    def scale_from_bytes(self, data: torch.Tensor, wire: str) -> torch.Tensor:
+        """The scale ``scale_bytes`` put on the wire."""
+        return self._missing("scale bytes")
 
     # ------------------------------------------------------------------ layout ops
 
