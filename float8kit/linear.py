@@ -64,9 +64,10 @@ def _weight_for_grad_input(
     with its scales along dim 0 (reducing N) or tensorwise.
 
     A float8 weight saved by forward serves as is where one cast serves both gemms (the same
-    tensorwise or blockwise cast), and so does an FSDP2 MX weight that its backward
-    re-gather made the along-N copy; one still along K (no re-gather) has its along-N copy
-    gathered now (``_fsdp_mx_copy``). Otherwise (the row-scaled weight an FSDP2 float8
+    tensorwise or blockwise cast), and so does an FSDP2 weight of a format gathered one copy
+    per pass (``Format.copy_per_pass``: MX) that its backward re-gather made this gemm's
+    copy; one still the output gemm's copy (no re-gather) has this gemm's gathered now
+    (``_fsdp_copy``). Otherwise (the row-scaled weight an FSDP2 float8
     all-gather delivers) it is re-cast from its dequantized values, which are exact.
     Between power-of-2 scales (the config requires them there) the re-cast only shifts
     exponents: it equals casting the hp weight, except for values in float8's subnormal
@@ -82,29 +83,31 @@ def _weight_for_grad_input(
     if is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
         if _reusable(config.cast_config_weight, cast, weight=True):
             return w_saved
-        mx_dim = local(w_saved)._gran.mx_dim
-        if mx_dim == 0:  # FSDP2's backward re-gather: the MX cast along N, this gemm's
-            return w_saved
-        if mx_dim is not None:  # no re-gather (reshard_after_forward=False): gather it now
-            return _fsdp_mx_copy(w_saved, 0, "grad_input")
+        have = local(w_saved)._gran
+        if have.copy_per_pass:
+            if have == formats.of(cast, GemmRole.WEIGHT, 0, 2):  # FSDP2's backward re-gather
+                return w_saved
+            # no re-gather (reshard_after_forward=False): gather this gemm's copy now
+            return _fsdp_copy(w_saved, 0, cast, "grad_input")
         # exact in any hp dtype: float8 values over a power-of-2 scale
         w_saved = dequantize(w_saved)
     # the grad_input gemm takes it column-major: that layout alone, in one pass
     return cast_to_float8(w_saved, cast, GemmRole.WEIGHT, 0, config, *state, col=True, row=False)
 
 
-def _fsdp_mx_copy(weight: torch.Tensor, dim: int, gemm: str) -> Float8TrainingTensor:
-    """The MX copy blocked along ``dim`` of an FSDP2 float8 all-gather ``weight`` that holds
-    the other one (float8kit.distributed.fsdp.regather gathers it from the shards, bitwise
-    the one-device cast). An MX block is not its own transpose: re-casting the held copy from
-    its dequantized values would not be the cast of the hp weight, so a weight with no
-    shards to gather from is refused."""
+def _fsdp_copy(weight: torch.Tensor, dim: int, cast: CastConfig, gemm: str):
+    """The copy that the gemm reducing the weight's ``dim`` needs (cast per ``cast``) of an
+    FSDP2 float8 all-gather ``weight`` that holds another pass's copy
+    (float8kit.distributed.fsdp.regather gathers it from the shards, bitwise the one-device
+    cast). Such a format's block is not its own transpose (``Format.copy_per_pass``):
+    re-casting the held copy from its dequantized values would not be the cast of the hp
+    weight, so a weight with no shards to gather from is refused."""
     got = _FSDP_REGATHER[0](weight, dim) if _FSDP_REGATHER else None
     if got is None:
-        have, want = ("N", "K") if dim == 1 else ("K", "N")
+        want = formats.of(cast, GemmRole.WEIGHT, dim, 2).short()
         raise RuntimeError(
-            f"float8kit: the {gemm} gemm needs the MX weight blocked along {want}, but got a "
-            f"float8 weight blocked along {have} that no FSDP2 float8 all-gather can re-gather "
+            f"float8kit: the {gemm} gemm needs the weight as {want}, but got a float8 weight "
+            f"as {local(weight)._gran.short()} that no FSDP2 float8 all-gather can re-gather "
             "(re-casting it would not be the cast of the hp weight): pass the hp weight"
         )
     return got
@@ -240,12 +243,14 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.shapes = (input_hp.shape, weight.shape, weight.device)
             return input_hp.new_zeros((0, weight.shape[0]))
         weight_is_fp8 = is_float8(weight)
-        # FSDP2's MX weight as its backward re-gather left it (along N) in a forward that
-        # activation checkpointing recomputes: the output gemm gathers the along-K copy; the
-        # weight itself is what backward keeps (see _weight_for_grad_input)
+        # An FSDP2 weight gathered one copy per pass (MX) as its backward re-gather left it
+        # in a forward that activation checkpointing recomputes: the output gemm gathers its
+        # own copy; the weight itself is what backward keeps (see _weight_for_grad_input)
         w_fwd = weight
-        if weight_is_fp8 and local(weight)._gran.mx_dim == 0:
-            w_fwd = _fsdp_mx_copy(weight, 1, "output")
+        if weight_is_fp8:
+            have = local(weight)._gran
+            if have.copy_per_pass and have != formats.weight(c.cast_config_weight):
+                w_fwd = _fsdp_copy(weight, 1, c.cast_config_weight, "output")
         # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
         # parameter (kept anyway) and the scale, and redo the cast in backward
         # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.

@@ -76,6 +76,11 @@ class Format:
     nvfp4_block: tuple[int, int] | None = None
     # FSDP2 may shard a float8 all-gather weight along any dim (False: dim 0 only)
     shards_any_dim: ClassVar[bool] = False
+    # an FSDP2 float8 all-gather weight is one copy per pass, blocked along that pass's gemm's
+    # inner dim (the blocks are not their own transpose, and a re-cast from the other copy's
+    # dequantized values would not be the cast of the hp weight): a gemm holding another
+    # pass's copy has its own gathered (float8kit.distributed.fsdp.regather)
+    copy_per_pass: ClassVar[bool] = False
 
     @classmethod
     def for_operand(cls, cast, role, reduce_dim: int, ndim: int) -> Format:
@@ -451,6 +456,17 @@ def check_dim0(where: ShardSpec, what: str) -> None:
             f"float8kit: a {what} float8 all-gather weight must be sharded along dim 0 (FSDP2's "
             f"default), got a shard along dim {where.dim} of {tuple(where.outer_shape)}: drop "
             "the shard_placement_fn for it, or set enable_fsdp_float8_all_gather=False"
+        )
+
+
+def check_one_dim_mesh(job, what: str) -> None:
+    """Refuse a float8 all-gather weight sharded on a multi-dim mesh (tensor parallel, HSDP)
+    where the format's gather rule assumes FSDP2's 1-D mesh holds all of it."""
+    if job.where.n_slots != 1 or tuple(job.where.full_shape) != tuple(job.outer_size):
+        raise ValueError(
+            f"float8kit: an {what} float8 all-gather weight on a multi-dim mesh (tensor "
+            "parallel, HSDP) is not supported: shard it with FSDP2 on a 1-D mesh, or set "
+            "enable_fsdp_float8_all_gather=False"
         )
 
 

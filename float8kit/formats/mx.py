@@ -14,7 +14,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 from float8kit import scaling, versions
 from float8kit.config import E4M3, MX_BLOCK, GemmRole, ScalingType
-from float8kit.formats.base import Capabilities, Float8Elements, Format, to_fp8_saturated
+from float8kit.formats.base import (
+    Capabilities,
+    Float8Elements,
+    Format,
+    check_one_dim_mesh,
+    to_fp8_saturated,
+)
 from float8kit.formats.layout import (
     KernelPlan,
     is_col_major,
@@ -37,6 +43,7 @@ class MX(Float8Elements, Format):
         min_cuda_capability=versions.MX_MIN_CAPABILITY,
         gemm="mx",
     )
+    copy_per_pass = True  # the blocks of one pass's copy run along that gemm's inner dim
 
     dim: int
 
@@ -155,12 +162,7 @@ class MX(Float8Elements, Format):
     # Every scale is made in the hook: nothing to precompute.
 
     def all_gather_inputs(self, job):
-        if job.where.n_slots != 1 or tuple(job.where.full_shape) != tuple(job.outer_size):
-            raise ValueError(
-                "float8kit: an MX float8 all-gather weight on a multi-dim mesh (tensor "
-                "parallel, HSDP) is not supported: shard it with FSDP2 on a 1-D mesh, or set "
-                "enable_fsdp_float8_all_gather=False"
-            )
+        check_one_dim_mesh(job, "MX")
         dim = 0 if job.backward else 1
         shard, world = job.shard, job.world
         cast = _cast_for(job.config, dim)

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from float8kit import scaling, versions
 from float8kit.config import E4M3, NVFP4_BLOCK, GemmRole, ScalingType
-from float8kit.formats.base import Capabilities, Format, WholeBlocks
+from float8kit.formats.base import Capabilities, Format, WholeBlocks, check_one_dim_mesh
 from float8kit.formats.layout import KernelPlan, k32_plan, pad_to, to_blocked
 
 E2M1_MAX = 6.0
@@ -312,12 +312,7 @@ class NVFP4(WholeBlocks, Format):
     # as metadata. An odd in_features cannot be packed: refused at the first gather.
 
     def all_gather_inputs(self, job):
-        if job.where.n_slots != 1 or tuple(job.where.full_shape) != tuple(job.outer_size):
-            raise ValueError(
-                "float8kit: an NVFP4 float8 all-gather weight on a multi-dim mesh (tensor "
-                "parallel, HSDP) is not supported: shard it with FSDP2 on a 1-D mesh, or set "
-                "enable_fsdp_float8_all_gather=False"
-            )
+        check_one_dim_mesh(job, "NVFP4")
         n, k = job.outer_size
         packed = packs(n, job.world)
         if packed and k % 2:
