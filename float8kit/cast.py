@@ -20,9 +20,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from float8kit import formats, scaling
+from float8kit import formats, scaling, versions
 from float8kit.config import (
     E4M3,
     E5M2,
@@ -122,15 +124,15 @@ def fused_cast_applies(
     takes the op, which is what gives it its byte minimum (the amax record in the cast pass,
     both layouts from one read), and then has eager's bits; a weight (a parameter, read from
     memory) has the same bits either way."""
-    if torch.compiler.is_compiling() and role is not GemmRole.WEIGHT:
+    if versions.compiling() and role is not GemmRole.WEIGHT:
         if kind is ScalingType.DYNAMIC:
             return False
-    return (
-        gran is TENSORWISE
-        and hp.dim() == 2
-        and fp8_dtype in (E4M3, E5M2)
-        and type(hp) in (torch.Tensor, torch.nn.Parameter)
-    )
+    return gran is TENSORWISE and hp.dim() == 2 and fp8_dtype in (E4M3, E5M2) and type(hp) in _PLAIN
+
+
+# A plain tensor, or what stands for one in a trace: AOTAutograd traces an allow_in_graph
+# Function (``linear._Float8Matmul``) on functional and fake tensors.
+_PLAIN = (torch.Tensor, torch.nn.Parameter, FunctionalTensor, FakeTensor)
 
 
 def cast_tensorwise(
@@ -490,13 +492,13 @@ def kept_cast():
     for the grad_weight gemm): ``checkpoint_policy(keep_input_casts=True)`` keeps those and
     recomputes every other cast. Nothing while compiling (that policy keeps every cast
     there)."""
-    return contextlib.nullcontext() if torch.compiler.is_compiling() else _marking()
+    return contextlib.nullcontext() if versions.compiling() else _marking()
 
 
 def is_recomputing() -> bool:
     """Whether an eager forward runs as the recomputation of activation checkpointing (inside
     the backward pass), not as a new forward. Compiled graphs recompute inside the compiled
     backward, never by running the Python forward again: False while compiling."""
-    if torch.compiler.is_compiling():
+    if versions.compiling():
         return False
     return torch._C._current_graph_task_id() != -1

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 import float8kit.grouped_gemm  # noqa: F401  (registers float8kit::emulated_*grouped_mm)
-from float8kit import cast
+from float8kit import cast, versions
 from float8kit.config import FP8_DTYPES
 from float8kit.tensor import Float8TrainingTensor
 
@@ -104,7 +104,7 @@ def checkpoint_policy(
         if (
             keep_input_casts
             and _is_float8_cast(op, args, kwargs)
-            and (cast.kept_casts_running() or torch.compiler.is_compiling())
+            and (cast.kept_casts_running() or versions.compiling())
         ):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from float8kit import formats, scaling, shared_cast, state
+from float8kit import formats, scaling, shared_cast, state, versions
 from float8kit.cast import (
     cast_to_float8,
     is_recomputing,
@@ -175,11 +175,29 @@ def _as_hp(t: torch.Tensor) -> torch.Tensor:
     return dequantize(t)
 
 
+# Every config a layer has run with, interned: ``_Float8Matmul`` gets a layer's config as its
+# index here (``Float8Linear.config`` sets ``_config_index``), a plain int that a compiled
+# graph guards with one check, where passing the config object itself would have dynamo
+# guard each of its fields (the Function is in the graph whole, ``allow_in_graph``). Equal
+# configs share an index; an index is this process's (``Float8Linear.__setstate__``).
+_CONFIGS: list[Float8LinearConfig] = []
+_CONFIG_INDEX: dict[Float8LinearConfig, int] = {}
+
+
+def _config_index(config: Float8LinearConfig) -> int:
+    index = _CONFIG_INDEX.get(config)
+    if index is None:
+        index = _CONFIG_INDEX[config] = len(_CONFIGS)
+        _CONFIGS.append(config)
+    return index
+
+
 # Re-cast the float8 weight in backward rather than keep it (see _Float8Matmul.forward);
 # False only in tests, which compare against keeping it.
 _RECAST_WEIGHT = True
 
 
+@torch._dynamo.allow_in_graph
 class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.T`` with every operand cast per ``config``; internal.
 
@@ -199,6 +217,11 @@ class _Float8Matmul(torch.autograd.Function):
     tokens) gives an empty output and a zero grad_weight, like ``nn.Linear``, without
     casting or recording an amax (an empty batch says nothing about the range of the next
     ones).
+
+    ``config`` is the layer's config as its index in ``_CONFIGS``, and ``compiled`` whether
+    the call is traced for a compiled graph: dynamo puts this Function in the graph whole
+    (``allow_in_graph``) and AOTAutograd traces its body, where torch 2.11 does not report
+    compiling (``versions.compiled_trace``).
 
     DELAYED/STATIC state: ``*_scale`` is the operand's ``fp8_scale_<op>`` buffer (None when
     the operand keeps no state), ``*_amax`` its ``fp8_amax_<op>`` buffer when amaxes are
@@ -220,7 +243,7 @@ class _Float8Matmul(torch.autograd.Function):
         ctx,
         input_hp: torch.Tensor,
         weight: torch.Tensor,
-        config: Float8LinearConfig,
+        config: int,
         x_scale: torch.Tensor | None = None,
         x_amax: torch.Tensor | None = None,
         x_set: bool = False,
@@ -233,7 +256,21 @@ class _Float8Matmul(torch.autograd.Function):
         share: torch.Tensor | None = None,
         share_key: torch.Tensor | None = None,
         keep_weight_t: bool = True,
+        compiled: bool = False,
     ):
+        ctx.compiled = compiled
+        with versions.compiled_trace(compiled):
+            return _Float8Matmul._forward(
+                ctx, input_hp, weight, _CONFIGS[config], x_scale, x_amax, x_set,
+                w_scale, w_amax, w_set, go_scale, go_amax, go_set, share, share_key,
+                keep_weight_t,
+            )  # fmt: skip
+
+    @staticmethod
+    def _forward(
+        ctx, input_hp, weight, config, x_scale, x_amax, x_set, w_scale, w_amax, w_set,
+        go_scale, go_amax, go_set, share, share_key, keep_weight_t,
+    ):  # fmt: skip
         c = config
         share_key = x_scale if share_key is None else share_key
         x_col, w_col = None, None  # column-major copies from the casts' own passes
@@ -267,7 +304,7 @@ class _Float8Matmul(torch.autograd.Function):
         recast_w = (
             _RECAST_WEIGHT
             and keep_w
-            and not torch.compiler.is_compiling()
+            and not versions.compiling()
             and not weight_is_fp8
             and not isinstance(weight, DTensor)
         )
@@ -302,7 +339,7 @@ class _Float8Matmul(torch.autograd.Function):
                     c.cast_config_input, c.cast_config_input_for_grad_weight
                 )
                 x_col_too = kept and (
-                    torch.compiler.is_compiling()
+                    versions.compiling()
                     or torch._C._autograd._top_saved_tensors_default_hooks(False) is None
                 )
                 amaxes = []
@@ -336,7 +373,7 @@ class _Float8Matmul(torch.autograd.Function):
                     w_amax,
                     w_set,
                     col=w_col_too,
-                    one_pass=keep_weight_t or not torch.compiler.is_compiling(),
+                    one_pass=keep_weight_t or not versions.compiling(),
                 )
                 if w_col_too:
                     w, w_col = w
@@ -374,7 +411,8 @@ class _Float8Matmul(torch.autograd.Function):
         # The dtypes here are deliberate (grad_weight in the weight's dtype): autocast, active
         # when backward() is called inside its region, must not recast the gemms' operands.
         with torch.autocast(grad_output.device.type, enabled=False):
-            return _Float8Matmul._backward(ctx, grad_output)
+            with versions.compiled_trace(ctx.compiled):
+                return _Float8Matmul._backward(ctx, grad_output)
 
     @staticmethod
     def _backward(ctx, grad_output: torch.Tensor):
@@ -382,7 +420,7 @@ class _Float8Matmul(torch.autograd.Function):
             x_shape, w_shape, w_device = ctx.shapes
             grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
             grad_input = grad_output.new_zeros(x_shape)
-            return grad_input, grad_weight, None, *(None,) * 12
+            return grad_input, grad_weight, None, *(None,) * 13
         c = ctx.config
         x_saved, w_saved, w_scale_kept = ctx.saved_tensors
         grad_output = grad_output.contiguous()
@@ -426,7 +464,7 @@ class _Float8Matmul(torch.autograd.Function):
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
             grad_weight = grad_weight.to(ctx.w_dtype)
-        return grad_input, grad_weight, None, *(None,) * 12
+        return grad_input, grad_weight, None, *(None,) * 13
 
 
 # How a layer's weight becomes the FSDP2 float8 all-gather weight when its config enables it:
@@ -491,15 +529,35 @@ class Float8Linear(nn.Linear):
             self.weight = _FSDP_WEIGHT_WRAPPER[0](self.weight, config)
         state.init_state(self, config)
 
+    @property
+    def config(self) -> Float8LinearConfig:
+        return self.__dict__["_config"]
+
+    @config.setter
+    def config(self, config: Float8LinearConfig) -> None:
+        # what forward reads of it, kept beside it as plain values: a compiled forward then
+        # guards these few, not the config's every field
+        self.__dict__["_config"] = config
+        self.__dict__["_config_index"] = _config_index(config)
+        self.__dict__["_stateful"] = any(config.stateful_cast(r) for r in GEMM_ROLES)
+        self.__dict__["_delayed_warn_after"] = (
+            config.stale_delayed_warn_after if state.has_delayed(config) else None
+        )
+
+    def __setstate__(self, state_: dict) -> None:
+        super().__setstate__(state_)
+        if "_config" in self.__dict__:
+            self.config = self._config  # the config index is this process's
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
         # nn.Linear.__init__ calls this before _init_float8; later calls (e.g. after
         # to_empty() in a meta-device init) also reset the float8 state.
-        if "config" in self.__dict__:
+        if "_config" in self.__dict__:
             state.reset_state(self, self.config, state.buffer_names(self.config))
 
     def _apply(self, fn, recurse=True):
-        if "config" not in self.__dict__:  # during nn.Linear.__init__
+        if "_config" not in self.__dict__:  # during nn.Linear.__init__
             return super()._apply(fn, recurse)
         before = {n: self._buffers[n] for n in state.buffer_names(self.config)}
         super()._apply(fn, recurse)
@@ -535,8 +593,8 @@ class Float8Linear(nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        c, own = self.config, self.fp8_state
-        if own.uncalibrated:
+        own = self.fp8_state
+        if self._stateful and own.uncalibrated:
             raise RuntimeError(
                 f"Float8Linear({self.in_features}, {self.out_features}): the STATIC scale of "
                 f"{' and '.join(own.uncalibrated)} is not set: run "
@@ -545,13 +603,15 @@ class Float8Linear(nn.Linear):
         record = self.training
         # A forward that activation checkpointing recomputes in backward is not a new one.
         # (Counted even without the warning: a tie checks its bookkeeping against it.)
-        if record and state.has_delayed(c) and not is_recomputing():
-            state.count_delayed_forward(own.forward_count, c.stale_delayed_warn_after)
+        warn_after = self._delayed_warn_after  # None: no DELAYED operand
+        if record and warn_after is not None and not is_recomputing():
+            state.count_delayed_forward(own.forward_count, warn_after)
         weight = self.weight
         device_type = input.device.type
         # keyed on the input as passed (before autocast): linears that read one tensor share
         # the float8 copy they keep for backward (float8kit/shared_cast.py)
-        share, passed = shared_cast.source_for(input), input
+        compiled = torch.compiler.is_compiling()
+        share, passed = None if compiled else shared_cast.source_for(input), input
         if torch.is_autocast_enabled(device_type) and input.is_floating_point():
             # Only the input: _Float8Matmul casts an fp32 weight to float8 directly.
             input = input.to(torch.get_autocast_dtype(device_type))
@@ -564,19 +624,24 @@ class Float8Linear(nn.Linear):
                 + ("" if input.is_floating_point() else "; integer inputs are never accepted")
             )
         share_key = None
-        if not torch.compiler.is_compiling() and _shares_delayed_input(c):
+        if not compiled and _shares_delayed_input(self.config):
             share_key = self._share_delayed_input(input, passed, share, record)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
-        states = [t for role in GEMM_ROLES for t in own.operand(self, role, record)]
+        states = (
+            [t for role in GEMM_ROLES for t in own.operand(self, role, record)]
+            if self._stateful
+            else (None, None, False) * 3  # no DELAYED/STATIC operand (a constant)
+        )
         out_2d = _Float8Matmul.apply(
             input.reshape(-1, input.shape[-1]),
             weight,
-            c,
+            self._config_index,
             *states,
             share,
             share_key,
             # FSDP2 reshards this weight after forward: keep no float8 copy of it till backward
-            not getattr(self, "_is_fsdp_managed_module", False),
+            not self.__dict__.get("_is_fsdp_managed_module", False),  # (set by fully_shard)
+            compiled,
         )
         # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
         # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
+from float8kit import versions
 from float8kit.config import Float8LinearConfig, GemmRole
 from float8kit.formats import TENSORWISE, Format
 
@@ -179,7 +180,7 @@ def _stride(t: DTensor) -> tuple[int, ...]:
     ran in fp32 under bf16 autocast). The shape is read, never the stride: the tensors
     wrapped here (casts and dequantizations of row-major activations, gradients and
     weights) are contiguous, whose stride follows from the shape."""
-    if torch.compiler.is_compiling():
+    if versions.compiling():
         stride, n = [], 1
         for size in reversed(t.shape):
             stride.append(n)

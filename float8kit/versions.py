@@ -8,6 +8,7 @@ The library supports torch 2.11 to 2.15. Where releases differ, the code asks on
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -155,3 +156,29 @@ def require_mx_kernels(
         f"sm{major}{minor}. Use a float8 recipe ({instead}) on this GPU, or "
         f"{config}(emulate=True) to emulate {fmt} in fp32"
     )
+
+
+# Whether the running code is traced for a compiled graph. ``torch.compiler.is_compiling()``
+# says so while dynamo traces; an autograd Function that dynamo puts in the graph whole
+# (``allow_in_graph``: ``linear._Float8Matmul``, whose body dynamo then installs no guards
+# for) runs under AOTAutograd's trace instead, where torch 2.13 keeps that flag set and 2.11
+# does not. Such a Function says which it is (``compiled_trace``), for 2.11 as for 2.13.
+_COMPILED_TRACE: list[bool] = [False]
+
+
+def compiling() -> bool:
+    """``torch.compiler.is_compiling()``, also inside an allow_in_graph Function traced for
+    a compiled graph (see ``compiled_trace``)."""
+    return torch.compiler.is_compiling() or _COMPILED_TRACE[0]
+
+
+@contextlib.contextmanager
+def compiled_trace(compiled: bool):
+    """Runs the body as part of a compiled graph's trace when ``compiled`` (decided by the
+    caller while dynamo traces it): ``compiling()`` is True inside."""
+    before = _COMPILED_TRACE[0]
+    _COMPILED_TRACE[0] = compiled or before
+    try:
+        yield
+    finally:
+        _COMPILED_TRACE[0] = before

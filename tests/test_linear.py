@@ -228,3 +228,46 @@ def test_autocast_casts_fp32_weight_to_float8_without_a_bf16_copy(recipe):
     assert sqnr(ref_out, out) >= want[0]
     assert sqnr(ref_gx, gx) >= want[1]
     assert sqnr(ref_g["weight"], g["weight"]) >= want[2]
+
+
+def test_config_index_follows_the_config_through_copies_and_pickles():
+    """The Function gets a layer's config as an index into this process's interned configs
+    (float8kit.linear._CONFIGS): a config switched on the layer, a deepcopy and a pickle
+    round trip (as if in another process, where the index would name another config) each
+    run their own config, bitwise the layer they came from."""
+    import copy
+    import io
+    import pickle
+
+    from float8kit import linear as linear_mod
+
+    def run(module):
+        out, grad_input, grads = fwd_bwd(module, x, go)
+        return [out, grad_input, *grads.values()]
+
+    _, lin = layer("rowwise")
+    x = torch.randn(32, 256, dtype=torch.bfloat16)
+    go = torch.randn(32, 128, dtype=torch.bfloat16)
+    want = run(lin)
+    assert linear_mod._CONFIGS[lin._config_index] == lin.config
+    copied = copy.deepcopy(lin)
+    buf = io.BytesIO()
+    pickle.dump(lin, buf)
+    # another process interns configs in another order: the pickled index must not be used
+    lin.__dict__["_config_index"] = linear_mod._config_index(
+        Float8LinearConfig.from_recipe_name("tensorwise")
+    )
+    buf.seek(0)
+    unpickled = pickle.load(buf)
+    for other in (copied, unpickled):
+        assert other.config == lin.config
+        assert linear_mod._CONFIGS[other._config_index] == lin.config
+        for got, ref in zip(run(other), want, strict=True):
+            assert torch.equal(got, ref)
+    # a config switched on the layer switches what its gemms run
+    lin.config = Float8LinearConfig.from_recipe_name("tensorwise")
+    _, tensorwise = layer("tensorwise")
+    tensorwise.load_state_dict(lin.state_dict())
+    assert not torch.equal(run(lin)[0], want[0])
+    for got, ref in zip(run(lin), run(tensorwise), strict=True):
+        assert torch.equal(got, ref)

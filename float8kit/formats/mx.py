@@ -216,7 +216,7 @@ def to_mx(
         and not versions.CPU_INDUCTOR_FUSES_MX_CASTS
         # dynamo tracing, or AOTAutograd tracing a subclass's ops (the MX experts' weight
         # wrapper), where dynamo's flag is off but the tensors are fake
-        and (torch.compiler.is_compiling() or is_fake(hp))
+        and (versions.compiling() or is_fake(hp))
     ):
         data, byte = _to_mx_last_dim(hp.movedim(dim, -1), fp8_dtype, rounding)
         return data.movedim(-1, dim), byte.movedim(-1, dim)
