@@ -416,12 +416,6 @@ def _cast_dtensor(
 # ---------------------------------------------------------------------------- other callers
 
 
-def cast_with_scale(hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """Float8 data of ``hp`` with a given (replicated, precomputed) ``scale``, non-finite
-    values guarded: an FSDP2 weight shard before its all-gather."""
-    return to_fp8_saturated(hp, scale, fp8_dtype)
-
-
 def cast_rowwise(
     hp: torch.Tensor, reduce_dim: int, round_to_pow2: bool, fp8_dtype: torch.dtype = E4M3
 ) -> tuple[torch.Tensor, torch.Tensor]:
