@@ -250,13 +250,16 @@ def test_config_index_follows_the_config_through_copies_and_pickles():
     go = torch.randn(32, 128, dtype=torch.bfloat16)
     want = run(lin)
     assert linear_mod._CONFIGS[lin._config_index] == lin.config
-    copied = copy.deepcopy(lin)
-    buf = io.BytesIO()
-    pickle.dump(lin, buf)
-    # another process interns configs in another order: the pickled index must not be used
+    # another process interns configs in another order: an index that names another config
+    # here must not be taken over by a copy or a pickle
+    good = lin._config_index
     lin.__dict__["_config_index"] = linear_mod._config_index(
         Float8LinearConfig.from_recipe_name("tensorwise")
     )
+    copied = copy.deepcopy(lin)
+    buf = io.BytesIO()
+    pickle.dump(lin, buf)
+    lin.__dict__["_config_index"] = good
     buf.seek(0)
     unpickled = pickle.load(buf)
     for other in (copied, unpickled):
