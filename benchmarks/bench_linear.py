@@ -7,7 +7,10 @@ interleaved in one process. float8kit's fwd_bwd call includes ``precompute_scale
 per-step scale update: a no-op for dynamic recipes, the amax-history update for delayed),
 as a training step would; every layer first runs two training steps. Times are medians
 after warm-up (CUDA events on GPU, ``time.perf_counter`` on CPU) over several pre-made
-inputs cycled so caches do not flatter.
+inputs cycled so caches do not flatter. ``--timing`` picks how calls follow each other on a
+GPU: ``back_to_back`` (the host queues the next call while the GPU runs this one: throughput,
+``*_ms``) and/or ``synced`` (a synchronize after every call, as a loop reading ``loss.item()``
+each step: the host time before the first kernel counts, ``*_synced_ms``).
 Outputs (and grad_input, grad_weight for fwd_bwd) are checked against the bf16 layer in the
 same run; the row's SQNR is the worst of them, and any SQNR below --min-sqnr fails the run
 (after writing the results, so the bad rows can be read).
@@ -53,6 +56,9 @@ LLAMA = {
 }
 LLAMA_TOKENS = (4096, 8192, 16384)
 
+
+# --timing: how timed calls follow each other, and the suffix of their row keys
+TIMINGS = {"back_to_back": "", "synced": "_synced"}
 
 # NVFP4's elements have 4 bits: its floor (one layer measures 15-17 dB against the hp
 # reference, docs/numerics.md); --min-sqnr applies to the float8 recipes
@@ -192,6 +198,12 @@ def main() -> int:
         help="time the eager layers (--no-eager with --compile: compiled rows only, "
         "to split a long GPU sweep)",
     )
+    p.add_argument(
+        "--timing",
+        default="back_to_back",
+        help="comma list of back_to_back (columns *_ms) and synced (a CUDA synchronize after "
+        "every call, columns *_synced_ms); on CPU every call is synchronous",
+    )
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
     p.add_argument(
         "--warmup", type=int, default=None, help="untimed calls (default 10 CUDA, 2 CPU)"
@@ -248,6 +260,10 @@ def main() -> int:
     warmup = args.warmup if args.warmup is not None else (10 if on_cuda else 2)
     iters = args.iters if args.iters is not None else (50 if on_cuda else 10)
     modes = [m.strip() for m in args.modes.split(",")]
+    timings = [t.strip() for t in args.timing.split(",")]
+    for t in timings:
+        if t not in TIMINGS:
+            raise SystemExit(f"bench_linear: unknown --timing {t!r}: use {', '.join(TIMINGS)}")
     for m in modes:
         if m not in ("fwd", "fwd_bwd"):
             raise SystemExit(f"bench_linear: unknown mode {m!r}: use fwd, fwd_bwd")
@@ -270,7 +286,86 @@ def main() -> int:
     if ao_float8 is None:
         print(f"torchao.float8 not available: {ao_note}", flush=True)
 
+    out = args.out or common.default_out(device, "linear")
     rows: list[dict] = []
+
+    def report(complete: bool):
+        """Check the rows so far and write them (JSON + .md): after every shape, so a run
+        stopped by a time limit keeps what it measured (``complete`` says whether it ended)."""
+        bad = []
+        for row in rows:
+            if "float8kit_error" in row:
+                bad.append(
+                    f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
+                    f"{row['mode']}: float8kit failed: {row['float8kit_error']}"
+                )
+            fp4 = row["recipe"] == "nvfp4"
+            floor = min(args.min_sqnr, FP4_MIN_SQNR_DB) if fp4 else args.min_sqnr
+            for name in ("float8kit", "torchao"):
+                s = row.get(f"{name}_sqnr_db", "absent")
+                if s != "absent" and s is not None and s < floor:
+                    bad.append(
+                        f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
+                        f"{row['mode']}: {name} SQNR {s} dB < {floor} dB"
+                    )
+        payload = {
+            **info,
+            "kind": "linear",
+            "timing": "CUDA events" if on_cuda else "perf_counter",
+            "timings": timings,
+            "warmup": warmup,
+            "iters": iters,
+            "min_sqnr_db": args.min_sqnr,
+            "min_sqnr_db_nvfp4": min(args.min_sqnr, FP4_MIN_SQNR_DB),
+            "recipes": recipes,
+            "rows": rows,
+            "skipped": skipped,
+            "failures": bad,
+            "complete": complete,
+        }
+        columns = [
+            ("label", "shape"),
+            ("M", "M"),
+            ("K", "K"),
+            ("N", "N"),
+            ("recipe", "recipe"),
+            ("mode", "mode"),
+            ("compiled", "compiled"),
+            ("bf16_ms", "bf16 ms"),
+            ("float8kit_ms", "float8kit ms"),
+            ("torchao_ms", "torchao ms"),
+            ("float8kit_speedup", "fk speedup"),
+            ("torchao_speedup", "ao speedup"),
+            *(
+                [
+                    ("bf16_synced_ms", "bf16 ms synced"),
+                    ("float8kit_synced_ms", "float8kit ms synced"),
+                    ("torchao_synced_ms", "torchao ms synced"),
+                    ("float8kit_synced_speedup", "fk speedup synced"),
+                    ("torchao_synced_speedup", "ao speedup synced"),
+                ]
+                if "synced" in timings
+                else []
+            ),
+            ("float8kit_sqnr_db", "fk SQNR dB"),
+            ("torchao_sqnr_db", "ao SQNR dB"),
+        ]
+        table = common.markdown_table(rows, columns)
+        errors = sorted(
+            {
+                f"- {n}: {r[f'{n}_error']}"
+                for r in rows
+                for n in ("torchao", "float8kit")
+                if f"{n}_error" in r
+            }
+        )
+        if errors:
+            table += "\n\nErrors (recorded, not hidden):\n" + "\n".join(errors)
+        json_path, md_path = common.write_results(
+            out, payload, table, "bench_linear: bf16 vs float8kit vs torchao.float8, one Linear"
+        )
+        return table, json_path, md_path, bad
+
     # besides the recipes above: (shape, recipe) pairs float8kit's default filter keeps in hp
     for label, M, K, N in shapes:
         torch.manual_seed(0)
@@ -285,7 +380,8 @@ def main() -> int:
         # bf16 time and reference outputs are shared. Sequential: converters see a child Linear.
         base = nn.Sequential(nn.Linear(K, N, bias=False)).to(device=device, dtype=torch.bfloat16)
         for compiled in passes:
-            bf16_ms: dict[str, float] = {}  # mode -> ms; the bf16 layer is the same per recipe
+            # mode -> the bf16 row entries; the bf16 layer is the same for every recipe
+            bf16_ms: dict[str, dict[str, float]] = {}
             bf16_ref: dict[str, list[torch.Tensor]] = {}
             for recipe in recipes:
                 config = common.float8kit_config(recipe)
@@ -317,7 +413,7 @@ def main() -> int:
                     )
                     for name in ("bf16", "float8kit", "torchao"):
                         if name == "bf16" and mode in bf16_ms:
-                            row["bf16_ms"] = bf16_ms[mode]
+                            row.update(bf16_ms[mode])
                             continue
                         mod = runnable.get(name)
                         if mod is None:
@@ -331,24 +427,34 @@ def main() -> int:
                             )
 
                         try:
-                            ms = common.median(
-                                common.time_ms(fn, device, warmup=warmup, iters=iters)
-                            )
+                            times = {
+                                TIMINGS[t]: common.median(
+                                    common.time_ms(
+                                        fn, device, warmup=warmup, iters=iters, synced=t == "synced"
+                                    )
+                                )
+                                for t in timings
+                            }
                             outs = outputs_for_check(mod, xs[0], gos[0], backward)
                         except Exception as e:  # noqa: BLE001  (a peer failure is a result)
                             row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
                             continue
-                        row[f"{name}_ms"] = round(ms, 4)
+                        for suffix, ms in times.items():
+                            row[f"{name}{suffix}_ms"] = round(ms, 4)
                         if name == "bf16":
-                            bf16_ms[mode], bf16_ref[mode] = row["bf16_ms"], outs
+                            bf16_ms[mode] = {f"bf16{x}_ms": row[f"bf16{x}_ms"] for x in times}
+                            bf16_ref[mode] = outs
                         elif mode in bf16_ref:
                             pairs = zip(bf16_ref[mode], outs, strict=True)
                             row[f"{name}_sqnr_db"] = common.finite_or_none(
                                 min(common.sqnr_db(r, o) for r, o in pairs)
                             )
                     for name in ("float8kit", "torchao"):
-                        if row.get(f"{name}_ms") and row.get("bf16_ms"):
-                            row[f"{name}_speedup"] = round(row["bf16_ms"] / row[f"{name}_ms"], 3)
+                        for x in (TIMINGS[t] for t in timings):
+                            if row.get(f"{name}{x}_ms") and row.get(f"bf16{x}_ms"):
+                                row[f"{name}{x}_speedup"] = round(
+                                    row[f"bf16{x}_ms"] / row[f"{name}{x}_ms"], 3
+                                )
                     rows.append(row)
                     print(" ".join(f"{k}={common.fmt(v)}" for k, v in row.items()), flush=True)
                 del layers, runnable
@@ -360,67 +466,9 @@ def main() -> int:
                 if on_cuda:
                     torch.cuda.empty_cache()
         del xs, gos, base
+        report(complete=False)
 
-    # ---- checks, outputs
-    bad = []
-    for row in rows:
-        if "float8kit_error" in row:
-            bad.append(
-                f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
-                f"{row['mode']}: float8kit failed: {row['float8kit_error']}"
-            )
-        floor = min(args.min_sqnr, FP4_MIN_SQNR_DB) if row["recipe"] == "nvfp4" else args.min_sqnr
-        for name in ("float8kit", "torchao"):
-            s = row.get(f"{name}_sqnr_db", "absent")
-            if s != "absent" and s is not None and s < floor:
-                bad.append(
-                    f"{row['label']} {row['M']}x{row['K']}x{row['N']} {row['recipe']} "
-                    f"{row['mode']}: {name} SQNR {s} dB < {floor} dB"
-                )
-    payload = {
-        **info,
-        "kind": "linear",
-        "timing": "CUDA events" if on_cuda else "perf_counter",
-        "warmup": warmup,
-        "iters": iters,
-        "min_sqnr_db": args.min_sqnr,
-        "min_sqnr_db_nvfp4": min(args.min_sqnr, FP4_MIN_SQNR_DB),
-        "recipes": recipes,
-        "rows": rows,
-        "skipped": skipped,
-        "failures": bad,
-    }
-    columns = [
-        ("label", "shape"),
-        ("M", "M"),
-        ("K", "K"),
-        ("N", "N"),
-        ("recipe", "recipe"),
-        ("mode", "mode"),
-        ("compiled", "compiled"),
-        ("bf16_ms", "bf16 ms"),
-        ("float8kit_ms", "float8kit ms"),
-        ("torchao_ms", "torchao ms"),
-        ("float8kit_speedup", "fk speedup"),
-        ("torchao_speedup", "ao speedup"),
-        ("float8kit_sqnr_db", "fk SQNR dB"),
-        ("torchao_sqnr_db", "ao SQNR dB"),
-    ]
-    table = common.markdown_table(rows, columns)
-    errors = sorted(
-        {
-            f"- {n}: {r[f'{n}_error']}"
-            for r in rows
-            for n in ("torchao", "float8kit")
-            if f"{n}_error" in r
-        }
-    )
-    if errors:
-        table += "\n\nErrors (recorded, not hidden):\n" + "\n".join(errors)
-    out = args.out or common.default_out(device, "linear")
-    json_path, md_path = common.write_results(
-        out, payload, table, "bench_linear: bf16 vs float8kit vs torchao.float8, one Linear"
-    )
+    table, json_path, md_path, bad = report(complete=True)
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")
     if not args.no_plot:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import functools
 import importlib.metadata
 import json
 import logging
@@ -49,6 +50,12 @@ def _via_our_cpu_kernel(real):
     kernel, ``float8kit::cpu_scaled_mm``: torch's own kernel, with oneDNN off for the call."""
     import float8kit.gemm  # noqa: F401  (registers float8kit::cpu_scaled_mm)
 
+    # wraps: the stand-in keeps the builtin's name. Inductor names its extern gemm after
+    # ``torch._scaled_mm.__name__`` when it first imports its lowerings; a graph compiled in a
+    # process without the stand-in (a test run) and loaded from the FX graph cache by one with
+    # it called ``extern_kernels._scaled_mm``, registered there as ``scaled_mm``
+    # ("'KernelNamespace' object has no attribute '_scaled_mm'").
+    @functools.wraps(real)
     def scaled_mm(a, b, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, **kw):
         # inside our custom op oneDNN is off: that call is ours, to the real kernel
         inside_ours = not torch.compiler.is_compiling() and not torch._C._get_mkldnn_enabled()
@@ -90,8 +97,10 @@ def import_torchao_float8():
     except Exception as e:  # noqa: BLE001  (any import failure means "peer not available")
         return None, f"{type(e).__name__}: {e}"
     # For the whole benchmark process: the peer's CPU gemms on float8kit's CPU kernel
-    # (peer_on_our_cpu_kernel); CUDA calls are untouched.
-    if not hasattr(torch._scaled_mm, "real"):
+    # (peer_on_our_cpu_kernel). Not on a CUDA machine: there every gemm (the compiled graphs'
+    # extern kernel included) must be the builtin, not a Python function in front of it, or
+    # the stand-in's call would be timed as the libraries' host cost.
+    if not torch.cuda.is_available() and not hasattr(torch._scaled_mm, "real"):
         torch._scaled_mm = _via_our_cpu_kernel(torch._scaled_mm)
     return ao_float8, torchao.__version__
 
@@ -300,12 +309,17 @@ def time_ms(
     *,
     warmup: int,
     iters: int,
+    synced: bool = False,
 ) -> list[float]:
     """Per-call times in ms of ``fn(i)`` for ``i`` in ``range(iters)``, after ``warmup`` calls.
 
     ``fn`` takes the iteration number so callers can rotate pre-made inputs (caches must not
     flatter a benchmark that reuses one input). CUDA: one event pair per call, read after one
-    synchronize at the end (no host sync inside the loop). CPU: ``time.perf_counter``.
+    synchronize at the end: back to back, the host queues the next call while the GPU runs
+    this one (throughput). ``synced``: a synchronize after every call, as a training loop
+    that reads ``loss.item()`` each step does: each call starts on an idle GPU, so the host
+    time before its first kernel counts (latency). CPU: ``time.perf_counter`` (every call is
+    synchronous: ``synced`` changes nothing).
     """
     for i in range(warmup):
         fn(i)
@@ -319,6 +333,8 @@ def time_ms(
             start.record()
             fn(i)
             end.record()
+            if synced:
+                torch.cuda.synchronize(device)
         torch.cuda.synchronize(device)
         return [start.elapsed_time(end) for start, end in events]
     times = []

@@ -1,20 +1,28 @@
 #!/usr/bin/env bash
 # GPU acceptance in one command, on a bare H100/H200 machine with its own torch (2.11):
 #
-#   benchmarks/gpu_acceptance.sh OUT_DIR            # run everything (< 9 minutes: the step limits sum to 530 s)
-#   benchmarks/gpu_acceptance.sh OUT_DIR --dry-run  # CPU: check every step's command
+#   benchmarks/gpu_acceptance.sh OUT_DIR [--part 1|2]   # run part 1, part 2 or (no --part) both
+#   benchmarks/gpu_acceptance.sh OUT_DIR --dry-run       # CPU: check every step's command
 #
-# Steps (each under its own time limit, so the whole run fits one 10-minute command):
-#   gpu_tests  pytest -m gpu (the cuBLAS float8 kernels against emulation, fp32 and torchao)
-#   linear     bench_linear.py: bf16 vs float8kit ($RECIPES) vs torchao, fwd+bwd, eager,
-#              on the four reference shapes (1024x2048x1024 ... 16384^3; M x K x N)
-#   linear_compiled  the same, compiled, at the seed shape 4096x8192x16384
-#   train      bench_train.py: the e2e training step (llama3-8b-4l, compiled), tokens/s and
-#              peak memory, bf16 vs float8kit vs torchao
-#   memory     tests/test_memory.py: activation bytes kept for backward per token vs bf16
+# A lease has 15 minutes of device time and 10 minutes a command: the steps come in two
+# parts, one device command each (each part's step limits sum to under nine minutes), run
+# back to back on the same warm machine. Steps, each under its own time limit:
+#   part 1 (the per-layer speed targets and correctness)
+#     linear_compiled  bench_linear.py: bf16 vs float8kit ($RECIPES) vs torchao, compiled
+#                      fwd+bwd, back to back and synchronized after every step, at the seed
+#                      shape and the three Llama-3-8B shapes ($SHAPES; M x K x N)
+#     roofline         roofline.py: the prediction per shape from this GPU's measured gemm
+#                      rates and bandwidth, beside linear_compiled's measured speedups
+#     gpu_tests        pytest -m gpu (the cuBLAS float8 kernels against emulation, fp32 and
+#                      torchao; compiled bitwise eager; the one-pass cast kernel)
+#   part 2
+#     train            bench_train.py: the e2e training step (llama3-8b-4l, compiled), tokens/s
+#                      and peak memory, bf16 vs float8kit vs torchao
+#     linear_more      rowwise_with_gw_hp and blockwise, compiled, at the seed shape
+#     memory           tests/test_memory.py: activation bytes kept for backward per token
 # Writes into OUT_DIR: one JSON (+ .md) per benchmark, a log per step, steps.json (each
-# step's command, exit status, seconds) and summary.md (the device, torch, the step table
-# and every table the benchmarks wrote). Exits non-zero when a step failed.
+# step's command, exit status, seconds) and summary.md (the card, driver, torch, the step
+# table and every table the benchmarks wrote). Exits non-zero when a step failed.
 #
 # torchao and expecttest may be missing on the GPU machine, with no package index there:
 # download their wheels into .whl/ beforehand (docs/gpu.md shows the pip download command);
@@ -27,8 +35,17 @@ if [ $# -lt 1 ]; then
     exit 2
 fi
 OUT=$1
+shift
 DRY=0
-[ "${2:-}" = "--dry-run" ] && DRY=1
+PART=all
+while [ $# -gt 0 ]; do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --part) PART=$2; shift ;;
+        *) echo "unknown argument: $1" >&2; exit 2 ;;
+    esac
+    shift
+done
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 
@@ -40,15 +57,19 @@ else
 fi
 
 # The recipes an H100/H200 (sm90) runs; mxfp8's kernels need sm100 (B200): add it there.
-RECIPES=${RECIPES:-tensorwise,rowwise,rowwise_with_gw_hp,delayed,blockwise}
+RECIPES=${RECIPES:-tensorwise,rowwise,delayed,static}
+# the seed shape and Llama-3-8B's w1|w3 ... at 8192 tokens (M x K x N)
+SHAPES=${SHAPES:-4096x8192x16384,8192x4096x4096,8192x4096x14336,8192x14336x4096}
+TIMING="--timing back_to_back,synced"
 
-# name | time limit (s) | command
+# part | name | time limit (s) | command
 STEPS=(
-    "gpu_tests|120|$PY -m pytest -q -m gpu tests -p no:cacheprovider"
-    "linear|90|$PY benchmarks/bench_linear.py --shapes square --recipes $RECIPES --modes fwd_bwd --no-compile --no-plot --out $OUT/linear.json"
-    "linear_compiled|90|$PY benchmarks/bench_linear.py --shapes 4096x8192x16384 --recipes $RECIPES --modes fwd_bwd --compile --no-eager --no-plot --out $OUT/linear_compiled.json"
-    "train|200|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes tensorwise,rowwise --out $OUT/train.json"
-    "memory|30|$PY -m pytest -q tests/test_memory.py -p no:cacheprovider"
+    "1|linear_compiled|240|$PY benchmarks/bench_linear.py --shapes $SHAPES --recipes $RECIPES --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_compiled.json"
+    "1|roofline|45|$PY benchmarks/roofline.py --shapes $SHAPES --modes fwd_bwd --device cuda --linear-json $OUT/linear_compiled.json --recipe tensorwise --out $OUT/roofline.json"
+    "1|gpu_tests|200|$PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider"
+    "2|train|270|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes tensorwise,rowwise,delayed --out $OUT/train.json"
+    "2|linear_more|90|$PY benchmarks/bench_linear.py --shapes 4096x8192x16384 --recipes rowwise_with_gw_hp,blockwise --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_more.json"
+    "2|memory|30|$PY -m pytest -q tests/test_memory.py -p no:cacheprovider"
 )
 
 # --dry-run: every step's script exists, imports and accepts its flags (argparse --help
@@ -87,7 +108,8 @@ json="["
 table="| step | exit | seconds | command |\n|---|---|---|---|\n"
 start_all=$(date +%s)
 for step in "${STEPS[@]}"; do
-    IFS='|' read -r name limit cmd <<<"$step"
+    IFS='|' read -r part name limit cmd <<<"$step"
+    [ "$PART" != all ] && [ "$PART" != "$part" ] && continue
     t0=$(date +%s)
     if [ $DRY -eq 1 ]; then
         check_step "$cmd" >"$OUT/$name.log" 2>&1
@@ -99,15 +121,17 @@ for step in "${STEPS[@]}"; do
     fi
     secs=$(($(date +%s) - t0))
     [ $rc -ne 0 ] && failed=1 && echo "step $name failed (exit $rc): see $OUT/$name.log" >&2
-    json+="{\"step\": \"$name\", \"exit\": $rc, \"seconds\": $secs, \"limit_s\": $limit, \"command\": \"$cmd\"},"
+    json+="{\"step\": \"$name\", \"part\": $part, \"exit\": $rc, \"seconds\": $secs, \"limit_s\": $limit, \"command\": \"$cmd\"},"
     table+="| $name | $rc | $secs | \`$cmd\` |\n"
 done
 json="${json%,}]"
 echo "$json" >"$OUT/steps.json"
 
 {
-    echo "# float8kit GPU acceptance$([ $DRY -eq 1 ] && echo ' (dry run: commands checked, nothing run)')"
+    echo "# float8kit GPU acceptance, part $PART$([ $DRY -eq 1 ] && echo ' (dry run: commands checked, nothing run)')"
     echo
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null \
+        | sed 's/^/- card (name, driver, memory, max SM clock): /' || true
     "$PY" -c "import torch, sys, datetime
 dev = torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device'
 print(f'- device: {dev}')

@@ -58,9 +58,12 @@ def run_script(name: str, out: Path, *args: str, timeout: int = 120) -> dict:
 
 def test_bench_linear_sqnr_vs_bf16(tmp_path):
     data = run_script(
-        "bench_linear", tmp_path / "linear.json", "--smoke", "--threads", "1", "--iters", "2"
+        "bench_linear",
+        tmp_path / "linear.json",
+        *("--smoke", "--threads", "1", "--iters", "2", "--timing", "back_to_back,synced"),
     )
     assert (tmp_path / "linear.png").exists()
+    assert data["complete"] is True and data["timings"] == ["back_to_back", "synced"]
     recipes = {r["recipe"] for r in data["rows"]}
     assert {"tensorwise", "rowwise", "rowwise_with_gw_hp"} <= recipes
     assert {r["mode"] for r in data["rows"]} == {"fwd", "fwd_bwd"}
@@ -68,6 +71,10 @@ def test_bench_linear_sqnr_vs_bf16(tmp_path):
         for key in ("M", "K", "N", "recipe", "mode", "bf16_ms", "float8kit_ms"):
             assert key in row, (key, row)
         assert row["bf16_ms"] > 0 and row["float8kit_ms"] > 0
+        # each timing has its own times and its own speedup over bf16's time in that timing
+        for x in ("", "_synced"):
+            want = round(row[f"bf16{x}_ms"] / row[f"float8kit{x}_ms"], 3)
+            assert row[f"float8kit{x}_speedup"] == want, (x, row)
         # torchao runs every recipe it has (0.18: not delayed; then it says why, in the row)
         libs = ["float8kit"]
         if row["recipe"] in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
@@ -84,6 +91,35 @@ def test_bench_linear_sqnr_vs_bf16(tmp_path):
             assert sqnr is None or sqnr >= floor, (lib, row)
     assert data["failures"] == []
     assert "nvfp4" in recipes and data["min_sqnr_db_nvfp4"] == 12.0
+
+
+def test_the_peers_cpu_gemm_stand_in_keeps_inductors_extern_kernel_name():
+    # bench_linear --compile on CUDA failed with "'KernelNamespace' object has no attribute
+    # '_scaled_mm'": the stand-in for torch._scaled_mm (the peer's CPU gemms on float8kit's
+    # kernel) was named scaled_mm, so inductor registered its extern gemm under that name in
+    # the benchmark's process, while a graph compiled by a process without the stand-in (the
+    # GPU tests before it) and loaded from the FX graph cache calls extern_kernels._scaled_mm.
+    # On a CUDA machine the stand-in is not installed at all (its Python call would be timed).
+    code = """
+import sys, torch
+sys.path.insert(0, "benchmarks")
+import common
+real = torch._scaled_mm
+torch.cuda.is_available = lambda: True
+common.import_torchao_float8()
+assert torch._scaled_mm is real, "stand-in installed on a CUDA machine"
+torch.cuda.is_available = lambda: False
+common.import_torchao_float8()
+assert torch._scaled_mm is not real and torch._scaled_mm.real is real
+from torch._inductor.select_algorithm import extern_kernels
+import torch._inductor.compile_fx  # imports the lowerings, which register the extern gemm
+print(sorted(n for n in vars(extern_kernels) if "scaled_mm" in n))
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split("\n")[-2] == "['_scaled_mm']"
 
 
 def test_recipes_a_gpu_cannot_run_are_skipped_with_the_reason(pretend_gpu):

@@ -19,18 +19,35 @@ def test_dry_run_checks_every_step(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert [s["step"] for s in steps] == [
-        "gpu_tests",
-        "linear",
-        "linear_compiled",
-        "train",
-        "memory",
+    assert [(s["part"], s["step"]) for s in steps] == [
+        (1, "linear_compiled"),
+        (1, "roofline"),
+        (1, "gpu_tests"),
+        (2, "train"),
+        (2, "linear_more"),
+        (2, "memory"),
     ]
     assert all(s["exit"] == 0 for s in steps), steps
-    # the per-step limits fit one 10-minute device command with a minute to spare
-    assert sum(s["limit_s"] for s in steps) <= 9 * 60
+    # each part's step limits fit one 10-minute device command with a minute to spare
+    for part in (1, 2):
+        assert sum(s["limit_s"] for s in steps if s["part"] == part) <= 9 * 60, part
     summary = (tmp_path / "summary.md").read_text()
-    assert "dry run" in summary and "| linear | 0 |" in summary
+    assert "dry run" in summary and "| linear_compiled | 0 |" in summary
+    # the timed shapes: the seed shape and the three Llama-3-8B ones, both timings
+    cmd = steps[0]["command"]
+    assert "4096x8192x16384,8192x4096x4096,8192x4096x14336,8192x14336x4096" in cmd
+    assert "--timing back_to_back,synced" in cmd
+
+
+def test_a_part_runs_its_steps_alone(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path), "--dry-run", "--part", "2"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert [s["step"] for s in steps] == ["train", "linear_more", "memory"]
 
 
 def test_a_step_with_an_unknown_flag_fails_the_dry_run(tmp_path):
@@ -47,4 +64,4 @@ def test_a_step_with_an_unknown_flag_fails_the_dry_run(tmp_path):
     finally:
         copy.unlink()
     assert run.returncode != 0
-    assert "has no flag --modez" in (tmp_path / "linear.log").read_text()
+    assert "has no flag --modez" in (tmp_path / "linear_compiled.log").read_text()
