@@ -160,7 +160,70 @@ def main() -> int:
     variants += [(lib, r) for r in recipes for lib in ("float8kit", "torchao") if lib in libs]
 
     rows = []
+    out = args.out or common.default_out(
+        device, "train", preset, "compiled" if compiled else "eager"
+    )
+
+    def report(complete: bool):
+        """Speedups over bf16, checks, and the JSON + .md of the rows so far: before every
+        variant too, so a run stopped by a time limit keeps the variants it finished."""
+        base = next((r for r in rows if r["library"] == "bf16" and "step_ms" in r), None)
+        bad = []
+        for r in rows:
+            if "loss_last" in r and not math.isfinite(r["loss_last"]):
+                bad.append(f"{r['variant']}: non-finite loss {r['loss_last']}")
+            if base and "step_ms" in r:
+                r["speedup_vs_bf16"] = round(base["step_ms"] / r["step_ms"], 3)
+                r["loss_first_rel_diff_vs_bf16"] = round(
+                    abs(r["loss_first"] - base["loss_first"]) / abs(base["loss_first"]), 5
+                )
+        with torch.device("meta"):
+            n_params = sum(p.numel() for p in Transformer(margs).parameters())
+        payload = {
+            **info,
+            "kind": "train",
+            "preset": preset,
+            "n_params": n_params,
+            "batch": batch,
+            "seq": seq,
+            "tokens_per_step": batch * seq,
+            "compiled": compiled,
+            "warmup": warmup,
+            "steps": steps,
+            "params_dtype": "bfloat16",
+            "optimizer": "AdamW",
+            "timing": "CUDA events" if on_cuda else "perf_counter",
+            "rows": rows,
+            "skipped": skipped,
+            "failures": bad,
+            "complete": complete,
+        }
+        columns = [
+            ("variant", "variant"),
+            ("compiled", "compiled"),
+            ("float8_linears", "fp8 linears"),
+            ("step_ms", "step ms"),
+            ("tokens_per_s", "tokens/s"),
+            ("speedup_vs_bf16", "speedup vs bf16"),
+            ("peak_mem_gib", "peak GiB"),
+            ("loss_first", "loss step 1"),
+            ("loss_first_rel_diff_vs_bf16", "rel diff vs bf16"),
+            ("loss_last", "last loss"),
+            ("error", "error"),
+        ]
+        table = common.markdown_table(rows, columns, ndigits=4)
+        table += (
+            f"\n\nPreset {preset}, {batch}x{seq} tokens per step, bf16 params + AdamW, "
+            f"median of {steps} steps after {warmup} warm-up."
+        )
+        json_path, md_path = common.write_results(
+            out, payload, table, "bench_train: training-step tokens/s, recipes model"
+        )
+        return table, json_path, md_path, bad
+
     for lib, recipe in variants:
+        if rows:
+            report(complete=False)
         row = {
             "variant": lib if recipe is None else f"{lib}:{recipe}",
             "library": lib,
@@ -224,60 +287,7 @@ def main() -> int:
         if on_cuda:
             torch.cuda.empty_cache()
 
-    base = next((r for r in rows if r["library"] == "bf16" and "step_ms" in r), None)
-    bad = []
-    for r in rows:
-        if "loss_last" in r and not math.isfinite(r["loss_last"]):
-            bad.append(f"{r['variant']}: non-finite loss {r['loss_last']}")
-        if base and "step_ms" in r:
-            r["speedup_vs_bf16"] = round(base["step_ms"] / r["step_ms"], 3)
-            r["loss_first_rel_diff_vs_bf16"] = round(
-                abs(r["loss_first"] - base["loss_first"]) / abs(base["loss_first"]), 5
-            )
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in Transformer(margs).parameters())
-    payload = {
-        **info,
-        "kind": "train",
-        "preset": preset,
-        "n_params": n_params,
-        "batch": batch,
-        "seq": seq,
-        "tokens_per_step": batch * seq,
-        "compiled": compiled,
-        "warmup": warmup,
-        "steps": steps,
-        "params_dtype": "bfloat16",
-        "optimizer": "AdamW",
-        "timing": "CUDA events" if on_cuda else "perf_counter",
-        "rows": rows,
-        "skipped": skipped,
-        "failures": bad,
-    }
-    columns = [
-        ("variant", "variant"),
-        ("compiled", "compiled"),
-        ("float8_linears", "fp8 linears"),
-        ("step_ms", "step ms"),
-        ("tokens_per_s", "tokens/s"),
-        ("speedup_vs_bf16", "speedup vs bf16"),
-        ("peak_mem_gib", "peak GiB"),
-        ("loss_first", "loss step 1"),
-        ("loss_first_rel_diff_vs_bf16", "rel diff vs bf16"),
-        ("loss_last", "last loss"),
-        ("error", "error"),
-    ]
-    table = common.markdown_table(rows, columns, ndigits=4)
-    table += (
-        f"\n\nPreset {preset}, {batch}x{seq} tokens per step, bf16 params + AdamW, "
-        f"median of {steps} steps after {warmup} warm-up."
-    )
-    out = args.out or common.default_out(
-        device, "train", preset, "compiled" if compiled else "eager"
-    )
-    json_path, md_path = common.write_results(
-        out, payload, table, "bench_train: training-step tokens/s, recipes model"
-    )
+    table, json_path, md_path, bad = report(complete=True)
     print("\n" + table)
     print(f"\nwrote {json_path} and {md_path}")
     if bad:

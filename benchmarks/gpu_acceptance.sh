@@ -17,7 +17,9 @@
 #                      torchao; compiled bitwise eager; the one-pass cast kernel)
 #   part 2
 #     train            bench_train.py: the e2e training step (llama3-8b-4l, compiled), tokens/s
-#                      and peak memory, bf16 vs float8kit vs torchao
+#                      and peak memory, bf16 vs float8kit vs torchao (six compiles, about
+#                      45 s each on a cold cache: 270 s was too short on 2026-11-27; the
+#                      JSON is written after every variant, so a stopped run keeps them)
 #     linear_more      rowwise_with_gw_hp and blockwise, compiled, at the seed shape
 #     memory           tests/test_memory.py: activation bytes kept for backward per token
 # Writes into OUT_DIR: one JSON (+ .md) per benchmark, a log per step, steps.json (each
@@ -67,8 +69,8 @@ STEPS=(
     "1|linear_compiled|240|$PY benchmarks/bench_linear.py --shapes $SHAPES --recipes $RECIPES --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_compiled.json"
     "1|roofline|45|$PY benchmarks/roofline.py --shapes $SHAPES --modes fwd_bwd --device cuda --linear-json $OUT/linear_compiled.json --recipe tensorwise --out $OUT/roofline.json"
     "1|gpu_tests|200|$PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider"
-    "2|train|270|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes tensorwise,rowwise,delayed --out $OUT/train.json"
-    "2|linear_more|90|$PY benchmarks/bench_linear.py --shapes 4096x8192x16384 --recipes rowwise_with_gw_hp,blockwise --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_more.json"
+    "2|train|360|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes delayed,tensorwise,rowwise --out $OUT/train.json"
+    "2|linear_more|60|$PY benchmarks/bench_linear.py --shapes 4096x8192x16384 --recipes rowwise_with_gw_hp,blockwise --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_more.json"
     "2|memory|30|$PY -m pytest -q tests/test_memory.py -p no:cacheprovider"
 )
 

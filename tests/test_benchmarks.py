@@ -249,6 +249,7 @@ def test_bench_train_tiny(tmp_path):
     )
     rows = {r["variant"]: r for r in data["rows"]}
     assert set(rows) == {"bf16", "float8kit:tensorwise", "torchao:tensorwise"}
+    assert data["complete"] is True  # written after every variant too, then marked complete
     for row in rows.values():
         assert "error" not in row, row
         assert row["tokens_per_s"] > 0 and math.isfinite(row["loss_last"])
