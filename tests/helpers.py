@@ -96,3 +96,21 @@ def blocked_scale_reference(scale: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(128 * -(-h // 128) * 4 * -(-w // 4), dtype=torch.uint8)
     out[blocked_scale_index(h, w).reshape(-1)] = scale.reshape(-1).view(torch.uint8)
     return out
+
+
+def recipes(ok=lambda caps: True) -> list[str]:
+    """The named recipes (in ``Float8Recipe``'s order) whose every enabled cast is in a format
+    whose capabilities ``ok`` accepts. The recipe lists the tests parametrize over come from
+    the format registry this way: a new format or recipe reaches each test it qualifies for
+    without editing the test."""
+    from float8kit import Float8LinearConfig, Float8Recipe, formats
+
+    fine = set(formats.supporting(ok))
+    return [
+        r.value
+        for r in Float8Recipe
+        if all(
+            c.scaling_granularity.value in fine
+            for _, c in formats.enabled_casts(Float8LinearConfig.from_recipe_name(r))
+        )
+    ]

@@ -42,6 +42,7 @@ from float8kit import (
 from float8kit.distributed.fsdp import Float8AllGatherWeight
 from float8kit.linear import Float8Linear
 from float8kit.tensor import Float8TrainingTensor
+from tests.helpers import recipes
 
 # ---------------------------------------------------------------------------- launcher
 
@@ -413,7 +414,7 @@ def test_precompute_splits_the_reduced_amaxes_back_per_contribution(monkeypatch)
 # ---------------------------------------------------------------------------- a single rank
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"])
+@pytest.mark.parametrize("recipe", recipes(lambda caps: caps.fsdp_float8_all_gather))
 def test_one_rank_float8_all_gather_equals_unsharded(recipe):
     # World size 1 (one GPU, or a 1-D mesh of one): FSDP2 copies only the first all-gather
     # input and still runs both hooks, so a recipe whose scales travel as a second input

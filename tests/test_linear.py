@@ -14,7 +14,7 @@ from float8kit import (
     precompute_float8_dynamic_scale_for_fsdp,
     precompute_scales,
 )
-from tests.helpers import count_scaled_mm, fp32_copy, fwd_bwd, sqnr
+from tests.helpers import count_scaled_mm, fp32_copy, fwd_bwd, recipes, sqnr
 
 # The issue's thresholds: output / grad_input / grad_weight SQNR in dB vs fp32.
 THRESHOLDS = {
@@ -134,7 +134,8 @@ def test_extra_repr():
 
 # ---------------------------------------------------------------------------- edge inputs
 
-EDGE_RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "mxfp8"]
+# every recipe whose formats take the edge tests' 64x32 layers (from the format registry)
+EDGE_RECIPES = recipes(lambda caps: caps.layer_multiple is None or 32 % caps.layer_multiple == 0)
 
 
 @pytest.mark.parametrize("recipe", EDGE_RECIPES)

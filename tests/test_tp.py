@@ -17,8 +17,9 @@ from torch import nn
 import float8kit
 from benchmarks.measures.gloo import _rel_diff, spawn
 from benchmarks.measures.tp import BATCH, MLP, RECIPES, SEQ, _data, _mlp
-from float8kit import cast, formats
+from float8kit import cast
 from float8kit.config import GemmRole
+from tests.helpers import recipes
 
 
 @pytest.fixture(scope="module")
@@ -161,14 +162,8 @@ def test_float8_all_gathers_need_dynamic_casts():
 
 
 # the formats tensor parallelism refuses, from the registry (MX and NVFP4 today)
-NO_TP = formats.supporting(lambda caps: caps.tensor_parallel is None)
 NO_TP_RECIPES = [
-    r.value
-    for r in float8kit.Float8Recipe
-    if any(
-        c.scaling_granularity.value in NO_TP
-        for _, c in formats.enabled_casts(float8kit.Float8LinearConfig.from_recipe_name(r))
-    )
+    r for r in recipes() if r not in recipes(lambda caps: caps.tensor_parallel is not None)
 ]
 
 
