@@ -24,6 +24,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -230,9 +231,11 @@ def device_slug(device: torch.device) -> str:
     return m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, env: dict | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30, env=env
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -241,6 +244,18 @@ def _git(*args: str) -> str | None:
 def git_commit() -> str | None:
     """The checkout's full commit hash (None outside a git checkout)."""
     return _git("rev-parse", "HEAD")
+
+
+def git_tree() -> str | None:
+    """The git tree hash of the files as they are (tracked and untracked, not ignored). A
+    copy of the checkout on a device machine may carry stale git metadata (its HEAD and
+    dirty flag then describe another tree); this hash is of the files that ran, and equals
+    ``git rev-parse <commit>^{tree}`` of the commit they are."""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+        if _git("add", "-A", ".", env=env) is None:
+            return None
+        return _git("write-tree", env=env)
 
 
 # Results (numbers/) and prose (*.md) do not change what a script measures: a checkout whose
@@ -275,6 +290,10 @@ def run_info(device: torch.device) -> dict:
         "script": os.path.relpath(os.path.abspath(sys.argv[0]), REPO),
         "git_commit": git_commit(),
         "git_dirty": git_dirty(),
+        "git_tree": git_tree(),
+        # what makes this result stale (tests/test_docs.py checks the ones in numbers/): the
+        # script itself, these helpers and the library
+        "sources": ["benchmarks/common.py", "float8kit"],
         # CPU timings on a shared machine move with its load: say what it was
         "load_avg_1m_5m_15m": [round(x, 2) for x in os.getloadavg()]
         if hasattr(os, "getloadavg")

@@ -51,6 +51,11 @@ def run_script(name: str, out: Path, *args: str, timeout: int = 120) -> dict:
     assert RUN_INFO_KEYS <= data.keys()
     assert data["script"] == f"benchmarks/{name}.py"
     assert data["git_commit"] == git("rev-parse", "HEAD")
+    # the tree of the files that ran (a device copy's git metadata may be stale): in a clean
+    # checkout, HEAD's tree
+    if git("status", "--porcelain") == "":
+        assert data["git_tree"] == git("rev-parse", "HEAD^{tree}")
+    assert data["sources"] == ["benchmarks/common.py", "float8kit"]
     assert data["rows"], "no rows written"
     assert out.with_suffix(".md").exists()
     return data
