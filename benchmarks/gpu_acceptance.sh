@@ -22,6 +22,8 @@
 #                      JSON is written after every variant, so a stopped run keeps them)
 #     linear_more      rowwise_with_gw_hp and blockwise, compiled, at the seed shape
 #     memory           tests/test_memory.py: activation bytes kept for backward per token
+#     precompute       bench_precompute.py: precompute_scales' host time per step for 1, 8,
+#                      32 delayed layers, and whether it waits for a busy GPU
 # Writes into OUT_DIR: one JSON (+ .md) per benchmark, a log per step, steps.json (each
 # step's command, exit status, seconds) and summary.md (the card, driver, torch, the step
 # table and every table the benchmarks wrote). Exits non-zero when a step failed.
@@ -72,6 +74,7 @@ STEPS=(
     "2|train|360|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes delayed,tensorwise,rowwise --out $OUT/train.json"
     "2|linear_more|60|$PY benchmarks/bench_linear.py --shapes 4096x8192x16384 --recipes rowwise_with_gw_hp,blockwise --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_more.json"
     "2|memory|30|$PY -m pytest -q tests/test_memory.py -p no:cacheprovider"
+    "2|precompute|45|$PY benchmarks/bench_precompute.py --layers 1,8,32 --out $OUT/precompute.json"
 )
 
 # --dry-run: every step's script exists, imports and accepts its flags (argparse --help

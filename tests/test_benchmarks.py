@@ -264,6 +264,23 @@ def test_bench_train_tiny(tmp_path):
         assert rows[name]["float8_linears"] == 14  # 2 blocks x 7 projections; head stays bf16
 
 
+def test_bench_precompute_is_batched_across_layers(tmp_path):
+    # precompute_scales updates every delayed layer's history with batched ops: the aten ops
+    # it launches do not grow with the layer count (1 and 4 layers: the same count)
+    data = run_script(
+        "bench_precompute",
+        tmp_path / "precompute.json",
+        *("--device", "cpu", "--layers", "1,4", "--calls", "3", "--threads", "1"),
+    )
+    one, four = data["rows"]
+    assert (one["layers"], four["layers"]) == (1, 4)
+    assert one["aten_ops"] == four["aten_ops"] > 0
+    for row in data["rows"]:
+        assert row["host_us"] > 0
+        assert row["host_us_per_layer"] == round(row["host_us"] / row["layers"], 1)
+        assert "waits_for_gpu" not in row  # CPU: nothing to wait for
+
+
 def test_roofline_measured(tmp_path):
     data = run_script(
         "roofline",

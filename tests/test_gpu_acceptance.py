@@ -26,6 +26,7 @@ def test_dry_run_checks_every_step(tmp_path):
         (2, "train"),
         (2, "linear_more"),
         (2, "memory"),
+        (2, "precompute"),
     ]
     assert all(s["exit"] == 0 for s in steps), steps
     # each part's step limits fit one 10-minute device command with a minute to spare
@@ -47,7 +48,7 @@ def test_a_part_runs_its_steps_alone(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert [s["step"] for s in steps] == ["train", "linear_more", "memory"]
+    assert [s["step"] for s in steps] == ["train", "linear_more", "memory", "precompute"]
 
 
 def test_a_step_with_an_unknown_flag_fails_the_dry_run(tmp_path):
