@@ -10,7 +10,7 @@ from torch import nn
 
 from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training
 from float8kit.cast import cast_to_float8
-from tests.helpers import COMPILE_IS_BITWISE
+from tests.helpers import COMPILE_IS_BITWISE, recipes
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,10 @@ def _square_loss_step(module, m, x):
     return out.detach(), xi.grad, grads
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+# every recipe of the scaled gemm family (from the format registry); the blockwise, MX and
+# NVFP4 families have their own compiled-bitwise tests (block-aligned layers, NVFP4's
+# stochastic rounding drawn by eager's RNG)
+@pytest.mark.parametrize("recipe", recipes(lambda caps: caps.gemm == "scaled"))
 @inductor_config.patch(emulate_precision_casts=True)
 def test_fullgraph_forward_backward_bitwise_vs_eager(recipe):
     torch._dynamo.reset()
