@@ -250,10 +250,13 @@ def git_tree() -> str | None:
     """The git tree hash of the files as they are (tracked and untracked, not ignored). A
     copy of the checkout on a device machine may carry stale git metadata (its HEAD and
     dirty flag then describe another tree); this hash is of the files that ran, and equals
-    ``git rev-parse <commit>^{tree}`` of the commit they are."""
+    ``git rev-parse <commit>^{tree}`` of the commit they are. ``.whl/`` (the peer's wheels
+    carried to a GPU machine, docs/gpu.md) is left out: the copy's git may not ignore it."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
-        if _git("add", "-A", ".", env=env) is None:
+        excludes = Path(tmp, "exclude")
+        excludes.write_text("/.whl/\n")
+        if _git("-c", f"core.excludesFile={excludes}", "add", "-A", ".", env=env) is None:
             return None
         return _git("write-tree", env=env)
 
