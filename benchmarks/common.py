@@ -49,7 +49,7 @@ if str(REPO) not in sys.path:
 def _via_our_cpu_kernel(real):
     """``torch._scaled_mm`` that sends CPU calls (no bias, no output scale) to float8kit's CPU
     kernel, ``float8kit::cpu_scaled_mm``: torch's own kernel, with oneDNN off for the call."""
-    import float8kit.gemm  # noqa: F401  (registers float8kit::cpu_scaled_mm)
+    import float8kit.gemm
 
     # wraps: the stand-in keeps the builtin's name. Inductor names its extern gemm after
     # ``torch._scaled_mm.__name__`` when it first imports its lowerings; a graph compiled in a
@@ -62,7 +62,8 @@ def _via_our_cpu_kernel(real):
         inside_ours = not torch.compiler.is_compiling() and not torch._C._get_mkldnn_enabled()
         if a.is_cuda or bias is not None or scale_result is not None or inside_ours:
             return real(a, b, scale_a, scale_b, bias, scale_result, out_dtype, **kw)
-        return torch.ops.float8kit.cpu_scaled_mm(
+        # the op, or in eager its body directly (float8kit's own calls are made so too)
+        return float8kit.gemm._cpu_kernel(
             a, b, scale_a, scale_b, out_dtype, kw.get("use_fast_accum", False)
         )
 

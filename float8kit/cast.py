@@ -84,12 +84,19 @@ def cast_tensorwise_reference(
 # speed is measured). Without it inductor re-reads the hp tensor for the transposed layout
 # (it inlines the cheap cast into the transposing copy) and, for DELAYED, for the amax
 # record (a separate reduction): docs/performance.md.
-_cast_tensorwise = torch.library.custom_op("float8kit::cast_tensorwise", mutates_args=())(
-    cast_tensorwise_reference
+# Defined with torch.library's low-level API, not ``custom_op``: the same schema, fake and
+# kernels, without custom_op's Python autograd and dispatch layers, which cost a compiled
+# graph's call of the op about three times the host time of the dispatcher alone.
+_LIB = torch.library.Library("float8kit", "FRAGMENT")
+_LIB.define(
+    "cast_tensorwise(Tensor hp, Tensor scale, ScalarType fp8_dtype, bool guard, bool row, "
+    "bool col, bool amax) -> (Tensor, Tensor, Tensor)"
 )
+_LIB.impl("cast_tensorwise", cast_tensorwise_reference, "CompositeExplicitAutograd")
+_cast_tensorwise = torch.ops.float8kit.cast_tensorwise.default
 
 
-@_cast_tensorwise.register_fake
+@torch.library.register_fake("float8kit::cast_tensorwise")
 def _(hp, scale, fp8_dtype, guard, row, col, amax):
     m, n = hp.shape
     return (
@@ -99,12 +106,22 @@ def _(hp, scale, fp8_dtype, guard, row, col, amax):
     )
 
 
-@_cast_tensorwise.register_kernel("cuda")
-def _(hp, scale, fp8_dtype, guard, row, col, amax):
+def _cast_tensorwise_cuda(hp, scale, fp8_dtype, guard, row, col, amax):
     from float8kit import triton_cast
 
     limit = scaling.fp8_max(fp8_dtype)
     return triton_cast.cast_tensorwise(hp, scale, fp8_dtype, guard, row, col, amax, limit)
+
+
+_LIB.impl("cast_tensorwise", _cast_tensorwise_cuda, "CUDA")
+
+
+def _cast_tensorwise_op(hp: torch.Tensor):
+    """``float8kit::cast_tensorwise`` for ``hp``, or in eager (``versions.eager_direct``) the
+    kernel that op would run on a plain tensor, called without the dispatcher's round trip."""
+    if type(hp) in _EAGER_PLAIN and versions.eager_direct():
+        return _cast_tensorwise_cuda if hp.is_cuda else cast_tensorwise_reference
+    return _cast_tensorwise
 
 
 def fused_cast_applies(
@@ -133,6 +150,7 @@ def fused_cast_applies(
 # A plain tensor, or what stands for one in a trace: AOTAutograd traces an allow_in_graph
 # Function (``linear._Float8Matmul``) on functional and fake tensors.
 _PLAIN = (torch.Tensor, torch.nn.Parameter, FunctionalTensor, FakeTensor)
+_EAGER_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def cast_tensorwise(
@@ -151,7 +169,8 @@ def cast_tensorwise(
     values column-major, amax)``, None for what was not asked. Both tensors have ``hp``'s
     shape and the same scale; the column-major one is what a gemm that takes this operand
     transposed reads without a copy."""
-    data, data_t, amax_value = _cast_tensorwise(hp, scale, fp8_dtype, guard, row, col, amax)
+    op = _cast_tensorwise_op(hp)
+    data, data_t, amax_value = op(hp, scale, fp8_dtype, guard, row, col, amax)
 
     def wrap(d):
         return Float8TrainingTensor(d, scale, hp.dtype, role, TENSORWISE, config)

@@ -35,7 +35,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from float8kit import versions
+from float8kit import scaling, versions
 from float8kit.config import Float8Recipe
 from float8kit.formats.blockwise import (  # noqa: F401  (block_kernel_plan: gemm's API too)
     block_kernel_plan,
@@ -74,8 +74,8 @@ _NOT_FP4_RECIPES = _NOT_MX_RECIPES
 
 def _operand_scales(a: Float8TrainingTensor, b: Float8TrainingTensor):
     """Reciprocal scales shaped for ``_scaled_mm``: () and () or (M, 1) and (1, N)."""
-    inv_a = a._scale.to(torch.float32).reciprocal()
-    inv_b = b._scale.to(torch.float32).reciprocal()
+    inv_a = scaling.inverse(a._scale)
+    inv_b = scaling.inverse(b._scale)
     m, n = a.shape[0], b.shape[1]
     if a._axiswise_dim is not None or b._axiswise_dim is not None:
         # _scaled_mm takes both rowwise or both tensorwise; expanding a tensorwise scale to a
@@ -166,8 +166,8 @@ def block_scaled_mm(
     _check_blocks(a, b)
     if emulate or not a._data.is_cuda:
         return a._gran.emulated_mm(a, b).to(out_dtype)
-    inv_a = a._scale.to(torch.float32).reciprocal()
-    inv_b = b._scale.to(torch.float32).reciprocal()
+    inv_a = scaling.inverse(a._scale)
+    inv_b = scaling.inverse(b._scale)
     out = _kernel_block_mm(a._data, b._data, inv_a, inv_b, a._block, b._block, gemm)
     return out.to(out_dtype)
 
@@ -408,8 +408,7 @@ def _kernel(
     )
 
 
-@torch.library.custom_op("float8kit::cpu_scaled_mm", mutates_args=())
-def _cpu_kernel(
+def _cpu_scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
     inv_a: torch.Tensor,
@@ -442,6 +441,23 @@ def _cpu_kernel(
         torch._C._set_mkldnn_enabled(enabled)
 
 
+# torch.library's low-level API, not ``custom_op`` (see float8kit::cast_tensorwise)
+_LIB = torch.library.Library("float8kit", "FRAGMENT")
+_LIB.define(
+    "cpu_scaled_mm(Tensor a, Tensor b, Tensor inv_a, Tensor inv_b, ScalarType out_dtype, "
+    "bool use_fast_accum) -> Tensor"
+)
+_LIB.impl("cpu_scaled_mm", _cpu_scaled_mm, "CompositeExplicitAutograd")
+_cpu_kernel_op = torch.ops.float8kit.cpu_scaled_mm.default
+
+
+def _cpu_kernel(a, b, inv_a, inv_b, out_dtype, use_fast_accum):
+    """``float8kit::cpu_scaled_mm``; in eager (``versions.eager_direct``) its body, called
+    without the custom op's dispatcher and autograd round trips."""
+    op = _cpu_scaled_mm if versions.eager_direct() else _cpu_kernel_op
+    return op(a, b, inv_a, inv_b, out_dtype, use_fast_accum)
+
+
 _ROWWISE_WARNED = False
 
 
@@ -458,6 +474,6 @@ def _warn_rowwise_emulated() -> None:
         )
 
 
-@_cpu_kernel.register_fake
+@torch.library.register_fake("float8kit::cpu_scaled_mm")
 def _(a, b, inv_a, inv_b, out_dtype, use_fast_accum):
     return a.new_empty((a.size(0), b.size(1)), dtype=out_dtype)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from float8kit import versions
+from float8kit import scaling, versions
 from float8kit.formats import MX
 from float8kit.gemm import _CUDA_ALIGN, _is_col_major, _is_row_major, to_blocked
 
@@ -149,8 +149,8 @@ def scaled_grouped_mm(
             a, a_scale, b, b_scale, offs, out_dtype=out_dtype, emulate=emulate,
             use_fast_accum=use_fast_accum, align_groups=False,
         )  # fmt: skip
-    inv_a = a_scale.to(torch.float32).reciprocal()
-    inv_b = b_scale.to(torch.float32).reciprocal()
+    inv_a = scaling.inverse(a_scale)
+    inv_b = scaling.inverse(b_scale)
     if a.is_cuda and not emulate:
         if not _is_row_major(a):
             a = a.contiguous()

@@ -14,13 +14,14 @@ all-gather weight wrapper is registered from ``float8kit.distributed.fsdp``.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from float8kit import formats, scaling, shared_cast, state, versions
+from float8kit import formats, ops, scaling, shared_cast, state, versions
 from float8kit.cast import (
     cast_to_float8,
     is_recomputing,
@@ -39,6 +40,7 @@ from float8kit.hp_weight import store_plain_weight
 from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 
 
+@functools.cache  # per pair of casts (a layer's plan, asked on every call)
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
     """A tensor cast for one gemm can serve the other when both casts are the same and its
     format lays the operand out alike for both gemms' reduced dims: tensorwise, or a square
@@ -377,7 +379,7 @@ class _Float8Matmul(torch.autograd.Function):
                 )
                 if w_col_too:
                     w, w_col = w
-            output = torch.mm(x, w.t())
+            output = ops.mm(x, ops.t(w))
         else:
             x, w = input_hp, weight
             output = torch.mm(input_hp, _as_hp(weight).to(input_hp.dtype).t())
@@ -440,7 +442,7 @@ class _Float8Matmul(torch.autograd.Function):
                 go, go_col = go
             recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
             w_gi = _weight_for_grad_input(w_saved, c, ctx.w_state, recast)
-            grad_input = torch.mm(go, w_gi)
+            grad_input = ops.mm(go, w_gi)
         else:
             grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
 
@@ -460,7 +462,7 @@ class _Float8Matmul(torch.autograd.Function):
             # x_saved is float8, cast for this gemm in forward (input_for_backward). .to() on
             # a float8 tensor only changes the hp dtype it stands for: the gemm writes the
             # weight's dtype directly (fp32 master weights under autocast).
-            grad_weight = torch.mm(go_t.t().to(ctx.w_dtype), x_saved)
+            grad_weight = ops.mm(ops.t(go_t).to(ctx.w_dtype), x_saved)
         else:
             grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
             grad_weight = grad_weight.to(ctx.w_dtype)

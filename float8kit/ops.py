@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from float8kit import versions
 from float8kit.cast import cast_like
 from float8kit.config import FP8_DTYPES, GEMMS, Float8LinearConfig, GemmConfig
 from float8kit.gemm import scaled_mm
@@ -221,6 +222,24 @@ def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
 @implements([aten.mm.default])
 def _mm_op(func, args, kwargs):
     return _mm(args[0], args[1])
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.mm(a, b)``; for two float8 operands in eager (``versions.eager_direct``) the
+    table's mm called directly, without two dispatcher round trips into Python. Not under
+    autocast, whose mm casts the operands first (a float8 operand's ``.to``: the hp dtype it
+    stands for, which the gemm writes)."""
+    if type(a) is Float8TrainingTensor and type(b) is Float8TrainingTensor:
+        if versions.eager_direct() and not torch._C._is_any_autocast_enabled():
+            return _mm(a, b)
+    return torch.mm(a, b)
+
+
+def t(a: torch.Tensor) -> torch.Tensor:
+    """``a.t()`` of a 2-D tensor; a float8 one in eager directly, as ``mm``."""
+    if type(a) is Float8TrainingTensor and versions.eager_direct():
+        return _transposed(a, a._data.t(), 0, 1)
+    return a.t()
 
 
 @implements([aten.addmm.default])

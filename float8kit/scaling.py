@@ -35,6 +35,16 @@ def fp8_max(dtype: torch.dtype) -> float:
     return _FP8_MAX[dtype]
 
 
+def fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32: itself if it is (no op dispatched, eager's per-call cost), else a copy."""
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
+
+
+def inverse(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` in fp32: what a gemm multiplies an operand's float8 products by."""
+    return fp32(scale).reciprocal()
+
+
 def _quotient(limit: float, amax: torch.Tensor) -> torch.Tensor:
     # limit / amax (limit = fp8_max) correctly rounded to fp32, for fp32 amax > 0. torch evaluates
     # ``scalar / tensor`` as ``reciprocal(tensor) * scalar``: two roundings, and about 1 fp32
@@ -119,9 +129,7 @@ def amax_to_scale(
     inf): there the scale stays the exact quotient, whose casts saturate at fp8_max and come
     back finite. Scale rounding never turns a finite value into inf."""
     # clamp_min keeps NaN (torch.clamp propagates it), unlike torch.maximum with a scalar.
-    scale = _quotient(
-        fp8_max(fp8_dtype), torch.clamp(amax.to(torch.float32), min=amax_floor(fp8_dtype))
-    )
+    scale = _quotient(fp8_max(fp8_dtype), torch.clamp(fp32(amax), min=amax_floor(fp8_dtype)))
     if round_to_pow2:
         floored = round_to_power_of_2(scale)
         # NaN, and 0 from an inf amax, fail the comparison and keep the quotient's NaN / 0

@@ -172,6 +172,20 @@ def compiling() -> bool:
     return torch.compiler.is_compiling() or _COMPILED_TRACE[0]
 
 
+def eager_direct() -> bool:
+    """Whether float8kit may run an op's implementation directly, without the dispatcher's
+    round trip (a custom op, or the float8 tensor's ``__torch_dispatch__``): eager, no
+    torch dispatch mode on the stack (a selective activation checkpointing policy, fake
+    tensors, a flop counter: each sees every op as it always does) and no profiler running
+    (a profile shows float8kit's ops as their own events). The same function runs either
+    way: only the host time differs."""
+    return (
+        not compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._autograd._profiler_enabled()
+    )
+
+
 @contextlib.contextmanager
 def compiled_trace(compiled: bool):
     """Runs the body as part of a compiled graph's trace when ``compiled`` (decided by the

@@ -1,5 +1,6 @@
 """Float8Linear against an fp32 nn.Linear (SQNR in dB), plus the module's contract."""
 
+import contextlib
 import math
 
 import pytest
@@ -298,3 +299,37 @@ def test_config_index_follows_the_config_through_copies_and_pickles():
     assert not torch.equal(run(lin)[0], want[0])
     for got, ref in zip(run(lin), run(tensorwise), strict=True):
         assert torch.equal(got, ref)
+
+
+class _Dispatched(TorchDispatchMode):
+    """A mode that changes nothing but is on the dispatch stack: float8kit then takes every
+    op through the dispatcher (its custom ops, the float8 tensor's mm), as it did before its
+    eager calls went direct (``versions.eager_direct``). Counts the ops it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("recipe", recipes())
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16", "autocast"])
+def test_eager_direct_calls_are_bitwise_the_dispatched_ones(recipe, autocast):
+    # eager, float8kit calls its ops' kernels without the dispatcher's round trips: the same
+    # bits as through it (under autocast too, where the float8 operands' mm is autocast's)
+    results = []
+    for mode in (contextlib.nullcontext(), _Dispatched()):
+        torch.manual_seed(0)
+        hp, f8 = layer(recipe, dtype=torch.float32 if autocast else torch.bfloat16, k=64, n=32)
+        x = torch.randn(16, 64, dtype=f8.weight.dtype, requires_grad=True)
+        with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = f8(x)
+            out.float().square().sum().backward()
+        results.append((out, x.grad, f8.weight.grad))
+        if isinstance(mode, _Dispatched):  # the gemms went through the float8 tensor's mm
+            assert mode.ops.count(torch.ops.aten.mm.default) == 3
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)

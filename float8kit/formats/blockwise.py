@@ -70,8 +70,8 @@ class Blockwise(WholeBlocks, GroupScaledGather, Float8Elements, Format):
 
     def emulated_mm(self, a, b):
         """``a @ b`` of two blockwise training tensors: the kernel's definition in fp32."""
-        inv_a = a._scale.to(torch.float32).reciprocal()
-        inv_b = b._scale.to(torch.float32).reciprocal()
+        inv_a = scaling.inverse(a._scale)
+        inv_b = scaling.inverse(b._scale)
         return emulated_block_mm(a._data, b._data, inv_a, inv_b, a._gran.block, b._gran.block)
 
     def amax(self, hp):
