@@ -14,7 +14,6 @@ all-gather weight wrapper is registered from ``float8kit.distributed.fsdp``.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 
 import torch
@@ -40,11 +39,23 @@ from float8kit.hp_weight import store_plain_weight
 from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 
 
-@functools.cache  # per pair of casts (a layer's plan, asked on every call)
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
     """A tensor cast for one gemm can serve the other when both casts are the same and its
     format lays the operand out alike for both gemms' reduced dims: tensorwise, or a square
-    block, which is its own transpose (blockwise and NVFP4 weights)."""
+    block, which is its own transpose (blockwise and NVFP4 weights). Asked on every call of
+    a layer: remembered per pair of config objects (by identity: a config's hash walks all
+    its fields; the entry keeps both alive, so their ids are not reused)."""
+    key = (id(first), id(second), weight)
+    known = _REUSABLE.get(key)
+    if known is None:
+        known = _REUSABLE[key] = (first, second, _reusable_uncached(first, second, weight))
+    return known[2]
+
+
+_REUSABLE: dict[tuple[int, int, bool], tuple[CastConfig, CastConfig, bool]] = {}
+
+
+def _reusable_uncached(first: CastConfig, second: CastConfig, weight: bool) -> bool:
     if first != second or not first.enabled:
         return False
     role = GemmRole.WEIGHT if weight else GemmRole.INPUT
@@ -632,7 +643,7 @@ class Float8Linear(nn.Linear):
         states = (
             [t for role in GEMM_ROLES for t in own.operand(self, role, record)]
             if self._stateful
-            else (None, None, False) * 3  # no DELAYED/STATIC operand (a constant)
+            else (None, None, False) * len(GEMM_ROLES)  # no DELAYED/STATIC operand
         )
         out_2d = _Float8Matmul.apply(
             input.reshape(-1, input.shape[-1]),

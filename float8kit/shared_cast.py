@@ -90,8 +90,11 @@ def _key(cast, reduce_dim, config, dtype, scale) -> tuple:
     # A DELAYED cast: the scale buffer by identity (the entry keeps it alive, so the id is not
     # reused while the entry lives) and version (precompute_scales writes it in place). Not
     # the tensor itself: a tuple compares its items with ==, which for tensors compares values.
+    # The cast and config by identity too (the entry keeps them alive): hashing a config walks
+    # every field, on every call; Float8Linear passes its interned config (one object per
+    # distinct config) and that config's casts.
     state = None if scale is None else (id(scale), scale._version)
-    return (cast, reduce_dim, config, dtype, state)
+    return (id(cast), reduce_dim, id(config), dtype, state)
 
 
 def _state(source: torch.Tensor) -> tuple:
@@ -145,7 +148,7 @@ def store(
     if source is None or not shareable(cast, scale):
         return
     key = _key(cast, reduce_dim, config, dtype, scale)
-    _entry(source, create=True)[key] = (fp8, scale, amax)
+    _entry(source, create=True)[key] = (fp8, scale, amax, cast, config)
 
 
 def delayed_owner(
