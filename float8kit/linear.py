@@ -643,7 +643,9 @@ class Float8Linear(nn.Linear):
         states = (
             [t for role in GEMM_ROLES for t in own.operand(self, role, record)]
             if self._stateful
-            else (None, None, False) * len(GEMM_ROLES)  # no DELAYED/STATIC operand
+            # no DELAYED/STATIC operand: a literal, one triple per role of GEMM_ROLES (a
+            # len() of it would cost the compiled forward three dynamo guards)
+            else (None, None, False) * 3
         )
         out_2d = _Float8Matmul.apply(
             input.reshape(-1, input.shape[-1]),
