@@ -14,6 +14,7 @@ all-gather weight wrapper is registered from ``float8kit.distributed.fsdp``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -42,36 +43,81 @@ from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 def _reusable(first: CastConfig, second: CastConfig, weight: bool = False) -> bool:
     """A tensor cast for one gemm can serve the other when both casts are the same and its
     format lays the operand out alike for both gemms' reduced dims: tensorwise, or a square
-    block, which is its own transpose (blockwise and NVFP4 weights). Asked on every call of
-    a layer: remembered per pair of config objects (by identity: a config's hash walks all
-    its fields; the entry keeps both alive, so their ids are not reused)."""
-    key = (id(first), id(second), weight)
-    known = _REUSABLE.get(key)
-    if known is None:
-        known = _REUSABLE[key] = (first, second, _reusable_uncached(first, second, weight))
-    return known[2]
-
-
-_REUSABLE: dict[tuple[int, int, bool], tuple[CastConfig, CastConfig, bool]] = {}
-
-
-def _reusable_uncached(first: CastConfig, second: CastConfig, weight: bool) -> bool:
+    block, which is its own transpose (blockwise and NVFP4 weights)."""
     if first != second or not first.enabled:
         return False
     role = GemmRole.WEIGHT if weight else GemmRole.INPUT
     return formats.of(first, role, -1, 2) == formats.of(first, role, 0, 2)
 
 
-def _shares_delayed_input(config: Float8LinearConfig) -> bool:
-    """Whether a layer's DELAYED input cast can be shared (its one cast serves both gemms)."""
-    first = config.cast_config_input
-    return first.scaling_type is ScalingType.DELAYED and _reusable(
-        first, config.cast_config_input_for_grad_weight
+@dataclasses.dataclass(frozen=True, eq=False)
+class LayerPlan:
+    """What a layer's config decides for every call, decided once per config (``plan_of``)
+    and read by each call as plain values: which casts run, which serve both gemms, which
+    operands keep DELAYED/STATIC state and which of their uses records an amax.
+
+    ``index`` is the plan's place in ``_PLANS``: ``_Float8Matmul`` gets a layer's plan as that
+    int, which a compiled graph guards with one check, where passing the config itself
+    would have dynamo guard each of its fields (the Function is in the graph whole,
+    ``allow_in_graph``). Equal configs share a plan; an index is this process's
+    (``Float8Linear.__setstate__``)."""
+
+    config: Float8LinearConfig
+    index: int
+    # one cast serves both gemms that use the operand (``_reusable``)
+    reuse_input: bool
+    reuse_weight: bool
+    reuse_grad_output: bool
+    # the format of the weight the output gemm takes
+    weight_format: formats.Format
+    # some operand keeps DELAYED/STATIC state; ``stale_delayed_warn_after`` if one is DELAYED
+    stateful: bool
+    delayed_warn_after: int | None
+    # the input's DELAYED cast can be shared between layers reading one tensor
+    shares_delayed_input: bool
+    # per operand (input, weight, grad_output): whether the use of the second gemm records
+    # the amax (only where the first use keeps no state: see the stateful_cast validation)
+    second_records: tuple[bool, bool, bool]
+
+
+_PLANS: list[LayerPlan] = []
+_PLAN_INDEX: dict[Float8LinearConfig, int] = {}
+
+
+def plan_of(config: Float8LinearConfig) -> LayerPlan:
+    """The plan of ``config`` (built once per distinct config, kept for the process)."""
+    index = _PLAN_INDEX.get(config)
+    if index is not None:
+        return _PLANS[index]
+    c = config
+    reuse_input = _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight)
+    plan = LayerPlan(
+        config=c,
+        index=len(_PLANS),
+        reuse_input=reuse_input,
+        reuse_weight=_reusable(
+            c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
+        ),
+        reuse_grad_output=_reusable(
+            c.cast_config_grad_output, c.cast_config_grad_output_for_grad_weight
+        ),
+        weight_format=formats.weight(c.cast_config_weight),
+        stateful=any(c.stateful_cast(r) for r in GEMM_ROLES),
+        delayed_warn_after=c.stale_delayed_warn_after if state.has_delayed(c) else None,
+        shares_delayed_input=reuse_input
+        and c.cast_config_input.scaling_type is ScalingType.DELAYED,
+        second_records=tuple(
+            not getattr(c, first).scaling_type.stateful
+            for first, _ in (c.operand_uses()[role] for role in GEMM_ROLES)
+        ),
     )
+    _PLANS.append(plan)
+    _PLAN_INDEX[config] = plan.index
+    return plan
 
 
 def _weight_for_grad_input(
-    w_saved: torch.Tensor, config: Float8LinearConfig, state: tuple, recast: tuple | None = None
+    w_saved: torch.Tensor, plan: LayerPlan, state: tuple, recast: tuple | None = None
 ) -> Float8TrainingTensor:
     """The weight as the grad_input gemm needs it: cast per ``cast_config_weight_for_grad_input``
     with its scales along dim 0 (reducing N) or tensorwise.
@@ -90,11 +136,12 @@ def _weight_for_grad_input(
     kept the hp weight (a parameter, kept anyway) instead of that float8 copy: the same cast
     is redone here with the stored scale, bitwise the copy forward made, and no weight-sized
     float8 tensor lives from forward to backward."""
+    config = plan.config
     cast = config.cast_config_weight_for_grad_input
     if recast is not None:
         return recast_with_scale(w_saved, cast, GemmRole.WEIGHT, config, *recast)
     if is_float8(w_saved):  # a Float8TrainingTensor, or a DTensor around one (TP)
-        if _reusable(config.cast_config_weight, cast, weight=True):
+        if plan.reuse_weight:
             return w_saved
         have = local(w_saved)._gran
         if have.copy_per_pass:
@@ -129,7 +176,7 @@ def _fsdp_copy(weight: torch.Tensor, dim: int, cast: CastConfig, gemm: str):
 def input_for_backward(
     input_hp: torch.Tensor,
     x: torch.Tensor,
-    config: Float8LinearConfig,
+    plan: LayerPlan,
     x_state: tuple[torch.Tensor | None, torch.Tensor | None, bool],
     share: torch.Tensor | None = None,
     share_key: torch.Tensor | None = None,
@@ -153,7 +200,7 @@ def input_for_backward(
     Args:
         input_hp: the (M, K) hp input.
         x: what the output gemm used: the float8 input, or ``input_hp`` when that gemm is hp.
-        config: the layer's config.
+        plan: the layer's plan (``plan_of``).
         x_state: the input's DELAYED/STATIC state for its second use (``operand_scale``'s
             ``state_scale``, ``amax_record``, ``scale_set``).
         share: the tensor the layer's shared casts are keyed on (``shared_cast.source_for``),
@@ -164,8 +211,9 @@ def input_for_backward(
         recorded: the amax the cast of ``x`` recorded (DELAYED, train mode), stored with it.
         x_col: ``x`` column-major (the same cast's other layout), or None.
     """
+    config = plan.config
     first, second = config.cast_config_input, config.cast_config_input_for_grad_weight
-    if _reusable(first, second):
+    if plan.reuse_input:
         kept = x if x_col is None else x_col
         if is_float8(x):
             shared_cast.store(share, first, -1, config, input_hp.dtype, kept, share_key, recorded)
@@ -186,23 +234,6 @@ def input_for_backward(
 
 def _as_hp(t: torch.Tensor) -> torch.Tensor:
     return dequantize(t)
-
-
-# Every config a layer has run with, interned: ``_Float8Matmul`` gets a layer's config as its
-# index here (``Float8Linear.config`` sets ``_config_index``), a plain int that a compiled
-# graph guards with one check, where passing the config object itself would have dynamo
-# guard each of its fields (the Function is in the graph whole, ``allow_in_graph``). Equal
-# configs share an index; an index is this process's (``Float8Linear.__setstate__``).
-_CONFIGS: list[Float8LinearConfig] = []
-_CONFIG_INDEX: dict[Float8LinearConfig, int] = {}
-
-
-def _config_index(config: Float8LinearConfig) -> int:
-    index = _CONFIG_INDEX.get(config)
-    if index is None:
-        index = _CONFIG_INDEX[config] = len(_CONFIGS)
-        _CONFIGS.append(config)
-    return index
 
 
 # Re-cast the float8 weight in backward rather than keep it (see _Float8Matmul.forward);
@@ -231,7 +262,7 @@ class _Float8Matmul(torch.autograd.Function):
     casting or recording an amax (an empty batch says nothing about the range of the next
     ones).
 
-    ``config`` is the layer's config as its index in ``_CONFIGS``, and ``compiled`` whether
+    ``plan`` is the layer's ``LayerPlan`` as its index in ``_PLANS``, and ``compiled`` whether
     the call is traced for a compiled graph: dynamo puts this Function in the graph whole
     (``allow_in_graph``) and AOTAutograd traces its body, where torch 2.11 does not report
     compiling (``versions.compiled_trace``).
@@ -256,7 +287,7 @@ class _Float8Matmul(torch.autograd.Function):
         ctx,
         input_hp: torch.Tensor,
         weight: torch.Tensor,
-        config: int,
+        plan: int,
         x_scale: torch.Tensor | None = None,
         x_amax: torch.Tensor | None = None,
         x_set: bool = False,
@@ -274,17 +305,17 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.compiled = compiled
         with versions.compiled_trace(compiled):
             return _Float8Matmul._forward(
-                ctx, input_hp, weight, _CONFIGS[config], x_scale, x_amax, x_set,
+                ctx, input_hp, weight, _PLANS[plan], x_scale, x_amax, x_set,
                 w_scale, w_amax, w_set, go_scale, go_amax, go_set, share, share_key,
                 keep_weight_t,
             )  # fmt: skip
 
     @staticmethod
     def _forward(
-        ctx, input_hp, weight, config, x_scale, x_amax, x_set, w_scale, w_amax, w_set,
+        ctx, input_hp, weight, plan, x_scale, x_amax, x_set, w_scale, w_amax, w_set,
         go_scale, go_amax, go_set, share, share_key, keep_weight_t,
     ):  # fmt: skip
-        c = config
+        c = plan.config
         share_key = x_scale if share_key is None else share_key
         x_col, w_col = None, None  # column-major copies from the casts' own passes
         ctx.w_dtype = weight.dtype
@@ -299,7 +330,7 @@ class _Float8Matmul(torch.autograd.Function):
         w_fwd = weight
         if weight_is_fp8:
             have = local(weight)._gran
-            if have.copy_per_pass and have != formats.weight(c.cast_config_weight):
+            if have.copy_per_pass and have != plan.weight_format:
                 w_fwd = _fsdp_copy(weight, 1, c.cast_config_weight, "output")
         # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
         # parameter (kept anyway) and the scale, and redo the cast in backward
@@ -311,9 +342,7 @@ class _Float8Matmul(torch.autograd.Function):
         # (1 byte per weight element), except for an FSDP2 weight (``keep_weight_t``
         # False), which FSDP2 frees after forward: its cast stays inductor's, which the
         # partitioner redoes in backward from the re-gathered weight.
-        keep_w = weight_is_fp8 or _reusable(
-            c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
-        )
+        keep_w = weight_is_fp8 or plan.reuse_weight
         recast_w = (
             _RECAST_WEIGHT
             and keep_w
@@ -331,7 +360,7 @@ class _Float8Matmul(torch.autograd.Function):
             x = None
             if input_is_fp8:
                 x = input_hp
-            elif _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight):
+            elif plan.reuse_input:
                 # another layer's cast of the same tensor (shared_cast: DYNAMIC, or DELAYED
                 # with an equal scale: this layer's, or that of the layer it is tied to)
                 hit = shared_cast.lookup(
@@ -348,9 +377,7 @@ class _Float8Matmul(torch.autograd.Function):
                 # and then written column-major too, as that gemm takes it, in the same pass;
                 # not inside an eager checkpoint region (saved-tensor hooks), where a policy
                 # that keeps the cast would keep both layouts (backward copies it instead)
-                kept = ctx.needs_input_grad[1] and _reusable(
-                    c.cast_config_input, c.cast_config_input_for_grad_weight
-                )
+                kept = ctx.needs_input_grad[1] and plan.reuse_input
                 x_col_too = kept and (
                     versions.compiling()
                     or torch._C._autograd._top_saved_tensors_default_hooks(False) is None
@@ -397,10 +424,11 @@ class _Float8Matmul(torch.autograd.Function):
 
         # The second uses of input and weight record their amax only when the first use
         # did not (see _reusable / the stateful_cast validation).
-        x_state = (x_scale, None if c.cast_config_input.scaling_type.stateful else x_amax, x_set)
+        x_records, w_records, _ = plan.second_records
+        x_state = (x_scale, x_amax if x_records else None, x_set)
         # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
         x_saved = (
-            input_for_backward(input_hp, x, c, x_state, share, share_key, recorded, x_col)
+            input_for_backward(input_hp, x, plan, x_state, share, share_key, recorded, x_col)
             if ctx.needs_input_grad[1]
             else None
         )
@@ -410,12 +438,8 @@ class _Float8Matmul(torch.autograd.Function):
             keep_w = False
         w_keep = weight if w_fwd is not weight else (w if w_col is None else w_col)
         ctx.save_for_backward(x_saved, w_keep if keep_w else weight, w_scale_kept)
-        ctx.config = c
-        ctx.w_state = (
-            w_scale,
-            None if c.cast_config_weight.scaling_type.stateful else w_amax,
-            w_set,
-        )
+        ctx.plan = plan
+        ctx.w_state = (w_scale, w_amax if w_records else None, w_set)
         ctx.go_state = (go_scale, go_amax, go_set)
         return output
 
@@ -434,7 +458,8 @@ class _Float8Matmul(torch.autograd.Function):
             grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
             grad_input = grad_output.new_zeros(x_shape)
             return grad_input, grad_weight, None, *(None,) * 13
-        c = ctx.config
+        plan = ctx.plan
+        c = plan.config
         x_saved, w_saved, w_scale_kept = ctx.saved_tensors
         grad_output = grad_output.contiguous()
 
@@ -445,14 +470,14 @@ class _Float8Matmul(torch.autograd.Function):
         # same pass writes it column-major too
         go_col = None
         if go_cast.enabled:
-            both = x_saved is not None and _reusable(go_cast, go_gw_cast)
+            both = x_saved is not None and plan.reuse_grad_output
             go = cast_to_float8(
                 grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state, col=both
             )
             if both:
                 go, go_col = go
             recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
-            w_gi = _weight_for_grad_input(w_saved, c, ctx.w_state, recast)
+            w_gi = _weight_for_grad_input(w_saved, plan, ctx.w_state, recast)
             grad_input = ops.mm(go, w_gi)
         else:
             grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
@@ -462,10 +487,10 @@ class _Float8Matmul(torch.autograd.Function):
             grad_weight = None
         elif go_gw_cast.enabled:
             go_scale, go_amax, go_set = ctx.go_state
-            go_gw_state = (go_scale, None if go_cast.scaling_type.stateful else go_amax, go_set)
+            go_gw_state = (go_scale, go_amax if plan.second_records[2] else None, go_set)
             go_t = (
                 go_col
-                if _reusable(go_cast, go_gw_cast)
+                if plan.reuse_grad_output
                 else cast_to_float8(
                     grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
                 )
@@ -550,17 +575,17 @@ class Float8Linear(nn.Linear):
     def config(self, config: Float8LinearConfig) -> None:
         # what forward reads of it, kept beside it as plain values: a compiled forward then
         # guards these few, not the config's every field
+        plan = plan_of(config)
         self.__dict__["_config"] = config
-        self.__dict__["_config_index"] = _config_index(config)
-        self.__dict__["_stateful"] = any(config.stateful_cast(r) for r in GEMM_ROLES)
-        self.__dict__["_delayed_warn_after"] = (
-            config.stale_delayed_warn_after if state.has_delayed(config) else None
-        )
+        self.__dict__["_plan"] = plan
+        self.__dict__["_plan_index"] = plan.index
+        self.__dict__["_stateful"] = plan.stateful
+        self.__dict__["_delayed_warn_after"] = plan.delayed_warn_after
 
     def __setstate__(self, state_: dict) -> None:
         super().__setstate__(state_)
         if "_config" in self.__dict__:
-            self.config = self._config  # the config index is this process's
+            self.config = self._config  # the plan index is this process's
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -637,7 +662,7 @@ class Float8Linear(nn.Linear):
                 + ("" if input.is_floating_point() else "; integer inputs are never accepted")
             )
         share_key = None
-        if not compiled and _shares_delayed_input(self.config):
+        if not compiled and self._plan.shares_delayed_input:
             share_key = self._share_delayed_input(input, passed, share, record)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
         states = (
@@ -650,7 +675,7 @@ class Float8Linear(nn.Linear):
         out_2d = _Float8Matmul.apply(
             input.reshape(-1, input.shape[-1]),
             weight,
-            self._config_index,
+            self._plan_index,
             *states,
             share,
             share_key,

@@ -174,7 +174,7 @@ def layer_fwd_bwd(layer: Float8Linear, x: torch.Tensor, weight=None):
     weight = layer.weight if weight is None else weight
     states = [t for role in GEMM_ROLES for t in layer.fp8_state.operand(layer, role, True)]
     ctx = Ctx(3 + len(states))
-    out = _Float8Matmul.forward(ctx, x, weight, layer._config_index, *states)
+    out = _Float8Matmul.forward(ctx, x, weight, layer._plan_index, *states)
     assert out.shape == (x.shape[0], layer.out_features) and out.dtype == x.dtype
     assert out.device.type == "cuda"
     grad_in, grad_w, *_ = _Float8Matmul.backward(ctx, torch.randn_like(out))

@@ -144,12 +144,12 @@ def test_activation_checkpointing_recomputes_with_the_along_k_copy(mx_ranks):
 
 def test_an_mx_weight_blocked_along_k_is_never_re_cast_for_grad_input():
     # not an FSDP2 all-gather weight: no shards to gather the along-N copy from
-    from float8kit.linear import _config_index, _Float8Matmul
+    from float8kit.linear import _Float8Matmul, plan_of
 
     w = mx_net(MX)[0].weight.detach()
     fp8 = cast_to_float8(w, MX.cast_config_weight, GemmRole.WEIGHT, -1, MX)
     x = torch.randn(32, w.shape[1], requires_grad=True)
-    out = _Float8Matmul.apply(x, fp8, _config_index(MX))
+    out = _Float8Matmul.apply(x, fp8, plan_of(MX).index)
     with pytest.raises(RuntimeError, match=r"grad_input gemm needs the weight as mx\(dim=0"):
         out.sum().backward()
 

@@ -255,11 +255,11 @@ def test_autocast_casts_fp32_weight_to_float8_without_a_bf16_copy(recipe):
     assert sqnr(ref_g["weight"], g["weight"]) >= want[2]
 
 
-def test_config_index_follows_the_config_through_copies_and_pickles():
-    """The Function gets a layer's config as an index into this process's interned configs
-    (float8kit.linear._CONFIGS): a config switched on the layer, a deepcopy and a pickle
-    round trip (as if in another process, where the index would name another config) each
-    run their own config, bitwise the layer they came from."""
+def test_plan_index_follows_the_config_through_copies_and_pickles():
+    """The Function gets a layer's plan as an index into this process's plans, one per
+    distinct config (float8kit.linear._PLANS): a config switched on the layer, a deepcopy
+    and a pickle round trip (as if in another process, where the index would name another
+    config) each run their own config, bitwise the layer they came from."""
     import copy
     import io
     import pickle
@@ -274,22 +274,22 @@ def test_config_index_follows_the_config_through_copies_and_pickles():
     x = torch.randn(32, 256, dtype=torch.bfloat16)
     go = torch.randn(32, 128, dtype=torch.bfloat16)
     want = run(lin)
-    assert linear_mod._CONFIGS[lin._config_index] == lin.config
+    assert linear_mod._PLANS[lin._plan_index].config == lin.config
     # another process interns configs in another order: an index that names another config
     # here must not be taken over by a copy or a pickle
-    good = lin._config_index
-    lin.__dict__["_config_index"] = linear_mod._config_index(
+    good = lin._plan_index
+    lin.__dict__["_plan_index"] = linear_mod.plan_of(
         Float8LinearConfig.from_recipe_name("tensorwise")
-    )
+    ).index
     copied = copy.deepcopy(lin)
     buf = io.BytesIO()
     pickle.dump(lin, buf)
-    lin.__dict__["_config_index"] = good
+    lin.__dict__["_plan_index"] = good
     buf.seek(0)
     unpickled = pickle.load(buf)
     for other in (copied, unpickled):
         assert other.config == lin.config
-        assert linear_mod._CONFIGS[other._config_index] == lin.config
+        assert linear_mod._PLANS[other._plan_index].config == lin.config
         for got, ref in zip(run(other), want, strict=True):
             assert torch.equal(got, ref)
     # a config switched on the layer switches what its gemms run

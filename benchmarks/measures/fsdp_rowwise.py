@@ -27,7 +27,7 @@ from benchmarks.measures.gloo import (
 from benchmarks.measures.refs import sqnr
 from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training, precompute_scales
 from float8kit.cast import cast_to_float8
-from float8kit.linear import Float8Linear, _weight_for_grad_input
+from float8kit.linear import Float8Linear, _weight_for_grad_input, plan_of
 from float8kit.scaling import amax_to_scale
 
 RECIPES = ("rowwise", "rowwise_with_gw_hp")
@@ -235,7 +235,8 @@ def recast_sqnr(recipe: str, spread: bool, pow2: bool = True) -> float:
     if spread:
         hp = hp * torch.logspace(-4, 1, 1040)[:, None]
     gathered = cast_to_float8(hp, config.cast_config_weight, GemmRole.WEIGHT, -1, config)
-    got = _weight_for_grad_input(gathered, config, (None, None, False))
-    ref = _weight_for_grad_input(hp, config, (None, None, False))
+    plan = plan_of(config)
+    got = _weight_for_grad_input(gathered, plan, (None, None, False))
+    ref = _weight_for_grad_input(hp, plan, (None, None, False))
     assert got._axiswise_dim == ref._axiswise_dim
     return sqnr(ref.dequantize(torch.float32), got.dequantize(torch.float32))
