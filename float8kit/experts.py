@@ -62,7 +62,8 @@ from float8kit.config import E4M3, Float8ExpertsConfig
 from float8kit.formats.base import local_scale_inputs, local_scale_outputs
 from float8kit.grouped_gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
-from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
+from float8kit.quantized_rows import quantize_rows, rows_format
+from float8kit.tensor import Float8TrainingTensor
 
 aten = torch.ops.aten
 
@@ -196,12 +197,12 @@ class _GroupedMM(torch.autograd.Function):
     cast for each gemm, the kernel, the grad_weight gemm's casts along the tokens) is its
     gemm family's (``_EXPERT_GEMMS``: ``_RowwiseGemms``, ``_MXGemms``).
 
-    Invariants: ``x`` is 2-D (M, K) hp (or ``QuantizedRows`` cast for this gemm), sorted by
-    group; ``weight`` is (G, K, N): a ``Float8ExpertWeight`` (hp, or, rowwise, float8 data +
-    per-expert-column scales from an FSDP2 float8 all-gather) or a plain hp tensor. Returns
-    (M, N) in ``x``'s dtype, grad_input in ``x``'s dtype and grad_weight in the weight's
-    dtype. Saves hp ``x`` (or its float8 rows, ``wgrad_operands="dequantized"``) and what
-    the family keeps of the weight.
+    Invariants: ``x`` is 2-D (M, K) hp (or float8 rows cast for this gemm:
+    ``quantized_rows``), sorted by group; ``weight`` is (G, K, N): a ``Float8ExpertWeight``
+    (hp, or, rowwise, float8 data + per-expert-column scales from an FSDP2 float8
+    all-gather) or a plain hp tensor. Returns (M, N) in ``x``'s dtype, grad_input in ``x``'s
+    dtype and grad_weight in the weight's dtype. Saves hp ``x`` (or its float8 rows,
+    ``wgrad_operands="dequantized"``) and what the family keeps of the weight.
     """
 
     @staticmethod
@@ -384,9 +385,10 @@ def _expert_gemms(config: Float8ExpertsConfig):
 
 def _input_rows(x, config: Float8ExpertsConfig):
     """The output gemm's ``(data, scale)`` for input rows ``x`` (cast along K, or taken as
-    dispatched: ``QuantizedRows``) and what the weight-gradient gemm needs saved of them: hp
-    ``x`` (``wgrad_operands="hp"``), else the float8 rows and their scales."""
-    if isinstance(x, QuantizedRows):
+    dispatched: ``quantized_rows.dispatched_rows``) and what the weight-gradient gemm needs
+    saved of them: hp ``x`` (``wgrad_operands="hp"``), else the float8 rows and their
+    scales."""
+    if isinstance(x, Float8TrainingTensor):
         _check_rows(x, config, "input")
         data, scale = x._data, x._scale
     else:
@@ -403,12 +405,12 @@ def _wgrad_rows(saved: tuple, config: Float8ExpertsConfig) -> torch.Tensor:
 
 class _GradRows:
     """grad_output rows of a grouped gemm: ``cast()`` along N for the grad_input gemm (taken
-    as sent when they arrive as ``QuantizedRows``: expert parallelism's combine backward),
+    as sent when they arrive float8 (``dispatched_rows``): expert parallelism's combine backward),
     ``wgrad()`` for the weight-gradient gemm (hp, or the dequantized cast)."""
 
     def __init__(self, grad_output, config: Float8ExpertsConfig):
         self.format, self.config = rows_format(config), config
-        if isinstance(grad_output, QuantizedRows):
+        if isinstance(grad_output, Float8TrainingTensor):
             _check_rows(grad_output, config, "grad_output")
             self.hp, self.data, self.scale = None, grad_output._data, grad_output._scale
         else:
@@ -425,11 +427,11 @@ class _GradRows:
         return self.format.dequantize(*self.cast())
 
 
-def _check_rows(rows: QuantizedRows, config: Float8ExpertsConfig, what: str) -> None:
+def _check_rows(rows: Float8TrainingTensor, config: Float8ExpertsConfig, what: str) -> None:
     fmt = rows_format(config)
-    if rows._format != fmt:
+    if rows._gran != fmt:
         raise ValueError(
-            f"float8kit: the expert gemm's {what} arrived as {rows._format.short()} float8 "
+            f"float8kit: the expert gemm's {what} arrived as {rows._gran.short()} float8 "
             f"rows, but its Float8ExpertsConfig casts {fmt.short()}: dispatch with the "
             "experts' config"
         )

@@ -42,7 +42,7 @@ from float8kit import (
 from float8kit.config import GEMM_ROLES
 from float8kit.experts import Float8ExpertWeight, _GroupedMM
 from float8kit.linear import _Float8Matmul
-from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
+from float8kit.quantized_rows import dispatched_rows, quantize_rows, rows_format
 from tests.helpers import blocked_scale_reference, recipes
 
 pytestmark = pytest.mark.skipif(
@@ -242,10 +242,10 @@ def test_fsdp_float8_all_gather_hooks_on_fake_cuda(recipe):
 ROUTINGS = [[37, 0, 463, 37], [0, 0, 537, 0], [5, 16, 379, 30], [16, 16, 16, 16]]
 
 
-def dispatched(hp: torch.Tensor, config: Float8ExpertsConfig) -> QuantizedRows:
+def dispatched(hp: torch.Tensor, config: Float8ExpertsConfig) -> torch.Tensor:
     """``hp`` rows as expert parallelism delivers them: cast for the grouped gemm."""
     data, scale = quantize_rows(hp, config)
-    return QuantizedRows(data, scale, hp.dtype, rows_format(config))
+    return dispatched_rows(data, scale, hp.dtype, rows_format(config))
 
 
 @pytest.mark.parametrize(
@@ -255,7 +255,7 @@ def dispatched(hp: torch.Tensor, config: Float8ExpertsConfig) -> QuantizedRows:
 )
 def test_experts_grouped_gemms_on_fake_cuda(fsdp_gathered, rows):
     # rows="dispatched": the input and the grad_output arrive as expert parallelism's float8
-    # rows (QuantizedRows), the weight gradient casts their dequantized values
+    # rows (dispatched_rows), the weight gradient casts their dequantized values
     groups, dim, hidden = 4, 256, 512
     config = Float8ExpertsConfig(
         enable_fsdp_float8_all_gather=fsdp_gathered,

@@ -1,6 +1,7 @@
 """Rows cast before a grouped gemm (float8kit/quantized_rows.py) and the experts' switch that
 lets the weight-gradient gemm use them (Float8ExpertsConfig.wgrad_operands): the gemms take
-QuantizedRows without casting again, bit for bit what they compute from the hp rows."""
+float8 rows (dispatched_rows) without casting again, bit for bit what they compute from the
+hp rows."""
 
 import dataclasses
 
@@ -12,7 +13,7 @@ from torch import nn
 from benchmarks.measures.experts import DIM, HIDDEN, OFFS, TOKENS, Experts, run
 from benchmarks.measures.refs import sqnr
 from float8kit import Float8ExpertsConfig, convert_experts_to_float8_training, formats
-from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
+from float8kit.quantized_rows import dispatched_rows, quantize_rows, rows_format
 from tests.helpers import assert_compiled_matches_eager
 
 ROWWISE = Float8ExpertsConfig.from_recipe_name("rowwise")
@@ -42,7 +43,7 @@ def test_gemms_take_quantized_rows_bitwise_what_they_cast_from_hp(kind, dtype):
     want = run(experts(config, dtype), x, grad)
     data, scale = quantize_rows(x, config)
     m = experts(config, dtype)
-    rows = QuantizedRows(data, scale, dtype, rows_format(config)).requires_grad_()
+    rows = dispatched_rows(data, scale, dtype, rows_format(config)).requires_grad_()
     out = m(rows, OFFS)
     out.backward(grad)
     got = (out.detach(), rows.grad, m.w1.grad, m.w2.grad)
@@ -90,16 +91,16 @@ def test_dequantize_is_exact_for_power_of_two_scales():
 
 def test_rows_refuse_every_other_op_and_configs_name_the_field():
     data, scale = quantize_rows(torch.randn(4, 32), DEQ["rowwise"])
-    rows = QuantizedRows(data, scale, torch.bfloat16, rows_format(ROWWISE))
+    rows = dispatched_rows(data, scale, torch.bfloat16, rows_format(ROWWISE))
     assert rows.dtype == torch.bfloat16 and rows.shape == (4, 32)
-    with pytest.raises(NotImplementedError, match="only float8kit's expert grouped gemms"):
+    with pytest.raises(NotImplementedError, match="call .dequantize.. first"):
         rows + 1
-    with pytest.raises(NotImplementedError, match="only float8kit's expert grouped gemms"):
+    with pytest.raises(NotImplementedError, match="mm of a float8 and an hp tensor"):
         nn.functional.linear(rows, torch.randn(8, 32))
     with pytest.raises(ValueError, match="rows dispatched by expert parallelism"):
-        QuantizedRows(data, scale, torch.bfloat16, "rowwise")  # a format object, not a name
+        dispatched_rows(data, scale, torch.bfloat16, "rowwise")  # a format object, not a name
     with pytest.raises(ValueError, match="rows dispatched by expert parallelism"):
-        QuantizedRows(data, scale, torch.bfloat16, formats.Blockwise(1, 128))
+        dispatched_rows(data, scale, torch.bfloat16, formats.Blockwise(1, 128))
     assert rows_format(ROWWISE) == formats.Axiswise(1) and rows_format(MXFP8) == formats.MX(1)
     with pytest.raises(ValueError, match="wgrad_operands"):
         Float8ExpertsConfig(wgrad_operands="fp8")
@@ -108,10 +109,10 @@ def test_rows_refuse_every_other_op_and_configs_name_the_field():
     # rows dispatched in float8 into experts whose weight gradient wants hp rows
     m = experts(ROWWISE)
     x, _ = _data()
-    rows = QuantizedRows(*quantize_rows(x, DEQ["rowwise"]), torch.float32, formats.Axiswise(1))
+    rows = dispatched_rows(*quantize_rows(x, DEQ["rowwise"]), torch.float32, formats.Axiswise(1))
     with pytest.raises(ValueError, match='wgrad_operands="dequantized"'):
         m(rows, OFFS)
-    mx_rows = QuantizedRows(*quantize_rows(x, DEQ["mx"]), torch.float32, formats.MX(1))
+    mx_rows = dispatched_rows(*quantize_rows(x, DEQ["mx"]), torch.float32, formats.MX(1))
     with pytest.raises(ValueError, match=r"arrived as mx\(dim=1, 1x32\) float8 rows"):
         experts(DEQ["rowwise"])(mx_rows, OFFS)
 
@@ -151,7 +152,7 @@ def test_compiled_experts_take_quantized_rows_bitwise_eager(kind):
     for compiled in (False, True):
         torch._dynamo.reset()
         m = experts(config, torch.bfloat16)
-        rows = QuantizedRows(data, scale, torch.bfloat16, rows_format(config)).requires_grad_()
+        rows = dispatched_rows(data, scale, torch.bfloat16, rows_format(config)).requires_grad_()
         out = (torch.compile(m, fullgraph=True) if compiled else m)(rows, OFFS)
         out.backward(grad)
         results.append((out.detach(), rows.grad, m.w1.grad, m.w2.grad))

@@ -47,7 +47,7 @@ def test_every_rank_receives_one_ranks_cast_of_its_experts_rows(case, recipe):
     for r, rank in enumerate(world.ranks):
         got = rank.received
         want = formats.MX(1) if recipe == "mxfp8" else formats.Axiswise(1)
-        assert got._format == want, r
+        assert got._gran == want, r
         assert got.dtype == torch.bfloat16 and got.shape == (len(rank.ref_data), world.case.dim)
         assert torch.equal(got._data.view(torch.uint8), rank.ref_data), r
         assert torch.equal(_bits(got._scale), _bits(rank.ref_scale)), r

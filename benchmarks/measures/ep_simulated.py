@@ -36,7 +36,8 @@ from benchmarks.measures.expert_parallel import MXFP8, ROWWISE
 from float8kit import Float8ExpertsConfig
 from float8kit.distributed import expert_parallel as ep
 from float8kit.experts import Float8ExpertWeight, float8_grouped_mm
-from float8kit.quantized_rows import QuantizedRows, quantize_rows
+from float8kit.quantized_rows import quantize_rows
+from float8kit.tensor import Float8TrainingTensor
 
 CONFIGS = {"rowwise": ROWWISE, "mxfp8": MXFP8}
 
@@ -122,7 +123,7 @@ class Rank:
     plan: ep.EPPlan
     sent_bytes: int  # the packed dispatch buffer
     rows_sent: int
-    received: QuantizedRows
+    received: Float8TrainingTensor  # the dispatched rows
     ref_data: torch.Tensor  # one rank's cast of these experts' rows (uint8 view)
     ref_scale: torch.Tensor
     ref_offs: torch.Tensor  # one rank's group ends for these experts, from 0

@@ -10,8 +10,8 @@ experts ``[r * E_local, (r + 1) * E_local)``). A MoE layer's tokens take three s
    gemm consumes (rowwise e4m3 + one scale per row, or e4m3 + one e8m0 byte per 32 along K
    for MXFP8), gathers the float8 rows, packs data and scales into one uint8 buffer and sends
    it with one ``all_to_all_single``; the receiver reorders the rows from rank-major to
-   expert-major (device indices, no host sync) and hands the gemm ``QuantizedRows`` it does
-   not cast again;
+   expert-major (device indices, no host sync) and hands the gemm float8 rows
+   (``dispatched_rows``) it does not cast again;
 3. the experts run their grouped gemms on the rows; ``combine`` sends the outputs back in hp
    and returns them in the rows' local sorted order: the model weights and sums them as it
    would without expert parallelism.
@@ -46,8 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from float8kit.config import E4M3, Float8ExpertsConfig
-from float8kit.quantized_rows import QuantizedRows, quantize_rows, rows_format
+from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole
+from float8kit.quantized_rows import dispatched_rows, quantize_rows, rows_format
+from float8kit.tensor import Float8TrainingTensor
 
 COMMS = ("float8", "hp")
 SCALE_FORMATS = ("auto", "e8m0", "fp32")
@@ -203,18 +204,21 @@ def unpack_rows(
     config: Float8ExpertsConfig,
     ep: EPConfig,
     hp_dtype: torch.dtype,
-) -> QuantizedRows:
-    """What this rank received (rank-major packed rows) as ``QuantizedRows`` of its experts,
-    expert-major."""
+    role: GemmRole = GemmRole.INPUT,
+) -> Float8TrainingTensor:
+    """What this rank received (rank-major packed rows) as float8 rows of ``role`` of its
+    experts, expert-major (``dispatched_rows``)."""
     fmt = rows_format(config)
     data, scale = _unpack(_to_expert_major(received, plan), k, fmt, _scale_format(config, ep), E4M3)
-    return QuantizedRows(data, scale, hp_dtype, fmt)
+    return dispatched_rows(data, scale, hp_dtype, fmt, role)
 
 
-def _send_quantized(hp, token, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):
+def _send_quantized(
+    hp, token, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig, role: GemmRole
+):
     packed = pack_rows(hp, token, config, ep)
     received = _exchange(packed, plan.recv_sizes, plan.send_sizes, plan.group)
-    return unpack_rows(received, plan, hp.size(1), config, ep, hp.dtype)
+    return unpack_rows(received, plan, hp.size(1), config, ep, hp.dtype, role)
 
 
 class _Dispatch(torch.autograd.Function):
@@ -225,7 +229,7 @@ class _Dispatch(torch.autograd.Function):
         if ep.comm == "hp":
             rows = _exchange(x[token], plan.recv_sizes, plan.send_sizes, plan.group)
             return _to_expert_major(rows, plan)
-        return _send_quantized(x, token, plan, config, ep)  # each token cast once
+        return _send_quantized(x, token, plan, config, ep, GemmRole.INPUT)  # each cast once
 
     @staticmethod
     def backward(ctx, grad_rows):
@@ -253,7 +257,8 @@ class _Combine(torch.autograd.Function):
             back = _exchange(grad_rows, plan.recv_sizes, plan.send_sizes, plan.group)
             return _to_expert_major(back, plan), None, None, None
         # the grad_input gemm's cast, along N, on the rank that owns the tokens
-        return _send_quantized(grad_rows, None, plan, config, ep), None, None, None
+        rows = _send_quantized(grad_rows, None, plan, config, ep, GemmRole.GRAD_OUTPUT)
+        return rows, None, None, None
 
 
 def dispatch(
@@ -265,7 +270,7 @@ def dispatch(
 ) -> torch.Tensor:
     """This rank's tokens ``x`` (T, K) to the ranks of their experts: row i of the sorted
     rows is ``x[token[i]]``. Returns the rows this rank's experts process, expert-major
-    (their groups end at ``plan.offs``): ``QuantizedRows`` cast as ``config``'s first gemm
+    (their groups end at ``plan.offs``): float8 rows cast as ``config``'s first gemm
     casts them (``ep.comm="float8"``), or hp rows. ``config``: the float8 experts' config
     (``weight._config``), None for hp experts. Differentiable in ``x``."""
     if x.dim() != 2 or token.dim() != 1:
