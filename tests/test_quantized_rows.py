@@ -89,7 +89,7 @@ def test_dequantize_is_exact_for_power_of_two_scales():
         assert torch.equal(back[7], torch.zeros(DIM))
 
 
-def test_rows_refuse_every_other_op_and_configs_name_the_field():
+def test_rows_refuse_hp_math_and_configs_name_the_field():
     data, scale = quantize_rows(torch.randn(4, 32), DEQ["rowwise"])
     rows = dispatched_rows(data, scale, torch.bfloat16, rows_format(ROWWISE))
     assert rows.dtype == torch.bfloat16 and rows.shape == (4, 32)
