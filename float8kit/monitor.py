@@ -158,6 +158,15 @@ def _operand_sums(
     )
 
 
+def _gemm_sums(mod: Float8Linear, gemm: str, ref, actual, left, right) -> list[torch.Tensor]:
+    """A gemm's pending sums: its ``_power_sums``, then each operand's ``_operand_sums`` (as
+    ``mod`` casts it for this gemm), in ``_OPERANDS`` order, which ``_row`` reads."""
+    return [_power_sums(ref, actual)] + [
+        _operand_sums(mod, t, field, role, reduce_dim)
+        for t, (_, role, field, reduce_dim) in zip((left, right), _OPERANDS[gemm], strict=True)
+    ]
+
+
 def _power_sums(ref: torch.Tensor, actual: torch.Tensor) -> torch.Tensor:
     """[signal power, noise power] of ``actual`` against ``ref`` (fp64)."""
     ref = ref.detach().double()
@@ -407,11 +416,7 @@ class Float8Monitor:
             weight = mod.weight
             bias = None if mod.bias is None else mod.bias.float()
             ref = F.linear(x.float(), weight.float(), bias)
-            self._pending[(fqn, "output")] = [
-                _power_sums(ref, output),
-                _operand_sums(mod, x2d, "cast_config_input", GemmRole.INPUT, -1),
-                _operand_sums(mod, weight, "cast_config_weight", GemmRole.WEIGHT, -1),
-            ]
+            self._pending[(fqn, "output")] = _gemm_sums(mod, "output", ref, output, x2d, weight)
         node = _matmul_node(output) if output.requires_grad else None
         if node is None:
             return
@@ -425,30 +430,20 @@ class Float8Monitor:
 
     @torch.no_grad()
     def _measure_backward(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
-        with torch.autocast(x.device.type, enabled=False):
-            self._measure_backward_fp32(fqn, mod, x, grad_inputs, grad_outputs)
-
-    def _measure_backward_fp32(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
         go = grad_outputs[0].contiguous()
         w = mod.weight  # the unsharded weight again in backward under FSDP2
-        go32 = go.float()
         grad_input, grad_weight = grad_inputs[0], grad_inputs[1]
-        if grad_input is not None:
-            ref = go32 @ w.float()
-            self._pending[(fqn, "grad_input")] = [
-                _power_sums(ref, grad_input),
-                _operand_sums(mod, go, "cast_config_grad_output", GemmRole.GRAD_OUTPUT, -1),
-                _operand_sums(mod, w, "cast_config_weight_for_grad_input", GemmRole.WEIGHT, 0),
-            ]
-        if grad_weight is not None:
-            ref = go32.t() @ x.float()
-            self._pending[(fqn, "grad_weight")] = [
-                _power_sums(ref, grad_weight),
-                _operand_sums(
-                    mod, go, "cast_config_grad_output_for_grad_weight", GemmRole.GRAD_OUTPUT, 0
-                ),
-                _operand_sums(mod, x, "cast_config_input_for_grad_weight", GemmRole.INPUT, 0),
-            ]
+        with torch.autocast(x.device.type, enabled=False):  # the references are fp32
+            if grad_input is not None:
+                ref = go.float() @ w.float()
+                self._pending[(fqn, "grad_input")] = _gemm_sums(
+                    mod, "grad_input", ref, grad_input, go, w
+                )
+            if grad_weight is not None:
+                ref = go.float().t() @ x.float()
+                self._pending[(fqn, "grad_weight")] = _gemm_sums(
+                    mod, "grad_weight", ref, grad_weight, go, x
+                )
         if not self._callback_queued:
             # once per step: complete the step when the whole backward has run
             self._callback_queued = True
@@ -469,11 +464,9 @@ class Float8Monitor:
         if dist.is_available() and dist.is_initialized():
             world = dist.get_world_size(self.group)
             if world > 1:
-                flat_dev = flat
                 if dist.get_backend(self.group) == "nccl" and not flat.is_cuda:
-                    flat_dev = flat.cuda()
-                dist.all_reduce(flat_dev, group=self.group)
-                flat = flat_dev
+                    flat = flat.cuda()
+                dist.all_reduce(flat, group=self.group)
         values = flat.cpu().tolist()  # the one host sync of a sampled step
         n = 2 + 2 * _OPERAND_SUMS  # per gemm: powers, then its two operands' sums
         by_key = {key: values[i * n : (i + 1) * n] for i, key in enumerate(keys)}
@@ -533,13 +526,7 @@ class Float8Monitor:
             below = not r["sqnr_db"] >= limit
             if below and not isinstance(self._layers[r["layer"]], _HpFallback):
                 self._switch_to_hp(r["layer"])
-                entry = {
-                    "layer": r["layer"],
-                    "gemm": r["gemm"],
-                    "sqnr_db": r["sqnr_db"],
-                    "step": r["step"],
-                }
-                self.fallbacks.append(entry)
+                self.fallbacks.append({k: r[k] for k in ("layer", "gemm", "sqnr_db", "step")})
                 warnings.warn(
                     f"Float8Monitor: layer {r['layer']!r} {r['gemm']} SQNR "
                     f"{r['sqnr_db']:.1f} dB < fallback_below_db={limit} at step {r['step']} "

@@ -310,11 +310,6 @@ def regather(weight: torch.Tensor, dim: int) -> Float8TrainingTensor | None:
     return Float8TrainingTensor(data, scale, hp_dtype, GemmRole.WEIGHT, gathered, job.config)
 
 
-def _mesh_rank(mesh) -> int:
-    """This rank's index in the 1-D shard ``mesh`` (0 on one rank)."""
-    return 0 if mesh.size() == 1 else mesh.get_local_rank()
-
-
 # ---------------------------------------------------------------------------- scales
 
 
@@ -395,18 +390,12 @@ def weight_scale_for_all_gather(job: AllGather) -> torch.Tensor:
         amax = groups.group_amaxes(shard, where)
         if kind is ScalingType.DYNAMIC or not scale_set:
             # the scale needs the whole weight's amax: over every mesh dim it is sharded on
-            amax = _all_reduce_max(amax, amax_group(module, job.mesh))
+            group = amax_group(module, job.mesh)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return casting.operand_scale(
         cast, GemmRole.WEIGHT, config, amax, state_scale, amax_record, scale_set
     )
-
-
-def _all_reduce_max(amax: torch.Tensor, group) -> torch.Tensor:
-    """The max of ``amax`` over the ranks of ``group``: one all-reduce (none on one rank)."""
-    amax = amax.clone()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return amax
 
 
 def mesh_group(mesh, layer: str = "") -> dist.ProcessGroup:
@@ -441,21 +430,15 @@ def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) ->
     """Where this rank's shard of ``module.weight`` sits (``ShardSpec``), from FSDP2's shard
     ``mesh`` and outer size and the weight's DTensor placements (tensor parallel / HSDP
     dims); remembers ``mesh`` on ``module`` for ``precompute_scales``."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import DTensor
 
     module.fp8_state.shard_mesh = mesh
-    rank, world = _mesh_rank(mesh), mesh.size()
+    rank, world = 0 if mesh.size() == 1 else mesh.get_local_rank(), mesh.size()
     weight = module.weight
     if not isinstance(weight, DTensor) or weight.device_mesh.ndim == 1:
         return ShardSpec.of(shard_shape, outer_size, rank, world)
     spmd = weight.device_mesh
-    fsdp_dim = _fsdp_mesh_dim(spmd, mesh)
-    # the outer weight: the DTensor with FSDP2's dim replicated (the TP shard, or all of it)
-    placements = [Replicate() if i == fsdp_dim else p for i, p in enumerate(weight.placements)]
-    outer_shape, outer_offset = compute_local_shape_and_global_offset(
-        weight.shape, spmd, placements
-    )
+    outer_shape, outer_offset, fsdp_dim = _outer_weight(weight, mesh)
     if tuple(outer_shape) != tuple(outer_size):
         raise ValueError(
             f"float8kit: float8 all-gather weight ({module.extra_repr()}) on mesh {spmd}: "
@@ -473,10 +456,24 @@ def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) ->
         rank,
         world,
         full_shape=torch.Size(weight.shape),
-        outer_offset=tuple(outer_offset),
+        outer_offset=outer_offset,
         slot=slot,
         n_slots=n_slots,
     )
+
+
+def _outer_weight(weight, shard_mesh) -> tuple[torch.Size, tuple[int, ...], int]:
+    """The outer weight of a DTensor ``weight`` on a multi-dim mesh: the DTensor with FSDP2's
+    dim replicated (the TP shard, or all of it), as (its shape, its offset in the full
+    weight, FSDP2's ``shard_mesh`` dim of the weight's mesh)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    spmd = weight.device_mesh
+    d = _fsdp_mesh_dim(spmd, shard_mesh)
+    placements = [Replicate() if i == d else p for i, p in enumerate(weight.placements)]
+    shape, offset = compute_local_shape_and_global_offset(weight.shape, spmd, placements)
+    return torch.Size(shape), tuple(offset), d
 
 
 def _fsdp_mesh_dim(spmd, shard_mesh) -> int:
@@ -501,16 +498,8 @@ def _precompute_spec(m: nn.Module) -> ShardSpec | None:
             return None
         mesh = weight.device_mesh
     shard = weight._local_tensor._tensor
-    spmd = weight.device_mesh
-    if spmd.ndim == 1:
-        outer = weight.shape
-    else:  # the outer size is the global one with the non-FSDP dims' sharding applied
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        d = _fsdp_mesh_dim(spmd, mesh)
-        placements = [Replicate() if i == d else p for i, p in enumerate(weight.placements)]
-        outer, _ = compute_local_shape_and_global_offset(weight.shape, spmd, placements)
+    # the outer size is the global one with the non-FSDP dims' sharding applied
+    outer = weight.shape if weight.device_mesh.ndim == 1 else _outer_weight(weight, mesh)[0]
     return shard_spec(shard.shape, torch.Size(outer), mesh, m)
 
 

@@ -166,25 +166,22 @@ def _check_config(config: Float8LinearConfig, where: str, field: str = "cast_con
         )
 
 
-def _check_formats(module: Float8Linear, style: str) -> None:
-    """Every cast of the layer in a format that tensor parallelism supports (the allowlist:
-    refused here, at parallelize time, not in a collective later)."""
-    formats.require(
-        module.config,
-        lambda caps: caps.tensor_parallel is not None,
-        f"{style} (tensor parallelism)",
-        "keep this layer out of parallelize_module (or shard it with FSDP2 only), or use a "
-        "recipe whose formats tensor parallelism supports",
-    )
-
-
-def _check_float8_linear(module: nn.Module, style: str) -> None:
+def _check_layer(module: nn.Module, style: str) -> None:
+    """A Float8Linear, every cast of it in a format that tensor parallelism supports (the
+    allowlist: refused here, at parallelize time, not in a collective later)."""
     if not isinstance(module, Float8Linear):
         raise TypeError(
             f"Float8{style} needs a Float8Linear, got {type(module).__name__}: convert the "
             f"model with convert_to_float8_training first, or use torch's {style} for layers "
             "kept in hp"
         )
+    formats.require(
+        module.config,
+        lambda caps: caps.tensor_parallel is not None,
+        f"Float8{style} (tensor parallelism)",
+        "keep this layer out of parallelize_module (or shard it with FSDP2 only), or use a "
+        "recipe whose formats tensor parallelism supports",
+    )
 
 
 def _as_dtensor(x, mesh, layout: Placement) -> DTensor:
@@ -203,8 +200,7 @@ class Float8ColwiseParallel(ColwiseParallel):
         return _float8_redistribute(x, desired_input_layouts, mod.config, type(mod).__name__)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        _check_float8_linear(module, "ColwiseParallel")
-        _check_formats(module, "Float8ColwiseParallel")
+        _check_layer(module, "ColwiseParallel")
         if self.input_layouts != self.desired_input_layouts:
             _check_config(module.config, "Float8ColwiseParallel")
         return super()._apply(module, device_mesh)
@@ -230,8 +226,7 @@ class Float8RowwiseParallel(RowwiseParallel):
         return outputs.to_local() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        _check_float8_linear(module, "RowwiseParallel")
-        _check_formats(module, "Float8RowwiseParallel")
+        _check_layer(module, "RowwiseParallel")
         if self.output_layouts[0].is_shard():
             where = "Float8RowwiseParallel(output_layouts=Shard(d))"
             _check_config(module.config, where, "cast_config_grad_output")

@@ -112,16 +112,12 @@ class Axiswise(GroupScaledGather, Float8Elements, Format):
         return full
 
     def shard_scale(self, scale, shard, where):
-        check_dim0(where, "rowwise")
         start = where.global_start(0)
         return scale[start : start + shard.shape[0]]
 
     def gathered_scale(self, scale, where):
         start = where.outer_offset[0]
         return scale[start : start + where.outer_shape[0]]
-
-    def cuts(self, outer_rows, world):
-        return False
 
     def _gathered_rows(self, data, scale):
         # drop the padding rows here (a view: FSDP2 frees and refills the buffer), so the

@@ -330,8 +330,13 @@ class GroupScaledGather:
         scale = scaling.amax_to_scale(
             reduced, cast.dtype_for(GemmRole.WEIGHT), config.round_scales_to_power_of_2
         )
-        sizes = [math.prod(s) for s in shapes]
-        return [s.reshape(shape) for s, shape in zip(scale.split(sizes), shapes, strict=True)]
+        return split_flat(scale, shapes)
+
+
+def split_flat(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    """``flat`` (precomputed values laid end to end) cut back into tensors of ``shapes``."""
+    pieces = flat.split([math.prod(s) for s in shapes])
+    return [p.reshape(shape) for p, shape in zip(pieces, shapes, strict=True)]
 
 
 def refill_scale(weight, scale: torch.Tensor) -> None:
@@ -384,8 +389,10 @@ def local_scale_outputs(all_gather_outputs, metadata, fp8_dtype: torch.dtype, ou
 
 
 class WholeBlocks:
-    """Slicing, splitting, concatenating and reshaping data in ``rows`` x ``cols`` blocks of
-    more than one row would cut through the blocks: refused (``_named`` names the format)."""
+    """Layout ops on data in ``rows`` x ``cols`` blocks, scales in a grid of them (the last
+    two dims of the scale): a transpose transposes both; slicing, splitting, concatenating
+    and reshaping blocks of more than one row would cut through them: refused (``_named``
+    names the format)."""
 
     _named: ClassVar[str]
 
@@ -402,6 +409,16 @@ class WholeBlocks:
         if tuple(new) != tuple(old):
             self._refuse(func, old)
         return self, scale
+
+    def transpose(self, scale, d0, d1):
+        # the scale grid (its last two dims) and the block shape transpose with the data
+        if d0 == d1:
+            return self, scale
+        return dataclasses.replace(self, rows=self.cols, cols=self.rows), scale.transpose(-2, -1)
+
+    def strided(self, scale, rows, ndim):
+        # FSDP2's view of the gathered weight: its first rows, the first rows of the grid
+        return None if rows is None else scale[..., : -(-rows // self.rows), :]
 
     def _refuse(self, func, shape=None):
         of = f" {tuple(shape)}" if shape is not None else ""

@@ -80,13 +80,6 @@ class Blockwise(WholeBlocks, GroupScaledGather, Float8Elements, Format):
     def expand(self, scale, shape):
         return scaling.expand_block_scale(scale, self.block, shape)
 
-    def transpose(self, scale, d0, d1):
-        # the scale grid and the block shape transpose with the data
-        return (self, scale) if d0 == d1 else (Blockwise(self.cols, self.rows), scale.t())
-
-    def strided(self, scale, rows, ndim):
-        return None if rows is None else scale[: -(-rows // self.rows)]
-
     # One scale per block of the outer weight (the blocks a single device casts it in).
     # Where FSDP2's dim-0 shards cut blocks (``cuts``), a block that straddles shards gets the
     # max of their partial amaxes, so every shard is cast with the whole block's scale and

@@ -41,7 +41,14 @@ import torch.nn.functional as F
 
 from float8kit import scaling, versions
 from float8kit.config import E4M3, NVFP4_BLOCK, GemmRole, ScalingType
-from float8kit.formats.base import Capabilities, Format, WholeBlocks, check_one_dim_mesh
+from float8kit.formats.base import (
+    Capabilities,
+    Format,
+    WholeBlocks,
+    check_one_dim_mesh,
+    refill_scale,
+    split_flat,
+)
 from float8kit.formats.layout import KernelPlan, k32_plan, pad_to, to_blocked
 
 E2M1_MAX = 6.0
@@ -278,15 +285,6 @@ class NVFP4(WholeBlocks, Format):
     def element_max(self, data):
         return E2M1_MAX
 
-    def transpose(self, scale, d0, d1):
-        if d0 == d1:
-            return self, scale
-        return NVFP4(self.cols, self.rows, self.hadamard), scale.transpose(1, 2)
-
-    def strided(self, scale, rows, ndim):
-        # FSDP2's view of the gathered weight: its first rows, the first rows of the grid
-        return None if rows is None else scale[:, : -(-rows // self.rows)]
-
     # ------------------------------------------------------------------ FSDP2 all-gather
     # The weight's one NVFP4 copy (16x16 blocks serve the output and the grad_input gemm
     # alike), gathered as e2m1 codes. Each rank casts its rows with the *whole* weight's
@@ -330,10 +328,8 @@ class NVFP4(WholeBlocks, Format):
         codes = _cast_rows(shard, start, scale)
         if packed:
             codes = pack(codes)
-        chunk = math.ceil(n / job.world)
-        if codes.shape[0] != chunk:  # uneven or empty shard: FSDP2's padded shard size
-            codes = F.pad(codes, (0, 0, 0, chunk - codes.shape[0]))
-        return (codes,), (scale, n, packed)
+        # uneven or empty shard: zero rows up to FSDP2's padded shard size
+        return (job.pad(codes, math.ceil(n / job.world)),), (scale, n, packed)
 
     def all_gathered(self, outputs, metadata, config):
         (data,), (scale, rows, packed) = outputs, metadata
@@ -343,11 +339,8 @@ class NVFP4(WholeBlocks, Format):
 
     def refill(self, weight, outputs, metadata):
         (data,), (scale, rows, packed) = outputs, metadata
-        # in place without a version bump, as FSDP2 refills its buffers: autograd saved this
-        # weight in forward, and the backward re-gather writes back the same values
-        with torch.autograd._unsafe_preserve_version_counter(weight._scale):
-            weight._scale.copy_(scale)
-        if packed:
+        refill_scale(weight, scale)
+        if packed:  # the codes alike, in place without a version bump (see refill_scale)
             with torch.autograd._unsafe_preserve_version_counter(weight._data):
                 weight._data.copy_(_unpack(data[:rows]))
 
@@ -362,11 +355,7 @@ class NVFP4(WholeBlocks, Format):
         return [p.reshape(-1) for p in parts], [p.shape for p in parts]
 
     def precomputed_scales(self, reduced, shapes, cast, config):
-        sizes = [math.prod(s) for s in shapes]
-        return [
-            _scale_of_grid(r.reshape(shape))
-            for r, shape in zip(reduced.split(sizes), shapes, strict=True)
-        ]
+        return [_scale_of_grid(r) for r in split_flat(reduced, shapes)]
 
 
 # ---------------------------------------------------------------------------- gemm plan

@@ -75,9 +75,6 @@ class Tensorwise(GroupScaledGather, Float8Elements, Format):
     def gathered_scale(self, scale, where):
         return scale
 
-    def cuts(self, outer_rows, world):
-        return False
-
     def precompute_amaxes(self, shards, wheres):
         # every weight's one amax in one batched pass
         return [scaling.local_amaxes(shards)], [torch.Size([])] * len(shards)

@@ -59,12 +59,6 @@ def default_hf_filter(config: Float8LinearConfig) -> Callable[[nn.Module, str], 
     return keep
 
 
-def _is_fsdp2(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
 class Float8Callback(TrainerCallback):
     """Converts the Trainer's model to float8 training and keeps its scales up to date.
 
@@ -119,7 +113,10 @@ class Float8Callback(TrainerCallback):
         return control
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if getattr(args, "fsdp", False) and model is not None and not _is_fsdp2(model):
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = model is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+        if getattr(args, "fsdp", False) and model is not None and not sharded:
             logger.warning(
                 "float8kit: TrainingArguments(fsdp=...) is set but accelerate did not shard "
                 "the model (no fully_shard): training runs without FSDP, and float8 "

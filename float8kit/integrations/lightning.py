@@ -26,7 +26,7 @@ from torch import nn
 
 from float8kit.config import Float8LinearConfig
 from float8kit.convert import convert_to_float8_training
-from float8kit.integrations import float8_linears
+from float8kit.integrations import float8_linears, log_converted
 from float8kit.precompute import precompute_scales
 
 logger = logging.getLogger(__name__)
@@ -63,12 +63,7 @@ class Float8LightningCallback(Callback):
             pl_module, config=self.config, module_filter_fn=self.module_filter_fn
         )
         self.converted, n_linears = float8_linears(pl_module)
-        logger.info(
-            "float8kit: %d of %d Linear layers run in float8, %d kept in hp",
-            len(self.converted),
-            n_linears,
-            n_linears - len(self.converted),
-        )
+        log_converted(logger, len(self.converted), n_linears)
 
     def on_fit_start(self, trainer, pl_module) -> None:
         if not trainer.optimizers:

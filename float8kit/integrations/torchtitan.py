@@ -41,6 +41,7 @@ from torchtitan.protocols.module import Module
 from float8kit import state
 from float8kit.config import Float8LinearConfig
 from float8kit.convert import default_module_filter
+from float8kit.integrations import log_converted
 from float8kit.linear import Float8Linear
 from float8kit.precompute import precompute_scales
 
@@ -118,12 +119,6 @@ def _plain(value):
     return value
 
 
-def _float8_config(cfg: Float8KitConverter.Config) -> Float8LinearConfig:
-    if cfg.float8 is not None:
-        return cfg.float8
-    return Float8LinearConfig.from_recipe_name(cfg.recipe_name)
-
-
 class Float8KitConverter(QuantizationConverter):
     """Replaces selected ``Linear.Config`` entries of a torchtitan model config by
     ``Float8KitLinear.Config``.
@@ -150,7 +145,7 @@ class Float8KitConverter(QuantizationConverter):
 
     def __init__(self, config: Config):
         self.config = config
-        self.float8 = _float8_config(config)  # raises on an unknown recipe_name
+        self.float8 = config.float8 or Float8LinearConfig.from_recipe_name(config.recipe_name)
         self.converted: list[str] = []
 
     def keep_hp(self, linear: Linear.Config, fqn: str) -> bool:
@@ -185,12 +180,7 @@ class Float8KitConverter(QuantizationConverter):
             else:
                 setattr(parent, attr, new)
             self.converted.append(fqn)
-        logger.info(
-            "float8kit: %d of %d Linear layers run in float8, %d kept in hp",
-            len(self.converted),
-            n_linears,
-            n_linears - len(self.converted),
-        )
+        log_converted(logger, len(self.converted), n_linears)
         return model_config
 
 
