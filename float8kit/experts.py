@@ -48,6 +48,7 @@ the right guess. Every later all-gather uses the recorded layout.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -57,10 +58,15 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 
-from float8kit import cast
-from float8kit.config import E4M3, Float8ExpertsConfig
+from float8kit import cast, formats
+from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole
 from float8kit.formats.base import local_scale_inputs, local_scale_outputs
-from float8kit.grouped_gemm import mx_scaled_grouped_mm, pad_token_groups, scaled_grouped_mm
+from float8kit.grouped_gemm import (
+    mx_scaled_grouped_mm,
+    pad_token_groups,
+    scaled_grouped_mm,
+    token_groups,
+)
 from float8kit.hp_weight import KEEP_SUBCLASS, HpWeight, padded_shard_size, store_plain_weight
 from float8kit.quantized_rows import quantize_rows, rows_format
 from float8kit.tensor import Float8TrainingTensor
@@ -72,49 +78,23 @@ ParamFilter = Callable[[nn.Parameter, str], bool]
 # Ops that keep "the weight" (same values, a view, an expert picked out of it): the hp
 # wrapper stays a wrapper, so a gemm on what they return still meets the checks below.
 _KEEP_EXPERT = KEEP_SUBCLASS | {
-    aten.transpose.int,
-    aten.t.default,
-    aten.permute.default,
+    aten.transpose.int, aten.t.default, aten.permute.default, aten.unbind.int,
     aten.select.int,  # w[expert]: HF's "eager" experts
     aten.index.Tensor,  # w[expert_ids]: HF's "batched_mm" experts
-    aten.index_select.default,
-    aten.unbind.int,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.default,
-    aten.expand.default,
-    aten._unsafe_view.default,
-}
+    aten.index_select.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+    aten.expand.default, aten._unsafe_view.default,
+}  # fmt: skip
 # Gemms below autograd: on an expert weight none of them can run in float8 there.
-_GEMM_OPS = {
-    aten.mm,
-    aten.bmm,
-    aten.addmm,
-    aten.baddbmm,
-    aten.addbmm,
-    aten.mv,
-    aten.addmv,
-    aten.dot,
-    aten.vdot,
-    aten._grouped_mm,
-    aten._scaled_mm,
-    aten._scaled_grouped_mm,
-    aten.convolution,
-    aten._int_mm,
-}
+_GEMM_OPS = {getattr(aten, op) for op in (
+    "mm bmm addmm baddbmm addbmm mv addmv dot vdot _grouped_mm _scaled_mm _scaled_grouped_mm "
+    "convolution _int_mm").split()}  # fmt: skip
 # Op namespaces whose ops on the weight are not gemms (tensor plumbing, collectives, FSDP2's
 # copies, float8kit's own). An op of any other library (a custom MoE kernel) is refused.
 _PLUMBING_NAMESPACES = {
-    "aten",
-    "prims",
-    "c10d",
-    "_c10d_functional",
-    "_c10d_functional_autograd",
-    "fsdp",
-    "_dtensor",
+    "aten", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp", "_dtensor",
     "inductor",  # compiled autograd's accumulate_grad_, FSDP2's resize_storage_bytes_
     "float8kit",
-}
+}  # fmt: skip
 # transformers' own grouped gemm, which its "grouped_mm" experts call instead of
 # torch._grouped_mm under torch.compile with non-bf16 weights (and on old CPU torch)
 _HF_GROUPED_MM = "transformers::grouped_mm_fallback"
@@ -132,6 +112,7 @@ _FIRST_GUESS = "out_in"
 _OTHER = {"in_out": "out_in", "out_in": "in_out"}
 
 
+@dataclasses.dataclass(unsafe_hash=True)  # by value: torch.compile compares flatten contexts
 class _Layout:
     """How one expert weight is stored, shared by every wrapper of it (the parameter, its
     FSDP2 shard, the gathered weight and their views); internal.
@@ -141,22 +122,11 @@ class _Layout:
     changed; otherwise the first use of a float8-gathered weight sets it.
     """
 
-    def __init__(self, value: str | None):
-        self.value = value
-        self.explicit = value is not None
+    value: str | None
+    explicit: bool = dataclasses.field(init=False)
 
-    def __repr__(self):
-        return f"_Layout({self.value!r}, explicit={self.explicit})"
-
-    # by value: torch.compile compares a wrapper's flatten context with the one it traced
-    def __eq__(self, other):
-        return isinstance(other, _Layout) and (self.value, self.explicit) == (
-            other.value,
-            other.explicit,
-        )
-
-    def __hash__(self):
-        return hash((self.value, self.explicit))
+    def __post_init__(self):
+        self.explicit = self.value is not None
 
 
 def _scales_for(layout: str, padded: torch.Tensor, shape) -> torch.Tensor:
@@ -178,16 +148,6 @@ def _full_hp(weight) -> torch.Tensor:
     return full
 
 
-# ---------------------------------------------------------------------------- scaling
-
-
-def token_groups(offs: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The group of each of ``num_tokens`` rows: ``g`` for rows ``offs[g-1]:offs[g]``,
-    ``len(offs)`` for rows past ``offs[-1]`` (which grouped gemms ignore)."""
-    rows = torch.arange(num_tokens, device=offs.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, rows, right=True)
-
-
 # ---------------------------------------------------------------------------- the gemms
 
 
@@ -195,7 +155,8 @@ class _GroupedMM(torch.autograd.Function):
     """``torch._grouped_mm(x, weight, offs=offs)`` with all three gemms in float8, in the
     format the config's cast names; internal. What is format-specific (how the weight is
     cast for each gemm, the kernel, the grad_weight gemm's casts along the tokens) is its
-    gemm family's (``_EXPERT_GEMMS``: ``_RowwiseGemms``, ``_MXGemms``).
+    gemm family's (``_EXPERT_GEMMS``: ``_RowwiseGemms``, ``_MXGemms``): each returns the
+    operands of its kernel (``mm``).
 
     Invariants: ``x`` is 2-D (M, K) hp (or float8 rows cast for this gemm:
     ``quantized_rows``), sorted by group; ``weight`` is (G, K, N): a ``Float8ExpertWeight``
@@ -208,11 +169,14 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, offs, config: Float8ExpertsConfig):
         gemms = _expert_gemms(config)
-        w_data, w_scale, w_saved = gemms.weight(weight, config)
-        x_data, x_scale, x_saved = _input_rows(x, config)
+        w_data, w_scale, w_saved = _weight(weight, config)
+        x_data, x_scale = _Rows(x, config, "input").cast()
+        x_saved = (x,) if config.wgrad_operands == "hp" else (x_data, x_scale)
         ctx.save_for_backward(*x_saved, offs, *w_saved)
         ctx.n_x, ctx.config, ctx.w_dtype, ctx.x_dtype = len(x_saved), config, weight.dtype, x.dtype
-        return gemms.output(x_data, x_scale, w_data, w_scale, offs, config, x.dtype)
+        operands = gemms.output(x_data, x_scale, w_data, w_scale, offs)
+        fast = config.gemm_config_output.use_fast_accum  # False for MX (the config says so)
+        return gemms.mm(*operands, out_dtype=x.dtype, emulate=config.emulate, use_fast_accum=fast)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -220,15 +184,40 @@ class _GroupedMM(torch.autograd.Function):
         gemms = _expert_gemms(c)
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
         x_saved, (offs, *w_saved) = saved[: ctx.n_x], saved[ctx.n_x :]
-        go_rows = _GradRows(grad_output, c)
+        go_rows = _Rows(grad_output, c, "grad_output")
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_input = gemms.grad_input(go_rows, w_saved, offs, c, ctx.x_dtype)
+            operands = gemms.grad_input(go_rows.cast(), w_saved, offs, c)
+            grad_input = gemms.mm(*operands, out_dtype=ctx.x_dtype, emulate=c.emulate)
         if ctx.needs_input_grad[1]:
-            x = _wgrad_rows(x_saved, c)
-            groups = w_saved[0].shape[0]
-            grad_weight = gemms.grad_weight(x, go_rows.wgrad(), offs, groups, c, ctx.w_dtype)
+            # the input rows the weight-gradient gemm casts along the tokens: hp, or dequantized
+            x = x_saved[0] if len(x_saved) == 1 else rows_format(c).dequantize(*x_saved)
+            operands = gemms.grad_weight(x, go_rows.wgrad(), offs, w_saved[0].shape[0], c)
+            grad_weight = gemms.mm(*operands, out_dtype=ctx.w_dtype, emulate=c.emulate)
         return grad_input, grad_weight, None, None
+
+
+def _cast(t: torch.Tensor, dim: int, config: Float8ExpertsConfig):
+    """``(data, scale)`` of ``t`` cast along ``dim`` in the experts' format (dynamic e4m3)."""
+    fmt = formats.of(config.cast_config, GemmRole.WEIGHT, dim, t.dim())
+    return fmt.quantize_dynamic(t, E4M3, config.cast_config, config.round_scales_to_power_of_2)
+
+
+def _weight(weight, config):
+    """``(data, scale, saved)``: the weight along K for the output gemm, and what backward
+    keeps of it (the hp weight, or, rowwise, the FSDP2-gathered float8 data and scales:
+    an MX config refuses the float8 all-gather)."""
+    if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
+        if weight._scale.size(1) == 1:
+            # float8 from the all-gather, scaled along K as this gemm needs: use it as is
+            w_data, w_scale = weight._tensor, weight._scale
+            if weight._layout.value is None and weight._source is not None:
+                weight._layout.value = weight._source[2]  # the first guess was right
+        else:
+            w_data, w_scale = _cast_gathered_the_other_way(weight)
+        return w_data, w_scale, (w_data, w_scale)
+    w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
+    return (*_cast(w_hp, 1, config), (w_hp,))
 
 
 class _RowwiseGemms:
@@ -243,76 +232,31 @@ class _RowwiseGemms:
     ways) it raises. The grad_weight gemm's scales are per token group and row/column
     (``cast.cast_per_group``)."""
 
-    @staticmethod
-    def weight(weight, config):
-        """``(data, scale, saved)``: the weight along K for the output gemm, and what
-        backward keeps of it (the hp weight, or the gathered float8 data and scales)."""
-        if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
-            if weight._scale.size(1) == 1:
-                # float8 from the all-gather, scaled along K as this gemm needs: use it as is
-                w_data, w_scale = weight._tensor, weight._scale
-                if weight._layout.value is None and weight._source is not None:
-                    weight._layout.value = weight._source[2]  # the first guess was right
-            else:
-                w_data, w_scale = _cast_gathered_the_other_way(weight)
-            return w_data, w_scale, (w_data, w_scale)
-        w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
-        w_data, w_scale = cast.cast_rowwise(w_hp, 1, config.round_scales_to_power_of_2)
-        return w_data, w_scale, (w_hp,)
+    mm = staticmethod(scaled_grouped_mm)
 
     @staticmethod
-    def output(x_data, x_scale, w_data, w_scale, offs, config, out_dtype):
+    def output(x_data, x_scale, w_data, w_scale, offs):
         groups, _, n = w_data.shape
-        return scaled_grouped_mm(
-            x_data,
-            x_scale.reshape(-1),
-            w_data,
-            w_scale.reshape(groups, n),
-            offs,
-            out_dtype=out_dtype,
-            emulate=config.emulate,
-            use_fast_accum=config.gemm_config_output.use_fast_accum,
-        )
+        return x_data, x_scale.reshape(-1), w_data, w_scale.reshape(groups, n), offs
 
     @staticmethod
-    def grad_input(go_rows, w_saved, offs, config, out_dtype):
-        pow2 = config.round_scales_to_power_of_2
+    def grad_input(go, w_saved, offs, config):
         groups, k, _ = w_saved[0].shape
-        if len(w_saved) == 2:
-            w_data, w_scale = w_saved
-        else:  # the forward's cast again (same amax, same scale: bitwise the same)
-            w_data, w_scale = cast.cast_rowwise(w_saved[0], 1, pow2)
+        # the forward's cast again (same amax, same scale: bitwise the same)
+        w_data, w_scale = w_saved if len(w_saved) == 2 else _cast(w_saved[0], 1, config)
         # the forward's float8 weight (exact in fp32), recast along N: the same numbers
         # whether that float8 weight came from this cast or from an FSDP2 float8 all-gather,
         # so sharded and single-device training agree bitwise
-        w_hp = w_data.to(torch.float32) / w_scale
-        go_data, go_scale = go_rows.cast()
-        w_data, w_scale = cast.cast_rowwise(w_hp, 2, pow2)  # one scale per expert and K
-        return scaled_grouped_mm(
-            go_data,
-            go_scale.reshape(-1),
-            w_data.transpose(-2, -1),
-            w_scale.reshape(groups, k),
-            offs,
-            out_dtype=out_dtype,
-            emulate=config.emulate,
-        )
+        w_data, w_scale = _cast(w_data.to(torch.float32) / w_scale, 2, config)  # per expert, K
+        return go[0], go[1].reshape(-1), w_data.transpose(-2, -1), w_scale.reshape(groups, k), offs
 
     @staticmethod
-    def grad_weight(x, grad_output, offs, groups, config, out_dtype):
+    def grad_weight(x, grad_output, offs, groups, config):
         pow2 = config.round_scales_to_power_of_2
         token_group = token_groups(offs, x.size(0))
         x_data, x_scale = cast.cast_per_group(x, token_group, groups, pow2)
         go_data, go_scale = cast.cast_per_group(grad_output, token_group, groups, pow2)
-        return scaled_grouped_mm(
-            x_data.t(),
-            x_scale.reshape(-1),
-            go_data,
-            go_scale.reshape(-1),
-            offs,
-            out_dtype=out_dtype,
-            emulate=config.emulate,
-        )
+        return x_data.t(), x_scale.reshape(-1), go_data, go_scale.reshape(-1), offs
 
 
 class _MXGemms:
@@ -325,54 +269,23 @@ class _MXGemms:
     an exactly zero gradient). Backward keeps the hp weight. Results come out of the kernel
     (or its emulation) as bf16 and are cast to ``x``'s / the weight's dtype."""
 
-    @staticmethod
-    def weight(weight, config):
-        w_hp = weight._tensor if isinstance(weight, Float8ExpertWeight) else weight
-        if isinstance(weight, Float8ExpertWeight) and weight._scale is not None:
-            raise ValueError(  # the config refuses this; a hand-made weight could reach it
-                "float8kit: an MX expert weight cannot come from a float8 all-gather: set "
-                "Float8ExpertsConfig.enable_fsdp_float8_all_gather=False"
-            )
-        w_data, w_scale = cast.to_mx(w_hp, 1, E4M3, config.cast_config.mx_scale_rounding)
-        return w_data, w_scale, (w_hp,)
+    mm = staticmethod(mx_scaled_grouped_mm)
 
     @staticmethod
-    def output(x_data, x_scale, w_data, w_scale, offs, config, out_dtype):
-        return mx_scaled_grouped_mm(
-            x_data, x_scale, w_data, w_scale, offs, out_dtype=out_dtype, emulate=config.emulate
-        )
+    def output(*operands):
+        return operands
 
     @staticmethod
-    def grad_input(go_rows, w_saved, offs, config, out_dtype):
-        go_data, go_scale = go_rows.cast()
-        rounding = config.cast_config.mx_scale_rounding
-        w_data, w_scale = cast.to_mx(w_saved[0], 2, E4M3, rounding)  # along N
-        return mx_scaled_grouped_mm(
-            go_data,
-            go_scale,
-            w_data.transpose(-2, -1),
-            w_scale.transpose(-2, -1),
-            offs,
-            out_dtype=out_dtype,
-            emulate=config.emulate,
-        )
+    def grad_input(go, w_saved, offs, config):
+        w_data, w_scale = _cast(w_saved[0], 2, config)  # along N
+        return (*go, w_data.transpose(-2, -1), w_scale.transpose(-2, -1), offs)
 
     @staticmethod
-    def grad_weight(x, grad_output, offs, groups, config, out_dtype):
-        rounding = config.cast_config.mx_scale_rounding
+    def grad_weight(x, grad_output, offs, groups, config):
         x_pad, offs_pad, _ = pad_token_groups(x, offs, 32)
         go_pad, _, _ = pad_token_groups(grad_output, offs, 32)
-        x_data, x_scale = cast.to_mx(x_pad, 0, E4M3, rounding)
-        go_data, go_scale = cast.to_mx(go_pad, 0, E4M3, rounding)
-        return mx_scaled_grouped_mm(
-            x_data.t(),
-            x_scale.t(),
-            go_data,
-            go_scale,
-            offs_pad,
-            out_dtype=out_dtype,
-            emulate=config.emulate,
-        )
+        x_data, x_scale = _cast(x_pad, 0, config)
+        return x_data.t(), x_scale.t(), *_cast(go_pad, 0, config), offs_pad
 
 
 # every expert format's gemm family (``Capabilities.gemm``) -> its expert gemms
@@ -383,38 +296,19 @@ def _expert_gemms(config: Float8ExpertsConfig):
     return _EXPERT_GEMMS[rows_format(config).capabilities.gemm]
 
 
-def _input_rows(x, config: Float8ExpertsConfig):
-    """The output gemm's ``(data, scale)`` for input rows ``x`` (cast along K, or taken as
-    dispatched: ``quantized_rows.dispatched_rows``) and what the weight-gradient gemm needs
-    saved of them: hp ``x`` (``wgrad_operands="hp"``), else the float8 rows and their
-    scales."""
-    if isinstance(x, Float8TrainingTensor):
-        _check_rows(x, config, "input")
-        data, scale = x._data, x._scale
-    else:
-        data, scale = quantize_rows(x, config)
-    if config.wgrad_operands == "hp":
-        return data, scale, (x,)
-    return data, scale, (data, scale)
+class _Rows:
+    """Rows of a grouped gemm (``input`` x, or ``grad_output``): ``cast()`` along their last
+    dim (taken as sent when they arrive float8, ``dispatched_rows``: expert parallelism's
+    dispatch and combine backward), ``wgrad()`` for the weight-gradient gemm (hp, or the
+    dequantized cast)."""
 
-
-def _wgrad_rows(saved: tuple, config: Float8ExpertsConfig) -> torch.Tensor:
-    """The input rows the weight-gradient gemm casts along the tokens: hp, or dequantized."""
-    return saved[0] if len(saved) == 1 else rows_format(config).dequantize(*saved)
-
-
-class _GradRows:
-    """grad_output rows of a grouped gemm: ``cast()`` along N for the grad_input gemm (taken
-    as sent when they arrive float8 (``dispatched_rows``): expert parallelism's combine backward),
-    ``wgrad()`` for the weight-gradient gemm (hp, or the dequantized cast)."""
-
-    def __init__(self, grad_output, config: Float8ExpertsConfig):
+    def __init__(self, rows, config: Float8ExpertsConfig, what: str):
         self.format, self.config = rows_format(config), config
-        if isinstance(grad_output, Float8TrainingTensor):
-            _check_rows(grad_output, config, "grad_output")
-            self.hp, self.data, self.scale = None, grad_output._data, grad_output._scale
+        if isinstance(rows, Float8TrainingTensor):
+            _check_rows(rows, config, what)
+            self.hp, self.data, self.scale = None, rows._data, rows._scale
         else:
-            self.hp, self.data = grad_output.contiguous(), None
+            self.hp, self.data = rows.contiguous(), None
 
     def cast(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.data is None:
@@ -475,8 +369,7 @@ def _cast_gathered_the_other_way(weight) -> tuple[torch.Tensor, torch.Tensor]:
         )
     layout.value = _OTHER[gathered_as]  # every later all-gather casts along the right dim
     full = _full_hp(weight)
-    hp = full if layout.value == "in_out" else full.transpose(-2, -1)
-    return cast.cast_rowwise(hp, 1, weight._config.round_scales_to_power_of_2)
+    return _cast(full if layout.value == "in_out" else full.transpose(-2, -1), 1, weight._config)
 
 
 def float8_grouped_mm(
@@ -537,11 +430,6 @@ def _float8_matmul(a, b, *, out=None):
     if _is_hp_expert(b) and b.dim() == 2 and not isinstance(a, Float8ExpertWeight) and out is None:
         return _float8_expert_matmul(a, b)
     raise NotImplementedError(_refusal("torch.matmul (@)", (a, b)))
-
-
-def _hf_grouped_mm(input, weight, offs):
-    """transformers' ``grouped_mm_fallback(x, w, offs)``: the ``torch._grouped_mm`` math."""
-    return float8_grouped_mm(input, weight, offs=offs)
 
 
 def _op_name(func) -> str | None:
@@ -627,14 +515,12 @@ class Float8ExpertWeight(HpWeight):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch._grouped_mm:
-            return float8_grouped_mm(*args, **kwargs)
+        if func is torch._grouped_mm or _op_name(func) == _HF_GROUPED_MM:
+            return float8_grouped_mm(*args, **kwargs)  # transformers' fallback: the same math
         if func is F.linear:
             return _float8_linear(*args, **kwargs)
         if func in _MATMULS:
             return _float8_matmul(*args, **kwargs)
-        if _op_name(func) == _HF_GROUPED_MM:
-            return _hf_grouped_mm(*args, **kwargs)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -730,15 +616,11 @@ class Float8ExpertWeight(HpWeight):
 def _dispatch_fp8(cls, func, args, kwargs, weight: Float8ExpertWeight):
     """Ops on a float8-gathered weight: the ones FSDP2 and autograd use on an unsharded
     parameter (views of the same values, transposes, which move the scales along)."""
-    if func in _FP8_SAME or func in _FP8_TRANSPOSE:
-        rest_args, rest_kwargs = args[1:], kwargs
-        data = func(weight._tensor, *rest_args, **rest_kwargs)
-        if data.shape == weight.shape or func in _FP8_TRANSPOSE:
-            scale = (
-                func(weight._scale, *rest_args, **rest_kwargs)
-                if func in _FP8_TRANSPOSE
-                else weight._scale
-            )
+    moves = func in _FP8_TRANSPOSE
+    if moves or func in _FP8_SAME:
+        data = func(weight._tensor, *args[1:], **kwargs)
+        if moves or data.shape == weight.shape:
+            scale = func(weight._scale, *args[1:], **kwargs) if moves else weight._scale
             return cls(data, weight._config, scale, weight.dtype, weight._layout, weight._source)
     raise NotImplementedError(
         f"float8kit: {func} on an expert weight FSDP2 all-gathered in float8 is not "

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from float8kit import scaling, versions
 from float8kit.formats import MX
-from float8kit.gemm import _CUDA_ALIGN, _is_col_major, _is_row_major, to_blocked
+from float8kit.gemm import _CUDA_ALIGN, _is_row_major, to_blocked
 
 
 @torch.library.custom_op("float8kit::grouped_mm_fp32", mutates_args=())
@@ -35,11 +35,19 @@ def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in zip(starts, ends, strict=True)])
 
 
-@_grouped_mm_fp32.register_fake
-def _(a, b, offs):
-    if b.dim() == 3:
-        return a.new_empty((a.size(0), b.size(-1)))
-    return a.new_empty((offs.size(0), a.size(0), b.size(1)))
+def _out_shape(a, b, offs) -> tuple[int, ...]:
+    """A grouped gemm's result: (M, N) for 2-D x 3-D, (G, M, N) for 2-D x 2-D."""
+    return (a.size(0), b.size(-1)) if b.dim() == 3 else (offs.size(0), a.size(0), b.size(1))
+
+
+def token_groups(offs: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The group of each of ``num_tokens`` rows: ``g`` for rows ``offs[g-1]:offs[g]``,
+    ``len(offs)`` for rows past ``offs[-1]`` (which grouped gemms ignore)."""
+    rows = torch.arange(num_tokens, device=offs.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True)
+
+
+_grouped_mm_fp32.register_fake(lambda a, b, offs: a.new_empty(_out_shape(a, b, offs)))
 
 
 def token_group_padding(
@@ -66,10 +74,9 @@ def token_group_padding(
     padded_ends = counts.clamp(min=align).cumsum(0)
     padded_starts = F.pad(padded_ends[:-1], (1, 0))
     shift = torch.cat([padded_starts - starts, padded_ends[-1:] - ends[-1:]])
-    rows = torch.arange(num_tokens, device=offs.device, dtype=torch.int64)
-    group = torch.searchsorted(ends, rows, right=True)
     total = -(-(num_tokens + align * offs.numel()) // align) * align
-    return rows + shift[group], padded_ends.to(offs.dtype), total
+    dest = torch.arange(num_tokens, device=offs.device) + shift[token_groups(ends, num_tokens)]
+    return dest, padded_ends.to(offs.dtype), total
 
 
 def _scatter_rows(t: torch.Tensor, dest: torch.Tensor, rows: int) -> torch.Tensor:
@@ -149,13 +156,8 @@ def scaled_grouped_mm(
             a, a_scale, b, b_scale, offs, out_dtype=out_dtype, emulate=emulate,
             use_fast_accum=use_fast_accum, align_groups=False,
         )  # fmt: skip
-    inv_a = scaling.inverse(a_scale)
-    inv_b = scaling.inverse(b_scale)
+    inv_a, inv_b = scaling.inverse(a_scale), scaling.inverse(b_scale)
     if a.is_cuda and not emulate:
-        if not _is_row_major(a):
-            a = a.contiguous()
-        if not (b.stride(-2) == 1 and b.stride(-1) >= b.size(-2)):
-            b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
         out = _grouped_kernel(a, b, inv_a.contiguous(), inv_b.contiguous(), offs, use_fast_accum)
         return out.to(out_dtype)
     return _emulated_grouped_mm(a, inv_a, b, inv_b, offs).to(out_dtype)
@@ -171,9 +173,7 @@ def _emulated_grouped_mm(
     acc = _grouped_mm_fp32(a.to(torch.float32), b.to(torch.float32), offs)
     if b.dim() == 3:
         groups, m = b.size(0), a.size(0)
-        # Each row's group: rows past offs[-1] get G, an extra all-zero scale row.
-        rows = torch.arange(m, device=a.device, dtype=offs.dtype)
-        group = torch.searchsorted(offs, rows, right=True)
+        group = token_groups(offs, m)  # rows past offs[-1] get G, an extra all-zero scale row
         inv_b = torch.cat([inv_b, inv_b.new_zeros((1, inv_b.size(1)))])[group]
         out = acc * inv_a.reshape(m, 1) * inv_b
         out = torch.where((group < groups).unsqueeze(1), out, 0.0)
@@ -183,11 +183,11 @@ def _emulated_grouped_mm(
     return out.to(torch.bfloat16)
 
 
-@_emulated_grouped_mm.register_fake
-def _(a, inv_a, b, inv_b, offs):
-    if b.dim() == 3:
-        return a.new_empty((a.size(0), b.size(-1)), dtype=torch.bfloat16)
-    return a.new_empty((offs.size(0), a.size(0), b.size(1)), dtype=torch.bfloat16)
+def _bf16_fake(a, a_scale, b, b_scale, offs):
+    return a.new_empty(_out_shape(a, b, offs), dtype=torch.bfloat16)
+
+
+_emulated_grouped_mm.register_fake(_bf16_fake)
 
 
 # ---------------------------------------------------------------------------- MX grouped
@@ -252,6 +252,7 @@ def mx_scaled_grouped_mm(
     *,
     out_dtype: torch.dtype,
     emulate: bool = False,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """The MXFP8 grouped gemm (MoE experts): e4m3 operands with one e8m0 scale byte per 32
     elements along the inner dim (``cast.to_mx``'s uint8 scales, shaped like the data with
@@ -291,17 +292,13 @@ def mx_scaled_grouped_mm(
         # per expert: its (N, K / 32) scales blocked, N padded to whole 128-row tiles
         per_expert = F.pad(b_scale.transpose(1, 2), (0, 0, 0, -n % 128))
         scale_b = to_blocked(per_expert.reshape(-1, per_expert.size(-1))).view(groups, -1)
-        if not (b.stride(-2) == 1 and b.stride(-1) >= k):
-            b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
-        out = _grouped_kernel(a_pad, b, scale_a.view(e8m0), scale_b.view(e8m0), offs_pad)
+        out = _grouped_kernel(
+            a_pad, b, scale_a.view(e8m0), scale_b.view(e8m0), offs_pad, use_fast_accum
+        )
         return out[dest].to(out_dtype)
-    if not _is_row_major(a):
-        a = a.contiguous()
-    if not _is_col_major(b):
-        b = b.t().contiguous().t()
     scale_a = _blocked_k_groups(a_scale, offs)
     scale_b = _blocked_k_groups(b_scale.t(), offs)
-    out = _grouped_kernel(a, b, scale_a.view(e8m0), scale_b.view(e8m0), offs)
+    out = _grouped_kernel(a, b, scale_a.view(e8m0), scale_b.view(e8m0), offs, use_fast_accum)
     return out.to(out_dtype)
 
 
@@ -316,14 +313,13 @@ def _grouped_kernel(
     """The one ``torch._scaled_grouped_mm`` call (bf16 out, its only output dtype): A
     row-major, B column-major; fp32 reciprocal rowwise scales, or e8m0 MX scales in the
     kernel's blocked layouts."""
+    if not _is_row_major(a):
+        a = a.contiguous()
+    if not (b.stride(-2) == 1 and b.stride(-1) >= b.size(-2)):
+        b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
     return torch._scaled_grouped_mm(
         a, b, scale_a, scale_b, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum
     )
-
-
-def _mx_dequantize(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
-    """fp32 ``data`` times its blocks' ``2 ** (byte - 127)`` along ``dim`` (exact)."""
-    return MX(dim % data.dim()).dequantize(data, scale)
 
 
 @torch.library.custom_op("float8kit::emulated_mx_grouped_mm", mutates_args=())
@@ -336,18 +332,13 @@ def _emulated_mx_grouped_mm(
 ) -> torch.Tensor:
     """The MX grouped kernel's numerics in fp32 (see ``mx_scaled_grouped_mm``), bf16 out; an
     opaque op to ``torch.compile`` (and one that counts as an MX expert gemm)."""
-    if b.dim() == 3:
-        a32, b32 = _mx_dequantize(a, a_scale, 1), _mx_dequantize(b, b_scale, 1)
-        acc = _grouped_mm_fp32(a32, b32, offs)
-        rows = torch.arange(a.size(0), device=a.device, dtype=offs.dtype)
-        inside = torch.searchsorted(offs, rows, right=True) < offs.numel()
-        return torch.where(inside.unsqueeze(1), acc, 0.0).to(torch.bfloat16)
-    a32, b32 = _mx_dequantize(a, a_scale, 1), _mx_dequantize(b, b_scale, 0)
-    return _grouped_mm_fp32(a32, b32, offs).to(torch.bfloat16)
+    # both dequantized to fp32 (exact): blocks along K, b's along its dim -2 (K, or tokens)
+    acc = _grouped_mm_fp32(
+        MX(1).dequantize(a, a_scale), MX(b.dim() - 2).dequantize(b, b_scale), offs
+    )
+    if b.dim() == 3:  # rows past offs[-1]: zeros
+        acc = torch.where((token_groups(offs, a.size(0)) < offs.numel()).unsqueeze(1), acc, 0.0)
+    return acc.to(torch.bfloat16)
 
 
-@_emulated_mx_grouped_mm.register_fake
-def _(a, a_scale, b, b_scale, offs):
-    if b.dim() == 3:
-        return a.new_empty((a.size(0), b.size(-1)), dtype=torch.bfloat16)
-    return a.new_empty((offs.size(0), a.size(0), b.size(1)), dtype=torch.bfloat16)
+_emulated_mx_grouped_mm.register_fake(_bf16_fake)

@@ -160,30 +160,22 @@ def _exchange(send: torch.Tensor, out_sizes: list[int], in_sizes: list[int], gro
     return out
 
 
-def _pack(data: torch.Tensor, scale: torch.Tensor, fmt, wire: str) -> torch.Tensor:
-    return torch.cat([data.view(torch.uint8), fmt.scale_bytes(scale, wire)], dim=1)
-
-
-def _unpack(buf: torch.Tensor, k: int, fmt, wire: str, fp8_dtype):
-    # copies with row-major strides (.contiguous() keeps an empty slice's strides)
-    data = buf.new_empty((buf.size(0), k)).copy_(buf[:, :k]).view(fp8_dtype)
-    sb = buf.new_empty((buf.size(0), buf.size(1) - k)).copy_(buf[:, k:])
-    return data, fmt.scale_from_bytes(sb, wire)
-
-
 def _scale_format(config: Float8ExpertsConfig, ep: EPConfig) -> str:
     if ep.scale_format != "auto":
         return ep.scale_format
     return "e8m0" if config.round_scales_to_power_of_2 else "fp32"
 
 
-def _to_expert_major(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
+def _to_experts(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
+    """This rank's sorted rows to the ranks of their experts, received expert-major."""
+    rows = _exchange(rows, plan.recv_sizes, plan.send_sizes, plan.group)
     return rows.index_select(0, plan.recv_order)
 
 
-def _to_rank_major(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
-    out = torch.empty_like(rows)
-    return out.index_copy_(0, plan.recv_order, rows)
+def _to_owners(rows: torch.Tensor, plan: EPPlan) -> torch.Tensor:
+    """Expert-major rows back (rank-major) to the ranks that own their tokens."""
+    rank_major = torch.empty_like(rows).index_copy_(0, plan.recv_order, rows)
+    return _exchange(rank_major, plan.send_sizes, plan.recv_sizes, plan.group)
 
 
 def pack_rows(
@@ -193,7 +185,8 @@ def pack_rows(
     data and scale bytes side by side (uint8 (R, K + s)), rows ``token`` (or all, for
     ``token`` None) in this rank's sorted order."""
     data, scale = quantize_rows(hp, config)
-    packed = _pack(data, scale, rows_format(config), _scale_format(config, ep))
+    scale_bytes = rows_format(config).scale_bytes(scale, _scale_format(config, ep))
+    packed = torch.cat([data.view(torch.uint8), scale_bytes], dim=1)
     return packed if token is None else packed.index_select(0, token)
 
 
@@ -208,8 +201,11 @@ def unpack_rows(
 ) -> Float8TrainingTensor:
     """What this rank received (rank-major packed rows) as float8 rows of ``role`` of its
     experts, expert-major (``dispatched_rows``)."""
-    fmt = rows_format(config)
-    data, scale = _unpack(_to_expert_major(received, plan), k, fmt, _scale_format(config, ep), E4M3)
+    fmt, buf = rows_format(config), received.index_select(0, plan.recv_order)  # expert-major
+    # copies with row-major strides (.contiguous() keeps an empty slice's strides)
+    data = buf.new_empty((buf.size(0), k)).copy_(buf[:, :k]).view(E4M3)
+    scale = buf.new_empty((buf.size(0), buf.size(1) - k)).copy_(buf[:, k:])
+    scale = fmt.scale_from_bytes(scale, _scale_format(config, ep))
     return dispatched_rows(data, scale, hp_dtype, fmt, role)
 
 
@@ -227,16 +223,13 @@ class _Dispatch(torch.autograd.Function):
         ctx.plan, ctx.x_shape = plan, x.shape
         ctx.save_for_backward(token)
         if ep.comm == "hp":
-            rows = _exchange(x[token], plan.recv_sizes, plan.send_sizes, plan.group)
-            return _to_expert_major(rows, plan)
+            return _to_experts(x[token], plan)
         return _send_quantized(x, token, plan, config, ep, GemmRole.INPUT)  # each cast once
 
     @staticmethod
     def backward(ctx, grad_rows):
         plan, (token,) = ctx.plan, ctx.saved_tensors
-        back = _exchange(
-            _to_rank_major(grad_rows, plan), plan.send_sizes, plan.recv_sizes, plan.group
-        )
+        back = _to_owners(grad_rows, plan)
         # x[token]'s own backward (index_put_ accumulating), so the sums of a token's rows
         # happen in the order one rank would add them
         grad_x = back.new_zeros(ctx.x_shape).index_put_((token,), back, accumulate=True)
@@ -247,15 +240,14 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ys, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):
         ctx.plan, ctx.config, ctx.ep = plan, config, ep
-        return _exchange(_to_rank_major(ys, plan), plan.send_sizes, plan.recv_sizes, plan.group)
+        return _to_owners(ys, plan)
 
     @staticmethod
     def backward(ctx, grad_rows):
         plan, config, ep = ctx.plan, ctx.config, ctx.ep
         grad_rows = grad_rows.contiguous()
         if ep.comm == "hp":
-            back = _exchange(grad_rows, plan.recv_sizes, plan.send_sizes, plan.group)
-            return _to_expert_major(back, plan), None, None, None
+            return _to_experts(grad_rows, plan), None, None, None
         # the grad_input gemm's cast, along N, on the rank that owns the tokens
         rows = _send_quantized(grad_rows, None, plan, config, ep, GemmRole.GRAD_OUTPUT)
         return rows, None, None, None
@@ -299,10 +291,7 @@ def dispatch(
 
 
 def combine(
-    ys: torch.Tensor,
-    plan: EPPlan,
-    config: Float8ExpertsConfig | None,
-    ep: EPConfig = EPConfig(),
+    ys: torch.Tensor, plan: EPPlan, config: Float8ExpertsConfig | None, ep: EPConfig = EPConfig()
 ) -> torch.Tensor:
     """The experts' outputs ``ys`` (expert-major rows, hp) back to the ranks that own the
     tokens: (rows, N) in the order of ``dispatch``'s ``token``. Its backward sends the

@@ -122,16 +122,6 @@ def _expert_gemms(m: nn.Module, xs: torch.Tensor, offs: torch.Tensor) -> torch.T
     return torch._grouped_mm(h.to(down.dtype), down, offs=offs)
 
 
-def _check_experts(m: nn.Module, shard: ExpertShard | None) -> None:
-    held = (m.gate_up_proj if m.has_gate else m.up_proj).size(0)
-    want = m.num_experts if shard is None else shard.local
-    if held != want:
-        raise ValueError(
-            f"float8kit: the {IMPLEMENTATION!r} experts expected {want} experts' weights on "
-            f"this rank, found {held}: shard a model with shard_hf_experts only (once)"
-        )
-
-
 def experts_forward(
     self: nn.Module,
     hidden_states: torch.Tensor,
@@ -144,14 +134,18 @@ def experts_forward(
     expert runs here (the one-rank reference). Returns (T, H) in ``hidden_states``' dtype."""
     _refuse_unsupported(self, type(self).__name__)
     shard: ExpertShard | None = getattr(self, _SHARD, None)
-    _check_experts(self, shard)
+    up = self.gate_up_proj if self.has_gate else self.up_proj
+    if up.size(0) != (want := self.num_experts if shard is None else shard.local):
+        raise ValueError(
+            f"float8kit: the {IMPLEMENTATION!r} experts expected {want} experts' weights on "
+            f"this rank, found {up.size(0)}: shard a model with shard_hf_experts only (once)"
+        )
     num_tokens, hidden = hidden_states.shape
     k = top_k_index.size(-1)
     expert_ids = top_k_index.reshape(-1)
     # a stable sort: each expert's rows in token order, the group's rows in rank order
     order = expert_ids.argsort(stable=True)
     token, row_expert = order // k, expert_ids[order]
-    up = self.gate_up_proj if self.has_gate else self.up_proj
     x = hidden_states.to(up.dtype)  # transformers' grouped_mm casts to the weight's dtype
     if shard is None:
         offs = expert_counts(row_expert, self.num_experts).cumsum(0).to(torch.int32)
@@ -165,7 +159,7 @@ def experts_forward(
         rows.add_(self.down_proj_bias[row_expert])
     weighted = rows * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
+    inverse[order] = torch.arange(order.numel(), device=order.device)  # (a scatter, no sort)
     out = weighted[inverse].view(num_tokens, k, hidden).sum(dim=1)
     return out.to(hidden_states.dtype)
 
