@@ -18,12 +18,8 @@ _CALIBRATED_ROLES = (GemmRole.INPUT, GemmRole.WEIGHT)
 
 
 def _static_roles(mod: Float8Linear) -> list[GemmRole]:
-    out = []
-    for role in _CALIBRATED_ROLES:
-        cast = mod.config.stateful_cast(role)
-        if cast is not None and cast.scaling_type is ScalingType.STATIC:
-            out.append(role)
-    return out
+    static = state.stateful_casts(mod.config, ScalingType.STATIC)
+    return [role for role, _ in static if role in _CALIBRATED_ROLES]
 
 
 def _hp_forward_recording(self: Float8Linear, input: torch.Tensor) -> torch.Tensor:

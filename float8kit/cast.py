@@ -141,9 +141,8 @@ def fused_cast_applies(
     takes the op, which is what gives it its byte minimum (the amax record in the cast pass,
     both layouts from one read), and then has eager's bits; a weight (a parameter, read from
     memory) has the same bits either way."""
-    if versions.compiling() and role is not GemmRole.WEIGHT:
-        if kind is ScalingType.DYNAMIC:
-            return False
+    if versions.compiling() and role is not GemmRole.WEIGHT and kind is ScalingType.DYNAMIC:
+        return False
     return gran is TENSORWISE and hp.dim() == 2 and fp8_dtype in (E4M3, E5M2) and type(hp) in _PLAIN
 
 
@@ -233,14 +232,12 @@ def operand_scale(
         cost of an amax pass; the flag takes that pass off the steady state.
     """
     kind = cast.scaling_type
-    if kind is ScalingType.STATIC:
-        if state_scale is None:
-            raise ValueError(f"STATIC {role.value} scaling needs the layer's fp8_scale buffer")
-        return state_scale
     if kind is ScalingType.DYNAMIC:
         return scaling.amax_to_scale(amax, cast.dtype_for(role), config.round_scales_to_power_of_2)
     if state_scale is None:
-        raise ValueError(f"DELAYED {role.value} scaling needs the layer's fp8_scale buffer")
+        raise ValueError(f"{kind.name} {role.value} scaling needs the layer's fp8_scale buffer")
+    if kind is ScalingType.STATIC:
+        return state_scale
     if amax_record is not None:
         record_amax(amax_record, amax)
     if scale_set:

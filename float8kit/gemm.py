@@ -69,7 +69,6 @@ from float8kit.tensor import Float8TrainingTensor
 _NOT_MX_RECIPES = ", ".join(
     r.value for r in Float8Recipe if r not in (Float8Recipe.MXFP8, Float8Recipe.NVFP4)
 )
-_NOT_FP4_RECIPES = _NOT_MX_RECIPES
 
 
 def _operand_scales(a: Float8TrainingTensor, b: Float8TrainingTensor):
@@ -133,20 +132,14 @@ def kernel_plan(
     if not cuda:
         return KernelPlan(pad, out_dtype, pad_out)
     inner_name, out_name = GEMM_DIMS.get(gemm, ("the inner dim K", "the output dim N"))
-    if n % align and not pad_out:
-        raise ValueError(
-            f"float8 gemm on CUDA needs {out_name} (here {n}) to be a multiple of 16"
-            + (f" in the {gemm} gemm" if gemm else "")
-            + ": set Float8LinearConfig.pad_inner_dim=True, or keep this layer in hp (the "
-            "default module filter does)"
-        )
-    if k % align and not pad:
-        raise ValueError(
-            f"float8 gemm on CUDA needs {inner_name} (here {k}) to be a multiple of 16"
-            + (f" in the {gemm} gemm" if gemm else "")
-            + ": set Float8LinearConfig.pad_inner_dim=True, or keep this layer in hp (the "
-            "default module filter does)"
-        )
+    for name, size, padded in ((out_name, n, pad_out), (inner_name, k, pad)):
+        if size % align and not padded:
+            raise ValueError(
+                f"float8 gemm on CUDA needs {name} (here {size}) to be a multiple of 16"
+                + (f" in the {gemm} gemm" if gemm else "")
+                + ": set Float8LinearConfig.pad_inner_dim=True, or keep this layer in hp (the "
+                "default module filter does)"
+            )
     if rowwise and not use_fast_accum:
         return KernelPlan(pad, torch.float32, pad_out, post_scale=True)
     kernel_out = torch.bfloat16 if rowwise else out_dtype
@@ -248,7 +241,7 @@ def nvfp4_scaled_mm(
     if emulate or not a._data.is_cuda:
         return a._gran.emulated_mm(a, b).to(out_dtype)
     versions.require_mx_kernels(
-        a._data.device, "Float8LinearConfig", _NOT_FP4_RECIPES, "the nvfp4 recipe's gemms", "NVFP4"
+        a._data.device, "Float8LinearConfig", _NOT_MX_RECIPES, "the nvfp4 recipe's gemms", "NVFP4"
     )
     a_fp4, b_fp4, scale_a, scale_b, tensor_scale = nvfp4_kernel_operands(a, b, gemm)
     out = _kernel(a_fp4, b_fp4, scale_a, scale_b, torch.float32, False)
@@ -361,12 +354,10 @@ def _tensor_or_row_scaled_mm(a, b, *, use_fast_accum, emulate, pad_inner_dim, ou
         if inv_b.dim() == 2:
             inv_b = F.pad(inv_b, (0, plan.pad_out), value=1.0)
     kernel = _kernel if a_data.is_cuda else _cpu_kernel
+    scales = (inv_a.new_ones(()),) * 2 if plan.post_scale else (inv_a, inv_b)
+    out = kernel(a_data, b_data, *scales, plan.kernel_out_dtype, use_fast_accum)
     if plan.post_scale:
-        one = inv_a.new_ones(())
-        out = kernel(a_data, b_data, one, one, plan.kernel_out_dtype, use_fast_accum)
         out = out * inv_a * inv_b
-    else:
-        out = kernel(a_data, b_data, inv_a, inv_b, plan.kernel_out_dtype, use_fast_accum)
     if plan.pad_out:
         out = out[:, :n]
     return out.to(out_dtype)

@@ -220,7 +220,7 @@ def input_for_backward(
         return kept
     # An input that came in float8 (cast before a tensor-parallel all-gather) goes on
     # from its hp values.
-    hp = _as_hp(input_hp)
+    hp = dequantize(input_hp)
     if not second.enabled:
         return hp
     hit = shared_cast.lookup(share, second, 0, config, hp.dtype, share_key)
@@ -230,10 +230,6 @@ def input_for_backward(
         kept = cast_to_float8(hp, second, GemmRole.INPUT, 0, config, *x_state)
     shared_cast.store(share, second, 0, config, hp.dtype, kept, share_key)
     return kept
-
-
-def _as_hp(t: torch.Tensor) -> torch.Tensor:
-    return dequantize(t)
 
 
 # Re-cast the float8 weight in backward rather than keep it (see _Float8Matmul.forward);
@@ -303,206 +299,175 @@ class _Float8Matmul(torch.autograd.Function):
         compiled: bool = False,
     ):
         ctx.compiled = compiled
+        plan = _PLANS[plan]
         with versions.compiled_trace(compiled):
-            return _Float8Matmul._forward(
-                ctx, input_hp, weight, _PLANS[plan], x_scale, x_amax, x_set,
-                w_scale, w_amax, w_set, go_scale, go_amax, go_set, share, share_key,
-                keep_weight_t,
-            )  # fmt: skip
-
-    @staticmethod
-    def _forward(
-        ctx, input_hp, weight, plan, x_scale, x_amax, x_set, w_scale, w_amax, w_set,
-        go_scale, go_amax, go_set, share, share_key, keep_weight_t,
-    ):  # fmt: skip
-        c = plan.config
-        share_key = x_scale if share_key is None else share_key
-        x_col, w_col = None, None  # column-major copies from the casts' own passes
-        ctx.w_dtype = weight.dtype
-        ctx.empty = input_hp.shape[0] == 0
-        if ctx.empty:
-            ctx.shapes = (input_hp.shape, weight.shape, weight.device)
-            return input_hp.new_zeros((0, weight.shape[0]))
-        weight_is_fp8 = is_float8(weight)
-        # An FSDP2 weight gathered one copy per pass (MX) as its backward re-gather left it
-        # in a forward that activation checkpointing recomputes: the output gemm gathers its
-        # own copy; the weight itself is what backward keeps (see _weight_for_grad_input)
-        w_fwd = weight
-        if weight_is_fp8:
-            have = local(weight)._gran
-            if have.copy_per_pass and have != plan.weight_format:
-                w_fwd = _fsdp_copy(weight, 1, c.cast_config_weight, "output")
-        # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
-        # parameter (kept anyway) and the scale, and redo the cast in backward
-        # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.
-        # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy,
-        # and so does a compiled graph, whose partitioner picks what is kept (dynamo also
-        # refuses the scale, an intermediate, as a saved tensor of this Function): there the
-        # cast writes the grad_input gemm's column-major copy in the same pass and keeps it
-        # (1 byte per weight element), except for an FSDP2 weight (``keep_weight_t``
-        # False), which FSDP2 frees after forward: its cast stays inductor's, which the
-        # partitioner redoes in backward from the re-gathered weight.
-        keep_w = weight_is_fp8 or plan.reuse_weight
-        recast_w = (
-            _RECAST_WEIGHT
-            and keep_w
-            and not versions.compiling()
-            and not weight_is_fp8
-            and not isinstance(weight, DTensor)
-        )
-        # The input arrives float8 when it was cast before a tensor-parallel all-gather
-        # (float8kit/tp.py, which checks that its cast is cast_config_input).
-        input_is_fp8 = is_float8(input_hp)
-        if input_is_fp8 and not c.cast_config_input.enabled:
-            input_hp, input_is_fp8 = _as_hp(input_hp), False
-        recorded = None  # the amax the input cast recorded (DELAYED, train mode)
-        if c.cast_config_input.enabled:
-            x = None
-            if input_is_fp8:
-                x = input_hp
-            elif plan.reuse_input:
-                # another layer's cast of the same tensor (shared_cast: DYNAMIC, or DELAYED
-                # with an equal scale: this layer's, or that of the layer it is tied to)
-                hit = shared_cast.lookup(
-                    share, c.cast_config_input, -1, c, input_hp.dtype, share_key
-                )
-                if hit is not None:
-                    x, recorded = hit
-                    if x_amax is not None:  # record what this layer's own cast would
-                        if recorded is None:  # made by a layer that recorded nothing
-                            recorded = scaling.recorded_amax(input_hp)
-                        record_amax(x_amax, recorded)
-            if x is None:
-                # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy),
-                # and then written column-major too, as that gemm takes it, in the same pass;
-                # not inside an eager checkpoint region (saved-tensor hooks), where a policy
-                # that keeps the cast would keep both layouts (backward copies it instead)
-                kept = ctx.needs_input_grad[1] and plan.reuse_input
-                x_col_too = kept and (
-                    versions.compiling()
-                    or torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-                )
-                amaxes = []
-                with kept_cast() if kept else contextlib.nullcontext():
-                    x = cast_to_float8(
-                        input_hp,
-                        c.cast_config_input,
-                        GemmRole.INPUT,
-                        -1,
-                        c,
-                        x_scale,
-                        x_amax,
-                        x_set,
-                        recorded=amaxes,
-                        col=x_col_too,
+            c = plan.config
+            share_key = x_scale if share_key is None else share_key
+            x_col, w_col = None, None  # column-major copies from the casts' own passes
+            ctx.w_dtype = weight.dtype
+            ctx.empty = input_hp.shape[0] == 0
+            if ctx.empty:
+                ctx.shapes = (input_hp.shape, weight.shape, weight.device)
+                return input_hp.new_zeros((0, weight.shape[0]))
+            weight_is_fp8 = is_float8(weight)
+            # An FSDP2 weight gathered one copy per pass (MX) as its backward re-gather left it
+            # in a forward that activation checkpointing recomputes: the output gemm gathers its
+            # own copy; the weight itself is what backward keeps (see _weight_for_grad_input)
+            w_fwd = weight
+            if weight_is_fp8:
+                have = local(weight)._gran
+                if have.copy_per_pass and have != plan.weight_format:
+                    w_fwd = _fsdp_copy(weight, 1, c.cast_config_weight, "output")
+            # The output gemm's float8 weight serves the grad_input gemm too: keep the hp
+            # parameter (kept anyway) and the scale, and redo the cast in backward
+            # (_weight_for_grad_input), rather than keep a weight-sized float8 copy per layer.
+            # A weight that arrived float8 (FSDP2 all-gather) or a DTensor (TP) keeps its copy,
+            # and so does a compiled graph, whose partitioner picks what is kept (dynamo also
+            # refuses the scale, an intermediate, as a saved tensor of this Function): there the
+            # cast writes the grad_input gemm's column-major copy in the same pass and keeps it
+            # (1 byte per weight element), except for an FSDP2 weight (``keep_weight_t``
+            # False), which FSDP2 frees after forward: its cast stays inductor's, which the
+            # partitioner redoes in backward from the re-gathered weight.
+            keep_w = weight_is_fp8 or plan.reuse_weight
+            recast_w = _RECAST_WEIGHT and plan.reuse_weight
+            recast_w = recast_w and not (
+                weight_is_fp8 or versions.compiling() or isinstance(weight, DTensor)
+            )
+            # The input arrives float8 when it was cast before a tensor-parallel all-gather
+            # (float8kit/tp.py, which checks that its cast is cast_config_input).
+            input_is_fp8 = is_float8(input_hp)
+            if input_is_fp8 and not c.cast_config_input.enabled:
+                input_hp, input_is_fp8 = dequantize(input_hp), False
+            recorded = None  # the amax the input cast recorded (DELAYED, train mode)
+            if c.cast_config_input.enabled:
+                x = None
+                if input_is_fp8:
+                    x = input_hp
+                elif plan.reuse_input:
+                    # another layer's cast of the same tensor (shared_cast: DYNAMIC, or DELAYED
+                    # with an equal scale: this layer's, or that of the layer it is tied to)
+                    hit = shared_cast.lookup(
+                        share, c.cast_config_input, -1, c, input_hp.dtype, share_key
                     )
-                if x_col_too:
-                    x, x_col = x
-                recorded = amaxes[0] if amaxes else None
-            w = w_fwd
-            if not weight_is_fp8:
-                # the grad_input gemm's copy (column-major) from the same pass, when kept
-                w_col_too = keep_w and not recast_w and keep_weight_t
-                w = cast_to_float8(
-                    weight,
-                    c.cast_config_weight,
-                    GemmRole.WEIGHT,
-                    -1,
-                    c,
-                    w_scale,
-                    w_amax,
-                    w_set,
-                    col=w_col_too,
-                    one_pass=keep_weight_t or not versions.compiling(),
-                )
-                if w_col_too:
-                    w, w_col = w
-            output = ops.mm(x, ops.t(w))
-        else:
-            x, w = input_hp, weight
-            output = torch.mm(input_hp, _as_hp(weight).to(input_hp.dtype).t())
+                    if hit is not None:
+                        x, recorded = hit
+                        if x_amax is not None:  # record what this layer's own cast would
+                            if recorded is None:  # made by a layer that recorded nothing
+                                recorded = scaling.recorded_amax(input_hp)
+                            record_amax(x_amax, recorded)
+                if x is None:
+                    # kept for backward too when the grad_weight gemm reuses it (checkpoint_policy),
+                    # and then written column-major too, as that gemm takes it, in the same pass;
+                    # not inside an eager checkpoint region (saved-tensor hooks), where a policy
+                    # that keeps the cast would keep both layouts (backward copies it instead)
+                    kept = ctx.needs_input_grad[1] and plan.reuse_input
+                    x_col_too = kept and (
+                        versions.compiling()
+                        or torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+                    )
+                    amaxes = []
+                    with kept_cast() if kept else contextlib.nullcontext():
+                        x = cast_to_float8(
+                            input_hp, c.cast_config_input, GemmRole.INPUT, -1, c, x_scale, x_amax,
+                            x_set, recorded=amaxes, col=x_col_too,
+                        )  # fmt: skip
+                    if x_col_too:
+                        x, x_col = x
+                    recorded = amaxes[0] if amaxes else None
+                w = w_fwd
+                if not weight_is_fp8:
+                    # the grad_input gemm's copy (column-major) from the same pass, when kept
+                    w_col_too = keep_w and not recast_w and keep_weight_t
+                    w = cast_to_float8(
+                        weight, c.cast_config_weight, GemmRole.WEIGHT, -1, c, w_scale, w_amax,
+                        w_set, col=w_col_too, one_pass=keep_weight_t or not versions.compiling(),
+                    )  # fmt: skip
+                    if w_col_too:
+                        w, w_col = w
+                output = ops.mm(x, ops.t(w))
+            else:
+                x, w = input_hp, weight
+                output = torch.mm(input_hp, dequantize(weight).to(input_hp.dtype).t())
 
-        # The second uses of input and weight record their amax only when the first use
-        # did not (see _reusable / the stateful_cast validation).
-        x_records, w_records, _ = plan.second_records
-        x_state = (x_scale, x_amax if x_records else None, x_set)
-        # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
-        x_saved = (
-            input_for_backward(input_hp, x, plan, x_state, share, share_key, recorded, x_col)
-            if ctx.needs_input_grad[1]
-            else None
-        )
-        ctx.w_recast, w_scale_kept = None, None
-        if recast_w:
-            ctx.w_recast, w_scale_kept = (w._data.dtype, w._gran), w._scale
-            keep_w = False
-        w_keep = weight if w_fwd is not weight else (w if w_col is None else w_col)
-        ctx.save_for_backward(x_saved, w_keep if keep_w else weight, w_scale_kept)
-        ctx.plan = plan
-        ctx.w_state = (w_scale, w_amax if w_records else None, w_set)
-        ctx.go_state = (go_scale, go_amax, go_set)
-        return output
+            # The second uses of input and weight record their amax only when the first use
+            # did not (see _reusable / the stateful_cast validation).
+            x_records, w_records, _ = plan.second_records
+            x_state = (x_scale, x_amax if x_records else None, x_set)
+            # A frozen weight (no grad_weight gemm) leaves nothing of the input for backward.
+            x_saved = (
+                input_for_backward(input_hp, x, plan, x_state, share, share_key, recorded, x_col)
+                if ctx.needs_input_grad[1]
+                else None
+            )
+            ctx.w_recast, w_scale_kept = None, None
+            if recast_w:
+                ctx.w_recast, w_scale_kept = (w._data.dtype, w._gran), w._scale
+                keep_w = False
+            w_keep = weight if w_fwd is not weight else (w if w_col is None else w_col)
+            ctx.save_for_backward(x_saved, w_keep if keep_w else weight, w_scale_kept)
+            ctx.plan = plan
+            ctx.w_state = (w_scale, w_amax if w_records else None, w_set)
+            ctx.go_state = (go_scale, go_amax, go_set)
+            return output
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         # The dtypes here are deliberate (grad_weight in the weight's dtype): autocast, active
         # when backward() is called inside its region, must not recast the gemms' operands.
-        with torch.autocast(grad_output.device.type, enabled=False):
-            with versions.compiled_trace(ctx.compiled):
-                return _Float8Matmul._backward(ctx, grad_output)
+        with (
+            torch.autocast(grad_output.device.type, enabled=False),
+            versions.compiled_trace(ctx.compiled),
+        ):
+            if ctx.empty:
+                x_shape, w_shape, w_device = ctx.shapes
+                grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
+                grad_input = grad_output.new_zeros(x_shape)
+                return grad_input, grad_weight, None, *(None,) * 13
+            plan = ctx.plan
+            c = plan.config
+            x_saved, w_saved, w_scale_kept = ctx.saved_tensors
+            grad_output = grad_output.contiguous()
 
-    @staticmethod
-    def _backward(ctx, grad_output: torch.Tensor):
-        if ctx.empty:
-            x_shape, w_shape, w_device = ctx.shapes
-            grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
-            grad_input = grad_output.new_zeros(x_shape)
-            return grad_input, grad_weight, None, *(None,) * 13
-        plan = ctx.plan
-        c = plan.config
-        x_saved, w_saved, w_scale_kept = ctx.saved_tensors
-        grad_output = grad_output.contiguous()
-
-        # grad_input = grad_output @ weight, reducing N
-        go_cast = c.cast_config_grad_output
-        go_gw_cast = c.cast_config_grad_output_for_grad_weight
-        # the grad_weight gemm takes grad_output transposed: where it reuses this cast, the
-        # same pass writes it column-major too
-        go_col = None
-        if go_cast.enabled:
-            both = x_saved is not None and plan.reuse_grad_output
-            go = cast_to_float8(
-                grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state, col=both
-            )
-            if both:
-                go, go_col = go
-            recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
-            w_gi = _weight_for_grad_input(w_saved, plan, ctx.w_state, recast)
-            grad_input = ops.mm(go, w_gi)
-        else:
-            grad_input = torch.mm(grad_output, _as_hp(w_saved).to(grad_output.dtype))
-
-        # grad_weight = grad_output.T @ input, reducing M
-        if x_saved is None:
-            grad_weight = None
-        elif go_gw_cast.enabled:
-            go_scale, go_amax, go_set = ctx.go_state
-            go_gw_state = (go_scale, go_amax if plan.second_records[2] else None, go_set)
-            go_t = (
-                go_col
-                if plan.reuse_grad_output
-                else cast_to_float8(
-                    grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
+            # grad_input = grad_output @ weight, reducing N
+            go_cast = c.cast_config_grad_output
+            go_gw_cast = c.cast_config_grad_output_for_grad_weight
+            # the grad_weight gemm takes grad_output transposed: where it reuses this cast, the
+            # same pass writes it column-major too
+            go_col = None
+            if go_cast.enabled:
+                both = x_saved is not None and plan.reuse_grad_output
+                go = cast_to_float8(
+                    grad_output, go_cast, GemmRole.GRAD_OUTPUT, -1, c, *ctx.go_state, col=both
                 )
-            )
-            # x_saved is float8, cast for this gemm in forward (input_for_backward). .to() on
-            # a float8 tensor only changes the hp dtype it stands for: the gemm writes the
-            # weight's dtype directly (fp32 master weights under autocast).
-            grad_weight = ops.mm(ops.t(go_t).to(ctx.w_dtype), x_saved)
-        else:
-            grad_weight = torch.mm(grad_output.t(), _as_hp(x_saved).to(grad_output.dtype))
-            grad_weight = grad_weight.to(ctx.w_dtype)
-        return grad_input, grad_weight, None, *(None,) * 13
+                if both:
+                    go, go_col = go
+                recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
+                w_gi = _weight_for_grad_input(w_saved, plan, ctx.w_state, recast)
+                grad_input = ops.mm(go, w_gi)
+            else:
+                grad_input = torch.mm(grad_output, dequantize(w_saved).to(grad_output.dtype))
+
+            # grad_weight = grad_output.T @ input, reducing M
+            if x_saved is None:
+                grad_weight = None
+            elif go_gw_cast.enabled:
+                go_scale, go_amax, go_set = ctx.go_state
+                go_gw_state = (go_scale, go_amax if plan.second_records[2] else None, go_set)
+                go_t = (
+                    go_col
+                    if plan.reuse_grad_output
+                    else cast_to_float8(
+                        grad_output, go_gw_cast, GemmRole.GRAD_OUTPUT, 0, c, *go_gw_state
+                    )
+                )
+                # x_saved is float8, cast for this gemm in forward (input_for_backward). .to() on
+                # a float8 tensor only changes the hp dtype it stands for: the gemm writes the
+                # weight's dtype directly (fp32 master weights under autocast).
+                grad_weight = ops.mm(ops.t(go_t).to(ctx.w_dtype), x_saved)
+            else:
+                grad_weight = torch.mm(grad_output.t(), dequantize(x_saved).to(grad_output.dtype))
+                grad_weight = grad_weight.to(ctx.w_dtype)
+            return grad_input, grad_weight, None, *(None,) * 13
 
 
 # How a layer's weight becomes the FSDP2 float8 all-gather weight when its config enables it:
@@ -576,11 +541,10 @@ class Float8Linear(nn.Linear):
         # what forward reads of it, kept beside it as plain values: a compiled forward then
         # guards these few, not the config's every field
         plan = plan_of(config)
-        self.__dict__["_config"] = config
-        self.__dict__["_plan"] = plan
-        self.__dict__["_plan_index"] = plan.index
-        self.__dict__["_stateful"] = plan.stateful
-        self.__dict__["_delayed_warn_after"] = plan.delayed_warn_after
+        self.__dict__.update(
+            _config=config, _plan=plan, _plan_index=plan.index, _stateful=plan.stateful,
+            _delayed_warn_after=plan.delayed_warn_after,
+        )  # fmt: skip
 
     def __setstate__(self, state_: dict) -> None:
         super().__setstate__(state_)
@@ -719,16 +683,11 @@ class Float8Linear(nn.Linear):
     def extra_repr(self) -> str:
         c = self.config
         short = {GemmRole.INPUT: "i", GemmRole.WEIGHT: "w", GemmRole.GRAD_OUTPUT: "go"}
-        casts = [
-            (short[role], getattr(c, first), getattr(c, second), role)
-            for role, (first, second) in c.operand_uses().items()
-        ]
         parts = []
-        for name, first, second, role in casts:
-            text = first.short(role)
-            if second != first:
-                text += "/" + second.short(role)
-            parts.append(f"{name}:{text}")
+        for role, fields in c.operand_uses().items():
+            first, second = (getattr(c, f) for f in fields)
+            text = first.short(role) + ("" if second == first else "/" + second.short(role))
+            parts.append(f"{short[role]}:{text}")
         flags = [f for f in ("emulate", "pad_inner_dim") if getattr(c, f)]
         if c.enable_fsdp_float8_all_gather:
             flags.append("fp8_all_gather")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from float8kit import scaling, state
-from float8kit.config import GEMM_ROLES, ScalingType
+from float8kit.config import ScalingType
 from float8kit.distributed.fsdp import fsdp_weight_contributions, mesh_group
 from float8kit.linear import Float8Linear
 from float8kit.reports import REPORT_CALLS, SCALES_SET, report_flags
@@ -47,10 +47,7 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
         if not isinstance(mod, Float8Linear):
             continue
         has_delayed = False
-        for role in GEMM_ROLES:
-            cast = mod.config.stateful_cast(role)
-            if cast is None or cast.scaling_type is not ScalingType.DELAYED:
-                continue
+        for role, cast in state.stateful_casts(mod.config, ScalingType.DELAYED):
             has_delayed = True
             key = (
                 cast.amax_history_len,
@@ -85,11 +82,9 @@ def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     for r in records:
         groups.setdefault(r[0], []).append(r)
     records = [r for rows in groups.values() for r in rows]
-    pending = [r[2] for r in records]
-    histories = [r[3] for r in records]
-    scales = [r[4] for r in records]
-    unmarked = [(i, r[5]) for i, r in enumerate(records) if r[5]]
-    names = "\n".join(r[1] for r in records)
+    _, names, pending, histories, scales, targets = map(list, zip(*records, strict=True))
+    unmarked = [(i, t) for i, t in enumerate(targets) if t]
+    names = "\n".join(names)
     local = torch.stack(pending).to(torch.float32)
 
     @torch.no_grad()

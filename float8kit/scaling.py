@@ -230,11 +230,8 @@ def dtensor_amax(hp: DTensor, reduce_dim: int | None) -> torch.Tensor:
     """max(|hp|) of a DTensor as a plain local tensor: the whole tensor's (shape ()) when
     ``reduce_dim`` is None, else one per slice along ``reduce_dim`` for this rank's rows
     (reduced over the ranks that hold parts of the same slice)."""
-    if hp.numel() == 0:
-        shape = [] if reduce_dim is None else [*hp.to_local().shape]
-        if reduce_dim is not None:
-            shape[reduce_dim] = 1
-        return torch.zeros(shape, dtype=torch.float32, device=hp.device)
+    if hp.numel() == 0:  # so is every local tensor
+        return amax(hp.to_local(), reduce_dim)
     result = amax(hp, reduce_dim)
     # A reduction over a sharded dim is Partial(max): all-reduce it; Shard of other dims
     # stays (the scale of this rank's rows only).
@@ -349,10 +346,9 @@ def mx_multiplier(byte: torch.Tensor, rounding: str) -> torch.Tensor:
     division by the scale, clamped at fp32's smallest normal 2^-126): byte 255 -> 0 (the
     block's NaN stays NaN, inf becomes NaN), 0 -> 2^126."""
     b = byte.to(torch.int32)
-    if rounding == "floor":
-        mult = _pow2_from_biased(254 - torch.clamp(b, 1, 253))
-        return torch.where(b == _MX_BYTE_NAN, 0.0, mult)
     mult = _pow2_from_biased(254 - torch.clamp(b, 1, 253))
+    if rounding == "floor":
+        return torch.where(b == _MX_BYTE_NAN, 0.0, mult)
     mult = torch.where(b == 254, 2.0**-127, mult)
     mult = torch.where(b == 0, 1.0, mult)
     return torch.where(b == _MX_BYTE_NAN, math.nan, mult)

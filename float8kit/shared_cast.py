@@ -53,10 +53,7 @@ def source_for(input: torch.Tensor) -> torch.Tensor | None:
     it, before reshape and autocast), or None where no cast is shared: no autograd graph is
     being recorded, torch.compile is tracing, or the input is a subclass (tensor parallel
     DTensor, a float8 input)."""
-    plain = type(input) in (torch.Tensor, torch.nn.Parameter)
-    if not plain or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    return input
+    return read_source(input) if torch.is_grad_enabled() else None
 
 
 def read_source(input: torch.Tensor) -> torch.Tensor | None:
@@ -168,8 +165,3 @@ def delayed_owner(
     if owner is None:
         entry[key] = weakref.ref(module)
     return None if owner is module else owner
-
-
-def clear() -> None:
-    """Forget every shared cast (tests; the entries die with their tensors anyway)."""
-    _CASTS.clear()

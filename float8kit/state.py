@@ -63,13 +63,19 @@ def scale_name(role: GemmRole) -> str:
     return f"fp8_scale_{OPERAND_NAMES[role]}"
 
 
+def stateful_casts(config: Float8LinearConfig, kind: ScalingType | None = None):
+    """``(role, cast)`` of every operand of ``config`` that keeps DELAYED/STATIC state (only
+    ``kind``'s, if given), in ``GEMM_ROLES``' order."""
+    for role in GEMM_ROLES:
+        cast = config.stateful_cast(role)
+        if cast is not None and kind in (None, cast.scaling_type):
+            yield role, cast
+
+
 def buffer_names(config: Float8LinearConfig) -> list[str]:
     """The float8 state buffers a layer with ``config`` has, in registration order."""
     names = []
-    for role in GEMM_ROLES:
-        cast = config.stateful_cast(role)
-        if cast is None:
-            continue
+    for role, cast in stateful_casts(config):
         if cast.scaling_type is ScalingType.DELAYED:
             names += [history_name(role), amax_name(role)]
         names.append(scale_name(role))
@@ -78,13 +84,7 @@ def buffer_names(config: Float8LinearConfig) -> list[str]:
 
 def has_delayed(config: Float8LinearConfig) -> bool:
     """Whether any operand of a layer with ``config`` is DELAYED."""
-    # a loop, not a generator with := (torch 2.11's dynamo cannot read that cell when
-    # tracing the forward, which calls this)
-    for role in GEMM_ROLES:
-        cast = config.stateful_cast(role)
-        if cast is not None and cast.scaling_type is ScalingType.DELAYED:
-            return True
-    return False
+    return any(stateful_casts(config, ScalingType.DELAYED))
 
 
 def _initial_scale(cast: CastConfig) -> float:
@@ -124,13 +124,8 @@ class LayerState:
         # a tie holds weak references to the tied layers (not picklable, and a copy's tie
         # would name the original's layers): a copy or a loaded pickle starts untied; the
         # FSDP2 all-gather state names the original's parameter, shard and process group
-        return {
-            **self.__dict__,
-            "tie": None,
-            "tie_refused": None,
-            "all_gather_scale": None,
-            "last_all_gather": None,
-        }
+        dropped = ("tie", "tie_refused", "all_gather_scale", "last_all_gather")
+        return {**self.__dict__, **dict.fromkeys(dropped)}
 
     def mark_scales_set(self, operand: str) -> None:
         if operand not in self.scales_set:
@@ -246,19 +241,10 @@ class Tie:
 def settle_ties(layers: list[nn.Module]) -> None:
     """Called by ``precompute_scales`` right after it wrote the DELAYED scales of ``layers``
     (the tied ones among them), before it zeroes their forward counts."""
-    ties: dict[int, Tie] = {}
-    for m in layers:
-        tie = m.fp8_state.tie
-        if tie is not None:
-            ties[id(tie)] = tie
+    ties = {id(t): t for m in layers if (t := m.fp8_state.tie) is not None}
     updated = {id(m) for m in layers}
     for tie in ties.values():
         tie.settle(updated)
-
-
-def _input_names() -> list[str]:
-    role = GemmRole.INPUT
-    return [history_name(role), amax_name(role), scale_name(role)]
 
 
 @torch.no_grad()
@@ -281,7 +267,7 @@ def tie_input(module: nn.Module, owner: nn.Module, hp: torch.Tensor, record: boo
             untie_input(layer)
     if own.tie is not None:
         return False  # tied to it, or to other layers
-    names = _input_names()
+    names = [f(GemmRole.INPUT) for f in (history_name, amax_name, scale_name)]
     mine = [module._buffers[n] for n in names]
     theirs_buffers = [owner._buffers[n] for n in names]
     if any(isinstance(t, DTensor) for t in (*mine, *theirs_buffers)):
@@ -342,10 +328,7 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
     # fp32 whatever the default dtype (a model built under torch.set_default_dtype(bf16), as
     # torchtitan builds its models, would otherwise get bf16 scales)
     fp32 = torch.float32
-    for role in GEMM_ROLES:
-        cast = config.stateful_cast(role)
-        if cast is None:
-            continue
+    for role, cast in stateful_casts(config):
         if cast.scaling_type is ScalingType.DELAYED:
             history = torch.full((cast.amax_history_len,), UNSET, dtype=fp32, device=device)
             module.register_buffer(history_name(role), history)
@@ -359,16 +342,8 @@ def init_state(module: nn.Module, config: Float8LinearConfig) -> None:
 
 def needs_calibration(config: Float8LinearConfig) -> tuple[str, ...]:
     """Operands that are STATIC with no ``static_scale``: ``calibrate`` must set them."""
-    names = []
-    for role in GEMM_ROLES:
-        cast = config.stateful_cast(role)
-        if (
-            cast is not None
-            and cast.scaling_type is ScalingType.STATIC
-            and cast.static_scale is None
-        ):
-            names.append(OPERAND_NAMES[role])
-    return tuple(names)
+    static = stateful_casts(config, ScalingType.STATIC)
+    return tuple(OPERAND_NAMES[role] for role, cast in static if cast.static_scale is None)
 
 
 @torch.no_grad()
@@ -378,10 +353,7 @@ def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str])
     untie_input(module)
     own = module.fp8_state
     own.scales_set = ()
-    for role in GEMM_ROLES:
-        cast = config.stateful_cast(role)
-        if cast is None:
-            continue
+    for role, cast in stateful_casts(config):
         for name in (history_name(role), amax_name(role)):
             if name in names:
                 module._buffers[name].fill_(UNSET)
@@ -393,8 +365,9 @@ def reset_state(module: nn.Module, config: Float8LinearConfig, names: list[str])
     )
 
 
-def _all_state_names() -> set[str]:
-    return {f(role) for role in GEMM_ROLES for f in (history_name, amax_name, scale_name)}
+_ALL_STATE_NAMES = frozenset(
+    f(role) for role in GEMM_ROLES for f in (history_name, amax_name, scale_name)
+)
 
 
 def foreign_state_hint(
@@ -409,7 +382,7 @@ def foreign_state_hint(
         for key in state_dict
         if key.startswith(prefix)
         and "." not in key[len(prefix) :]
-        and key[len(prefix) :] in _all_state_names() - own
+        and key[len(prefix) :] in _ALL_STATE_NAMES - own
     )
     if not extra:
         return None
@@ -446,11 +419,8 @@ def after_load(
         gone = {prefix + n for n in names}
         missing_keys[:] = [k for k in missing_keys if k not in gone]
     uncalibrated = set(own.uncalibrated)
-    for role in GEMM_ROLES:
-        cast = config.stateful_cast(role)
+    for role, _ in stateful_casts(config, ScalingType.STATIC):
         name = scale_name(role)
-        if cast is None or cast.scaling_type is not ScalingType.STATIC:
-            continue
         if prefix + name not in state_dict or module._buffers[name].is_meta:
             continue
         # One host read per STATIC operand, at load time only.
@@ -478,9 +448,8 @@ def strip_float8_state(state_dict: Mapping[str, Any]) -> dict[str, Any]:
         A new ordered dict sharing the remaining values (tensors are not copied), with the
         input's ``_metadata`` (module versions) if it has one. The input is not modified.
     """
-    names = _all_state_names()
     out = collections.OrderedDict(
-        (key, value) for key, value in state_dict.items() if key.rsplit(".", 1)[-1] not in names
+        (k, v) for k, v in state_dict.items() if k.rsplit(".", 1)[-1] not in _ALL_STATE_NAMES
     )
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
@@ -503,11 +472,10 @@ class Float8LoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         super().set_up_planner(state_dict, metadata, is_coordinator)
         present = metadata.state_dict_metadata if metadata is not None else {}
-        names = _all_state_names()
         self.state_dict = {
             key: value
             for key, value in self.state_dict.items()
-            if key in present or key.rsplit(".", 1)[-1] not in names
+            if key in present or key.rsplit(".", 1)[-1] not in _ALL_STATE_NAMES
         }
 
 
@@ -540,17 +508,6 @@ def after_apply(
 # ---------------------------------------------------------------------------- stale scales
 
 
-def stale_message(count: int) -> str:
-    return (
-        f"float8kit: a Float8Linear with DELAYED scaling ran {count} train-mode forwards "
-        "without float8kit.precompute_scales(model): its scales are stale (recorded amaxes "
-        "reach the amax history only through precompute_scales). Call "
-        "precompute_scales(model) after every optimizer.step(), or raise "
-        "Float8LinearConfig.stale_delayed_warn_after if you accumulate gradients over more "
-        "micro-batches."
-    )
-
-
 # A custom op, so the counting runs on the host at every call even inside a compiled graph
 # (dynamo would otherwise trace a Python counter once and guard on its value, recompiling
 # every step). It mutates only a CPU tensor: no device sync. Not a buffer, so compiled
@@ -560,7 +517,16 @@ def count_delayed_forward(count: torch.Tensor, warn_after: int) -> None:
     """Add one to a layer's forward count; warn when it first exceeds ``warn_after`` (> 0)."""
     count += 1
     if warn_after and int(count) == warn_after + 1:
-        warnings.warn(stale_message(warn_after + 1), UserWarning, stacklevel=2)
+        warnings.warn(
+            f"float8kit: a Float8Linear with DELAYED scaling ran {warn_after + 1} train-mode "
+            "forwards without float8kit.precompute_scales(model): its scales are stale "
+            "(recorded amaxes reach the amax history only through precompute_scales). Call "
+            "precompute_scales(model) after every optimizer.step(), or raise "
+            "Float8LinearConfig.stale_delayed_warn_after if you accumulate gradients over "
+            "more micro-batches.",
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 @count_delayed_forward.register_fake

@@ -63,12 +63,8 @@ class Float8TrainingTensor(torch.Tensor):
             device=data.device,
             requires_grad=False,
         )
-        self._data = data
-        self._scale = scale
-        self._orig_dtype = orig_dtype
-        self._role = role
-        self._gran = gran
-        self._config = config
+        self._data, self._scale, self._orig_dtype = data, scale, orig_dtype
+        self._role, self._gran, self._config = role, gran, config
         return self
 
     # what the gemm routes on (float8kit/gemm.py): derived from the granularity
