@@ -158,6 +158,19 @@ def _coerce_enum(obj, field: str, enum_cls: type[enum.Enum]) -> None:
     )
 
 
+# CastConfig settings that one scaling type or granularity uses: (field, its default, the
+# field that selects it, the value it needs there)
+_ONLY_WITH = (
+    ("amax_history_len", 16, "scaling_type", ScalingType.DELAYED),
+    ("delayed_scale_from", "max", "scaling_type", ScalingType.DELAYED),
+    ("static_scale", None, "scaling_type", ScalingType.STATIC),
+    ("block_size", 128, "scaling_granularity", ScalingGranularity.BLOCKWISE),
+    ("mx_scale_rounding", "rceil", "scaling_granularity", ScalingGranularity.MX),
+    ("stochastic_rounding", False, "scaling_granularity", ScalingGranularity.NVFP4),
+    ("hadamard", False, "scaling_granularity", ScalingGranularity.NVFP4),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class CastConfig:
     """How one operand of one gemm is cast to float8.
@@ -231,24 +244,8 @@ class CastConfig:
                 f"CastConfig.delayed_scale_from={self.delayed_scale_from!r} is not valid: use "
                 "'max' or 'most_recent'"
             )
-        if self.scaling_type is not ScalingType.DELAYED:
-            # a history setting on a cast that keeps no history is a config the user did not
-            # mean: say so instead of ignoring it
-            for name, default in (("amax_history_len", 16), ("delayed_scale_from", "max")):
-                if getattr(self, name) != default:
-                    raise ValueError(
-                        f"CastConfig.{name}={getattr(self, name)!r} is only used with "
-                        f"ScalingType.DELAYED, but scaling_type={self.scaling_type.value!r}: "
-                        f"set scaling_type=ScalingType.DELAYED or drop {name}"
-                    )
         s = self.static_scale
         if s is not None:
-            if self.scaling_type is not ScalingType.STATIC:
-                raise ValueError(
-                    f"CastConfig.static_scale={s!r} is only used with ScalingType.STATIC, but "
-                    f"scaling_type={self.scaling_type.value!r}: set scaling_type="
-                    "ScalingType.STATIC or drop static_scale"
-                )
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < math.inf:
                 raise ValueError(
                     f"CastConfig.static_scale={s!r} must be a positive finite number "
@@ -260,12 +257,6 @@ class CastConfig:
             raise ValueError(
                 f"CastConfig.block_size={b!r} must be an int >= 1 (128 for the CUDA kernel)"
             )
-        if b != 128 and self.scaling_granularity is not ScalingGranularity.BLOCKWISE:
-            raise ValueError(
-                f"CastConfig.block_size={b!r} is only used with ScalingGranularity.BLOCKWISE, "
-                f"but scaling_granularity={self.scaling_granularity.value!r}: set "
-                "scaling_granularity=ScalingGranularity.BLOCKWISE or drop block_size"
-            )
         if self.mx_scale_rounding not in MX_ROUNDINGS:
             raise ValueError(
                 f"CastConfig.mx_scale_rounding={self.mx_scale_rounding!r} is not valid: use "
@@ -274,23 +265,19 @@ class CastConfig:
         for name in ("stochastic_rounding", "hadamard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CastConfig.{name}={getattr(self, name)!r} must be a bool")
-            if getattr(self, name) and not self.is_nvfp4:
+        # a setting that only one policy or format uses, set on a cast without it, is a
+        # config the user did not mean: say so instead of ignoring it
+        for name, default, field, needs in _ONLY_WITH:
+            if getattr(self, name) != default and getattr(self, field) is not needs:
+                kind = f"{type(needs).__name__}.{needs.name}"
                 raise ValueError(
-                    f"CastConfig.{name}=True is only used with ScalingGranularity.NVFP4, but "
-                    f"scaling_granularity={self.scaling_granularity.value!r}: set "
-                    f"scaling_granularity=ScalingGranularity.NVFP4 or drop {name}"
+                    f"CastConfig.{name}={getattr(self, name)!r} is only used with {kind}, but "
+                    f"{field}={getattr(self, field).value!r}: set {field}={kind} or drop {name}"
                 )
         if self.is_nvfp4 and self.target_dtype is not None:
             raise ValueError(
                 f"CastConfig.target_dtype={self.target_dtype} does not apply to NVFP4 (e2m1 "
                 "elements, e4m3 block scales): leave target_dtype=None"
-            )
-        if self.mx_scale_rounding != "rceil" and not self.is_mx:
-            raise ValueError(
-                f"CastConfig.mx_scale_rounding={self.mx_scale_rounding!r} is only used with "
-                f"ScalingGranularity.MX, but scaling_granularity="
-                f"{self.scaling_granularity.value!r}: set scaling_granularity="
-                "ScalingGranularity.MX or drop mx_scale_rounding"
             )
 
     @property
@@ -345,6 +332,27 @@ class GemmConfig:
     def __post_init__(self):
         if not isinstance(self.use_fast_accum, bool):
             raise ValueError(f"GemmConfig.use_fast_accum={self.use_fast_accum!r} must be a bool")
+
+
+# the block-scaled gemm kernels, by the granularity whose operands they take (both of them)
+_PAIRING = {
+    ScalingGranularity.MX: "an MX gemm needs both operands ScalingGranularity.MX",
+    ScalingGranularity.NVFP4: "an NVFP4 gemm needs both operands ScalingGranularity.NVFP4",
+    ScalingGranularity.BLOCKWISE: "a block-scaled gemm needs both operands "
+    "ScalingGranularity.BLOCKWISE with the same block_size",
+}
+
+
+def _block_kernel(cast: CastConfig) -> tuple[ScalingGranularity, int] | None:
+    """The block-scaled kernel a cast's operands need (granularity, block_size), or None."""
+    g = cast.scaling_granularity
+    return (g, cast.block_size) if g in _PAIRING else None
+
+
+def _blocks(cast: CastConfig) -> str:
+    """The granularity of a cast, with its block_size where it has one."""
+    g, b = cast.scaling_granularity, cast.block_size
+    return f"{g.value} (block_size={b})" if g is ScalingGranularity.BLOCKWISE else g.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,23 +463,17 @@ class Float8LinearConfig:
                     f"{'enabled' if rcfg.enabled else 'DISABLED'}; set both to "
                     "ScalingType.DISABLED or neither"
                 )
-            # An MX kernel multiplies MX operands only (e8m0 scales per 32 along K).
-            if lcfg.enabled and lcfg.is_mx != rcfg.is_mx:
+            # A block-scaled kernel (MX, NVFP4, blockwise) multiplies operands of its own
+            # blocks only, with one block along the inner dim K.
+            kernels = (_block_kernel(lcfg), _block_kernel(rcfg))
+            if lcfg.enabled and kernels[0] != kernels[1]:
+                kernel = kernels[0] or kernels[1]
                 raise ValueError(
-                    f"Float8LinearConfig: the {gemm} gemm has {left} "
-                    f"{lcfg.scaling_granularity.value} but {right} "
-                    f"{rcfg.scaling_granularity.value}; an MX gemm needs both operands "
-                    "ScalingGranularity.MX, or neither"
+                    f"Float8LinearConfig: the {gemm} gemm has {left} {_blocks(lcfg)} but "
+                    f"{right} {_blocks(rcfg)}; {_PAIRING[kernel[0]]}, or neither"
                 )
-            # An NVFP4 kernel multiplies NVFP4 operands only; a Hadamard transform is exact
-            # only when both operands of the grad_weight gemm get it.
-            if lcfg.enabled and lcfg.is_nvfp4 != rcfg.is_nvfp4:
-                raise ValueError(
-                    f"Float8LinearConfig: the {gemm} gemm has {left} "
-                    f"{lcfg.scaling_granularity.value} but {right} "
-                    f"{rcfg.scaling_granularity.value}; an NVFP4 gemm needs both operands "
-                    "ScalingGranularity.NVFP4, or neither"
-                )
+            # A Hadamard transform is exact only when both operands of the grad_weight gemm
+            # get it.
             if lcfg.enabled and (lcfg.hadamard or rcfg.hadamard):
                 if gemm != "grad_weight":
                     name = left if lcfg.hadamard else right
@@ -488,18 +490,6 @@ class Float8LinearConfig:
                         f"{lcfg.hadamard} but {right} hadamard={rcfg.hadamard}; the transform "
                         "cancels only when both operands get it: set both or neither"
                     )
-            # A block-scaled kernel multiplies block-scaled operands only, with one block
-            # length along the inner dim K.
-            block = ScalingGranularity.BLOCKWISE
-            lblock, rblock = lcfg.scaling_granularity is block, rcfg.scaling_granularity is block
-            if lcfg.enabled and (lblock != rblock or lcfg.block_size != rcfg.block_size):
-                raise ValueError(
-                    f"Float8LinearConfig: the {gemm} gemm has {left} "
-                    f"{lcfg.scaling_granularity.value} (block_size={lcfg.block_size}) but "
-                    f"{right} {rcfg.scaling_granularity.value} (block_size={rcfg.block_size}); "
-                    "a block-scaled gemm needs both operands ScalingGranularity.BLOCKWISE "
-                    "with the same block_size, or neither"
-                )
         for role, pair in self.operand_uses().items():
             for name in pair:
                 if getattr(self, name).stochastic_rounding and role is not GemmRole.GRAD_OUTPUT:

@@ -113,14 +113,6 @@ class Float8AllGatherWeight(HpWeight):
         """
         fmt = self._format
         where = shard_spec(self.shape, outer_size, mesh, module)
-        if where.dim not in (None, 0) and not fmt.shards_any_dim:
-            # alike on every rank (FSDP2 shards other dims evenly), before any collective
-            raise ValueError(
-                f"float8kit: {_layer(module)}: a {fmt.short()} float8 all-gather weight must be "
-                f"sharded along dim 0 (FSDP2's default); FSDP2 shards it along dim {where.dim} "
-                f"over mesh {mesh}: drop the shard_placement_fn for it, or set "
-                "enable_fsdp_float8_all_gather=False"
-            )
         job = AllGather(
             module=module,
             shard_ref=weakref.ref(self._tensor),
@@ -429,37 +421,38 @@ def amax_group(module: nn.Module, shard_mesh) -> dist.ProcessGroup:
 def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) -> ShardSpec:
     """Where this rank's shard of ``module.weight`` sits (``ShardSpec``), from FSDP2's shard
     ``mesh`` and outer size and the weight's DTensor placements (tensor parallel / HSDP
-    dims); remembers ``mesh`` on ``module`` for ``precompute_scales``."""
+    dims); remembers ``mesh`` on ``module`` for ``precompute_scales``. Raises where the
+    weight's format needs dim-0 shards and FSDP2 shards another dim."""
     from torch.distributed.tensor import DTensor
 
     module.fp8_state.shard_mesh = mesh
     rank, world = 0 if mesh.size() == 1 else mesh.get_local_rank(), mesh.size()
-    weight = module.weight
-    if not isinstance(weight, DTensor) or weight.device_mesh.ndim == 1:
-        return ShardSpec.of(shard_shape, outer_size, rank, world)
-    spmd = weight.device_mesh
-    outer_shape, outer_offset, fsdp_dim = _outer_weight(weight, mesh)
-    if tuple(outer_shape) != tuple(outer_size):
+    weight, outer = module.weight, {}
+    if isinstance(weight, DTensor) and weight.device_mesh.ndim > 1:
+        spmd = weight.device_mesh
+        outer_shape, outer_offset, fsdp_dim = _outer_weight(weight, mesh)
+        if tuple(outer_shape) != tuple(outer_size):
+            raise ValueError(
+                f"float8kit: float8 all-gather weight ({module.extra_repr()}) on mesh {spmd}: "
+                f"FSDP2's unsharded size {tuple(outer_size)} is not the weight's shard "
+                f"{tuple(outer_shape)} on the mesh dims other than FSDP2's shard dim"
+            )
+        coord = spmd.get_coordinate()
+        slot, n_slots = 0, 1
+        for d in (d for d in range(spmd.ndim) if d != fsdp_dim):
+            slot, n_slots = slot * spmd.size(d) + coord[d], n_slots * spmd.size(d)
+        outer = dict(full_shape=weight.shape, outer_offset=outer_offset, slot=slot, n_slots=n_slots)
+    where = ShardSpec.of(shard_shape, outer_size, rank, world, **outer)
+    fmt = formats.weight(module.config.cast_config_weight)
+    if where.dim not in (None, 0) and not fmt.shards_any_dim:
+        # alike on every rank (FSDP2 shards other dims evenly), before any collective
         raise ValueError(
-            f"float8kit: float8 all-gather weight ({module.extra_repr()}) on mesh {spmd}: "
-            f"FSDP2's unsharded size {tuple(outer_size)} is not the weight's shard "
-            f"{tuple(outer_shape)} on the mesh dims other than FSDP2's shard dim"
+            f"float8kit: {_layer(module)}: a {fmt.short()} float8 all-gather weight must be "
+            f"sharded along dim 0 (FSDP2's default); FSDP2 shards it along dim {where.dim} "
+            f"over mesh {mesh}: drop the shard_placement_fn for it, or set "
+            "enable_fsdp_float8_all_gather=False"
         )
-    coord = spmd.get_coordinate()
-    others = [d for d in range(spmd.ndim) if d != fsdp_dim]
-    slot, n_slots = 0, 1
-    for d in others:
-        slot, n_slots = slot * spmd.size(d) + coord[d], n_slots * spmd.size(d)
-    return ShardSpec.of(
-        shard_shape,
-        outer_size,
-        rank,
-        world,
-        full_shape=torch.Size(weight.shape),
-        outer_offset=outer_offset,
-        slot=slot,
-        n_slots=n_slots,
-    )
+    return where
 
 
 def _outer_weight(weight, shard_mesh) -> tuple[torch.Size, tuple[int, ...], int]:

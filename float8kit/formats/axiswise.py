@@ -11,17 +11,17 @@ from float8kit import scaling
 from float8kit.config import ScalingType
 from float8kit.formats.base import (
     GLOBAL_AMAX,
+    AlongDim,
     Capabilities,
     Float8Elements,
     Format,
     GroupScaledGather,
-    check_dim0,
     same_scales,
 )
 
 
 @dataclasses.dataclass(frozen=True)
-class Axiswise(GroupScaledGather, Float8Elements, Format):
+class Axiswise(AlongDim, GroupScaledGather, Float8Elements, Format):
     capabilities = Capabilities(
         scaling_types=(ScalingType.DYNAMIC,),
         fsdp_float8_all_gather=True,
@@ -40,10 +40,6 @@ class Axiswise(GroupScaledGather, Float8Elements, Format):
     def axiswise_dim(self) -> int:
         return self.dim
 
-    @classmethod
-    def for_operand(cls, cast, role, reduce_dim, ndim):
-        return cls(reduce_dim % ndim)
-
     def short(self) -> str:
         return f"axiswise(dim={self.dim})"
 
@@ -52,10 +48,6 @@ class Axiswise(GroupScaledGather, Float8Elements, Format):
 
     def dtensor_amax(self, hp):
         return scaling.dtensor_amax(hp, self.dim)
-
-    def transpose(self, scale, d0, d1):
-        dim = {d0: d1, d1: d0}.get(self.dim, self.dim)
-        return Axiswise(dim), scale.transpose(d0, d1)
 
     def view(self, scale, old, new, func):
         # Only views that keep the scaled-along dim at the same end with the same size
@@ -100,10 +92,9 @@ class Axiswise(GroupScaledGather, Float8Elements, Format):
     # A weight's rows (scales (N, 1) for the global N): under FSDP2's dim-0 sharding a rank
     # owns whole rows of the outer weight, so its rows' amaxes are complete over the columns
     # it holds; the all-reduce assembles the rows and, when tensor parallel splits the
-    # columns, takes each row's max over the TP ranks. Other shard dims are refused.
+    # columns, takes each row's max over the TP ranks. Other shard dims: refused (fsdp.shard_spec).
     def group_amaxes(self, shard, where):
         rows = scaling.nan_to_inf(scaling.amax(shard, reduce_dim=-1))
-        check_dim0(where, "rowwise")
         if where.full_shape[0] == shard.shape[0]:
             return rows
         full = rows.new_zeros((where.full_shape[0], 1))

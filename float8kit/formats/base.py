@@ -388,6 +388,19 @@ def local_scale_outputs(all_gather_outputs, metadata, fp8_dtype: torch.dtype, ou
     return data, scale, (data, scale)
 
 
+class AlongDim:
+    """Scales that run along one dim (``dim``): an operand is cast along the dim its gemm
+    reduces, and a transpose moves that dim with the data."""
+
+    @classmethod
+    def for_operand(cls, cast, role, reduce_dim, ndim):
+        return cls(reduce_dim % ndim)
+
+    def transpose(self, scale, d0, d1):
+        dim = {d0: d1, d1: d0}.get(self.dim, self.dim)
+        return type(self)(dim), scale.transpose(d0, d1)
+
+
 class WholeBlocks:
     """Layout ops on data in ``rows`` x ``cols`` blocks, scales in a grid of them (the last
     two dims of the scale): a transpose transposes both; slicing, splitting, concatenating
@@ -465,15 +478,6 @@ def to_fp8_saturated(
 
 
 # ---------------------------------------------------------------------------- shards
-
-
-def check_dim0(where: ShardSpec, what: str) -> None:
-    if where.dim not in (None, 0):
-        raise ValueError(
-            f"float8kit: a {what} float8 all-gather weight must be sharded along dim 0 (FSDP2's "
-            f"default), got a shard along dim {where.dim} of {tuple(where.outer_shape)}: drop "
-            "the shard_placement_fn for it, or set enable_fsdp_float8_all_gather=False"
-        )
 
 
 def check_one_dim_mesh(job, what: str) -> None:

@@ -15,6 +15,7 @@ from torch._subclasses.fake_tensor import is_fake
 from float8kit import scaling, versions
 from float8kit.config import E4M3, MX_BLOCK, GemmRole, ScalingType
 from float8kit.formats.base import (
+    AlongDim,
     Capabilities,
     Float8Elements,
     Format,
@@ -32,7 +33,7 @@ from float8kit.formats.layout import (
 
 
 @dataclasses.dataclass(frozen=True)
-class MX(Float8Elements, Format):
+class MX(AlongDim, Float8Elements, Format):
     capabilities = Capabilities(
         scaling_types=(ScalingType.DYNAMIC,),
         fsdp_float8_all_gather=True,
@@ -50,10 +51,6 @@ class MX(Float8Elements, Format):
     @property
     def mx_dim(self) -> int:
         return self.dim
-
-    @classmethod
-    def for_operand(cls, cast, role, reduce_dim, ndim):
-        return cls(reduce_dim % ndim)
 
     def short(self) -> str:
         return f"mx(dim={self.dim}, 1x32)"
@@ -89,10 +86,6 @@ class MX(Float8Elements, Format):
 
     def scale_from_bytes(self, data, wire):
         return data
-
-    def transpose(self, scale, d0, d1):
-        dim = {d0: d1, d1: d0}.get(self.dim, self.dim)
-        return MX(dim), scale.transpose(d0, d1)
 
     def view(self, scale, old, new, func):
         # flattening / unflattening the leading dims of data blocked along its last dim
