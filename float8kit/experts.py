@@ -18,7 +18,7 @@ that got no tokens gets an exactly zero gradient.
 
 With an MX ``Float8ExpertsConfig`` (``from_recipe_name("mxfp8")``) ``_GroupedMM`` runs the
 same three gemms in MXFP8 (``grouped_gemm.mx_scaled_grouped_mm``): every operand cast from hp by
-``cast.to_mx`` along the dim its gemm reduces (one e8m0 scale per 32 elements), token groups
+``formats.mx.to_mx`` along the dim its gemm reduces (one e8m0 scale per 32 elements), token groups
 zero-padded to multiples of 32 rows for the grad_weight gemm, whose 32-blocks run along
 tokens and so must not straddle two experts.
 
@@ -184,7 +184,7 @@ class _GroupedMM(torch.autograd.Function):
         gemms = _expert_gemms(c)
         saved = ctx.saved_tensors  # once: checkpointing unpacks each saved tensor once
         x_saved, (offs, *w_saved) = saved[: ctx.n_x], saved[ctx.n_x :]
-        go_rows = _Rows(grad_output, c, "grad_output")
+        go_rows = _Rows(grad_output.contiguous(), c, "grad_output")
         grad_input = grad_weight = None
         if ctx.needs_input_grad[0]:
             operands = gemms.grad_input(go_rows.cast(), w_saved, offs, c)
@@ -261,7 +261,7 @@ class _RowwiseGemms:
 
 class _MXGemms:
     """The ``mx`` family (MXFP8, ``grouped_gemm.mx_scaled_grouped_mm``). Every operand is cast
-    from hp by ``cast.to_mx`` along the dim its gemm reduces, never a quantized tensor
+    from hp by ``formats.mx.to_mx`` along the dim its gemm reduces, never a quantized tensor
     transposed: output = x along K @ weight along K; grad_input = grad_out along N @ weight
     along N; grad_weight = x.T @ grad_out along the tokens, per group, after every token
     group is zero-padded to a multiple of 32 rows in hp (``pad_token_groups``, no host sync)
@@ -308,7 +308,7 @@ class _Rows:
             _check_rows(rows, config, what)
             self.hp, self.data, self.scale = None, rows._data, rows._scale
         else:
-            self.hp, self.data = rows.contiguous(), None
+            self.hp, self.data = rows, None
 
     def cast(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.data is None:

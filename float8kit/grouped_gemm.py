@@ -255,7 +255,7 @@ def mx_scaled_grouped_mm(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """The MXFP8 grouped gemm (MoE experts): e4m3 operands with one e8m0 scale byte per 32
-    elements along the inner dim (``cast.to_mx``'s uint8 scales, shaped like the data with
+    elements along the inner dim (``formats.mx.to_mx``'s uint8 scales, shaped like the data with
     that dim reduced to ceil(n / 32)).
 
     Shapes (G groups, ``offs`` the int32 cumulative group ends):

@@ -288,4 +288,4 @@ def test_library_lines_only_go_down():
     """0.5's bar is a library of <= 10,800 lines (11,560 at 0.4), docstrings kept. This
     ceiling is the count today; lower it as the formats take over what the library repeats."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 11_937, f"float8kit has {lines} lines"
+    assert lines <= 11_936, f"float8kit has {lines} lines"

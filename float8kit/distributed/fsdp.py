@@ -112,7 +112,7 @@ class Float8AllGatherWeight(HpWeight):
             weight needs: the same on every rank).
         """
         fmt = self._format
-        where = shard_spec(self.shape, outer_size, mesh, module)
+        where = shard_spec(self.shape, outer_size, mesh, module, fmt)
         job = AllGather(
             module=module,
             shard_ref=weakref.ref(self._tensor),
@@ -418,11 +418,11 @@ def amax_group(module: nn.Module, shard_mesh) -> dist.ProcessGroup:
     return shard_mesh.get_group() if shard_mesh.size() > 1 else None
 
 
-def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) -> ShardSpec:
+def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module, fmt) -> ShardSpec:
     """Where this rank's shard of ``module.weight`` sits (``ShardSpec``), from FSDP2's shard
     ``mesh`` and outer size and the weight's DTensor placements (tensor parallel / HSDP
     dims); remembers ``mesh`` on ``module`` for ``precompute_scales``. Raises where the
-    weight's format needs dim-0 shards and FSDP2 shards another dim."""
+    weight's format ``fmt`` needs dim-0 shards and FSDP2 shards another dim."""
     from torch.distributed.tensor import DTensor
 
     module.fp8_state.shard_mesh = mesh
@@ -443,7 +443,6 @@ def shard_spec(shard_shape: torch.Size, outer_size: torch.Size, mesh, module) ->
             slot, n_slots = slot * spmd.size(d) + coord[d], n_slots * spmd.size(d)
         outer = dict(full_shape=weight.shape, outer_offset=outer_offset, slot=slot, n_slots=n_slots)
     where = ShardSpec.of(shard_shape, outer_size, rank, world, **outer)
-    fmt = formats.weight(module.config.cast_config_weight)
     if where.dim not in (None, 0) and not fmt.shards_any_dim:
         # alike on every rank (FSDP2 shards other dims evenly), before any collective
         raise ValueError(
@@ -490,10 +489,10 @@ def _precompute_spec(m: nn.Module) -> ShardSpec | None:
         if weight.device_mesh.ndim != 1:
             return None
         mesh = weight.device_mesh
-    shard = weight._local_tensor._tensor
+    shard = weight._local_tensor
     # the outer size is the global one with the non-FSDP dims' sharding applied
     outer = weight.shape if weight.device_mesh.ndim == 1 else _outer_weight(weight, mesh)[0]
-    return shard_spec(shard.shape, torch.Size(outer), mesh, m)
+    return shard_spec(shard._tensor.shape, torch.Size(outer), mesh, m, shard._format)
 
 
 def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
