@@ -13,6 +13,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# make test's pytest workers (pytest-xdist), each test file whole on one (its module fixtures
+# start their gloo groups once): one worker leaves a core idle while dynamo traces, inductor
+# compiles a kernel or a test waits on its ranks. WORKERS=0: one process, as before.
+WORKERS ?= 2
 
 .PHONY: setup demo test lint numbers clean test-torch test-fake-cuda
 
@@ -34,7 +38,7 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collected no test: that is a failure for us.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 FORMATTED := float8kit tests recipes benchmarks tools

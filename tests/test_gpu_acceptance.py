@@ -40,29 +40,22 @@ def test_dry_run_checks_every_step(tmp_path):
     assert "--timing back_to_back,synced" in cmd
 
 
-def test_a_part_runs_its_steps_alone(tmp_path):
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        ["bash", str(SCRIPT), str(tmp_path), "--dry-run", "--part", "2"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
-    steps = json.loads((tmp_path / "steps.json").read_text())
-    assert [s["step"] for s in steps] == ["train", "linear_more", "memory", "precompute"]
-
-
-def test_a_step_with_an_unknown_flag_fails_the_dry_run(tmp_path):
-    # the same checker on a step whose flag the benchmark does not have
+def test_a_step_with_an_unknown_flag_fails_the_dry_run_of_its_part(tmp_path):
+    # the same checker on a step whose flag the benchmark does not have; --part 1 runs
+    # part 1's steps only, and every one of them although one failed
     bad = SCRIPT.read_text().replace("--modes fwd_bwd", "--modez fwd_bwd")
     copy = ROOT / "benchmarks" / f".gpu_acceptance_bad_{os.getpid()}.sh"
     copy.write_text(bad)
     try:
         env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
         run = subprocess.run(
-            ["bash", str(copy), str(tmp_path), "--dry-run"],
+            ["bash", str(copy), str(tmp_path), "--dry-run", "--part", "1"],
             capture_output=True, text=True, env=env, timeout=300,
         )  # fmt: skip
     finally:
         copy.unlink()
     assert run.returncode != 0
     assert "has no flag --modez" in (tmp_path / "linear_compiled.log").read_text()
+    steps = json.loads((tmp_path / "steps.json").read_text())
+    assert [s["step"] for s in steps] == ["linear_compiled", "roofline", "gpu_tests"]
+    assert steps[0]["exit"] != 0

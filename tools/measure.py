@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -1108,9 +1109,12 @@ def _suite(name: str, env: dict[str, str] | None = None, **extra) -> None:
 
     own = "tests/test_docs.py::test_number_file_names_a_clean_commit_that_has_its_scripts"
     deselect = [a for f in SUITE_FILES for a in ("--deselect", f"{own}[{f}]")]
+    # make test's workers: the Makefile's WORKERS
+    workers = re.search(r"^WORKERS \?= (\d+)$", (REPO / "Makefile").read_text(), re.M)[1]
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "junit.xml"
-        args = ("-q", "-p", "no:cacheprovider", f"--junitxml={report}", *deselect)
+        args = ("-q", "-n", workers, "--dist", "loadfile", "-p", "no:cacheprovider")
+        args += (f"--junitxml={report}", *deselect)
         # a cold inductor cache, as on a fresh machine (avx2_env brings its own)
         env = {"TORCHINDUCTOR_CACHE_DIR": str(Path(d) / "inductor"), **(env or {})}
         wall = run("-m", "pytest", *args, env=env)
@@ -1118,7 +1122,8 @@ def _suite(name: str, env: dict[str, str] | None = None, **extra) -> None:
     tests, skipped = int(s.get("tests")), int(s.get("skipped"))
     failed = int(s.get("failures")) + int(s.get("errors"))
     assert failed == 0, f"{failed} tests failed: no suite time is published for a red suite"
-    data = {"tests": tests, "passed": tests - skipped, "skipped": skipped, **extra}
+    data = {"tests": tests, "passed": tests - skipped, "skipped": skipped, "workers": int(workers)}
+    data |= extra
     write(name, ["Makefile", "pyproject.toml"], data, wall, threads=DEFAULT_THREADS)
 
 
