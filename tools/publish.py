@@ -2097,7 +2097,8 @@ INLINE: dict[str, Callable[[], str]] = {
     **{f"{n}.load": _load_avg(n) for n in TIMED_RUNS},
     **{f"{name}.cpu": _cpu(name) for name in ("demo", "suite")},
     **{f"{n}.passed": functools.partial(_passed, n) for n in ("suite", "suite_avx2")},
-    "suite.workers": lambda: str(load("suite")["data"]["workers"]),
+    # (a suite measured before make test had workers ran one process)
+    "suite.workers": lambda: str(load("suite")["data"].get("workers", 1)),
     "cpu_dtype.native_ratio": lambda: _bf16_ratio("native"),
     "cpu_dtype.avx2_ratio": lambda: _bf16_ratio("avx2"),
     "numbers.total_min": lambda: "{} min".format(
