@@ -107,7 +107,8 @@ def simulate_all_gather(full: torch.Tensor, config: Float8LinearConfig, world: i
         # precompute_scales: every rank's group amaxes, one all-reduce(MAX), the scale
         groups = weight_granularity(cast)
         specs = [
-            shard_spec(s.shape, outer, FakeMesh(r, world), module) for r, s in enumerate(shards)
+            shard_spec(s.shape, outer, FakeMesh(r, world), module, groups)
+            for r, s in enumerate(shards)
         ]
         local = [groups.group_amaxes(s, spec) for s, spec in zip(shards, specs, strict=True)]
         amax = torch.stack(local).amax(0)
