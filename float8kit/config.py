@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from typing import ClassVar
 
 import torch
 
@@ -55,11 +56,132 @@ class ScalingGranularity(enum.Enum):
 NVFP4_BLOCK = 16
 # OCP MX: elements per e8m0 scale (the spec's and the Blackwell kernel's only block)
 MX_BLOCK = 32
-# How an MX scale is rounded from amax / fp8_max (``CastConfig.mx_scale_rounding``):
+# How an MX scale is rounded from amax / fp8_max (``MXGranularity.scale_rounding``):
 # "rceil" = up to the next power of two (nothing saturates; torchao's, torchtitan's and
 # Transformer Engine's training recipes, cuBLAS's rule); "floor" = the OCP spec's
 # reference (floor of amax's exponent minus fp8_max's: the largest values may saturate)
 MX_ROUNDINGS = ("rceil", "floor")
+
+
+class GranularitySettings:
+    """A granularity with settings, named by a value (``CastConfig(scaling_granularity=
+    BlockwiseGranularity(block_size=64))``; its ``ScalingGranularity`` member alone means its
+    defaults). It validates its own fields and answers what config validation asks of it."""
+
+    kind: ClassVar[ScalingGranularity]
+    # what the error says when a gemm's two operands need different kernels
+    pairing: ClassVar[str]
+
+    @property
+    def kernel(self) -> tuple:
+        """The block-scaled kernel its operands need: both operands of a gemm need the same."""
+        return (self.kind,)
+
+    def check_use(self, field: str, role: GemmRole) -> None:
+        """Raise naming ``field`` where the settings do not fit an operand of ``role``."""
+
+    def check_gemm(self, gemm: str, left: tuple, right: tuple) -> None:
+        """Raise where the settings of a gemm's two casts (``(field, CastConfig)`` each, both
+        of this granularity) do not go together."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockwiseGranularity(GranularitySettings):
+    """``ScalingGranularity.BLOCKWISE`` with its setting (DeepSeek-V3's 128 by default)."""
+
+    kind: ClassVar[ScalingGranularity] = ScalingGranularity.BLOCKWISE
+    pairing: ClassVar[str] = "a block-scaled gemm needs both operands blockwise, same block_size"
+    # the side of a weight block and the length of an input/grad_output tile (CUDA: 128 only)
+    block_size: int = 128
+
+    def __post_init__(self):
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(
+                f"BlockwiseGranularity.block_size={b!r} must be an int >= 1 (128 for the CUDA "
+                "kernel)"
+            )
+
+    @property
+    def kernel(self) -> tuple:
+        return (self.kind, self.block_size)  # a kernel per block size
+
+    def short(self) -> str:
+        return f"block{self.block_size}"
+
+
+@dataclasses.dataclass(frozen=True)
+class MXGranularity(GranularitySettings):
+    """``ScalingGranularity.MX`` (MXFP8) with its setting: how the e8m0 scale of a 32-element
+    block is rounded, ``"rceil"`` (default: the power of two at or above amax / fp8_max) or
+    ``"floor"`` (the OCP spec's rounding); see ``MX_ROUNDINGS``."""
+
+    kind: ClassVar[ScalingGranularity] = ScalingGranularity.MX
+    pairing: ClassVar[str] = "an MX gemm needs both operands MX"
+    scale_rounding: str = "rceil"
+
+    def __post_init__(self):
+        if self.scale_rounding not in MX_ROUNDINGS:
+            raise ValueError(
+                f"MXGranularity.scale_rounding={self.scale_rounding!r} is not valid: use "
+                "'rceil' (the power of two at or above amax / fp8_max) or 'floor'"
+            )
+
+    def short(self) -> str:
+        return f"mx{MX_BLOCK}{self.scale_rounding}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Granularity(GranularitySettings):
+    """``ScalingGranularity.NVFP4`` with its settings. ``stochastic_rounding``: grad_output
+    casts only: round the e2m1 elements stochastically (unbiased; fresh draws from torch's
+    generator every backward) instead of to nearest. ``hadamard``: the grad_weight gemm's
+    casts only (both of its operands alike): the 16x16 random Hadamard transform along the
+    token dim before the cast."""
+
+    kind: ClassVar[ScalingGranularity] = ScalingGranularity.NVFP4
+    pairing: ClassVar[str] = "an NVFP4 gemm needs both operands NVFP4"
+    stochastic_rounding: bool = False
+    hadamard: bool = False
+
+    def __post_init__(self):
+        for name in ("stochastic_rounding", "hadamard"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"NVFP4Granularity.{name}={getattr(self, name)!r} must be a bool")
+
+    def short(self) -> str:
+        return f"nvfp4{'_sr' * self.stochastic_rounding}{'_rht' * self.hadamard}"
+
+    def check_use(self, field, role):
+        if self.stochastic_rounding and role is not GemmRole.GRAD_OUTPUT:
+            raise ValueError(
+                f"Float8LinearConfig.{field} has stochastic_rounding=True, but only gradients "
+                "are rounded stochastically (an input or weight rounded so would add noise to "
+                "the forward pass): set it on cast_config_grad_output / "
+                "cast_config_grad_output_for_grad_weight"
+            )
+
+    def check_gemm(self, gemm, left, right):
+        # a Hadamard transform is exact only when both operands of the grad_weight gemm get it
+        (lname, lcfg), (rname, rcfg) = left, right
+        lh, rh = lcfg.option("hadamard"), rcfg.option("hadamard")
+        if (lh or rh) and gemm != "grad_weight":
+            raise ValueError(
+                f"Float8LinearConfig.{lname if lh else rname} has hadamard=True, but the "
+                "Hadamard transform applies to the grad_weight gemm only (along the tokens it "
+                f"reduces), not the {gemm} gemm: set hadamard=True on "
+                "cast_config_input_for_grad_weight and cast_config_grad_output_for_grad_weight only"
+            )
+        if lh != rh:
+            raise ValueError(
+                f"Float8LinearConfig: the grad_weight gemm has {lname} hadamard={lh} but "
+                f"{rname} hadamard={rh}; the transform cancels only when both operands get it: "
+                "set both or neither"
+            )
+
+
+# the granularities with settings, by their member: the member alone means these defaults
+GRANULARITY_OPTIONS = {c.kind: c for c in (BlockwiseGranularity, MXGranularity, NVFP4Granularity)}
 
 
 class GemmRole(enum.Enum):
@@ -158,16 +280,20 @@ def _coerce_enum(obj, field: str, enum_cls: type[enum.Enum]) -> None:
     )
 
 
-# CastConfig settings that one scaling type or granularity uses: (field, its default, the
-# field that selects it, the value it needs there)
+# 0.4's CastConfig fields that are now a granularity's settings: field -> its setting's name
+_MOVED_SETTINGS = {
+    "block_size": "block_size",
+    "mx_scale_rounding": "scale_rounding",
+    "stochastic_rounding": "stochastic_rounding",
+    "hadamard": "hadamard",
+}
+
+# CastConfig settings that one scaling type uses: (field, its default, the field that selects
+# it, the value it needs there)
 _ONLY_WITH = (
     ("amax_history_len", 16, "scaling_type", ScalingType.DELAYED),
     ("delayed_scale_from", "max", "scaling_type", ScalingType.DELAYED),
     ("static_scale", None, "scaling_type", ScalingType.STATIC),
-    ("block_size", 128, "scaling_granularity", ScalingGranularity.BLOCKWISE),
-    ("mx_scale_rounding", "rceil", "scaling_granularity", ScalingGranularity.MX),
-    ("stochastic_rounding", False, "scaling_granularity", ScalingGranularity.NVFP4),
-    ("hadamard", False, "scaling_granularity", ScalingGranularity.NVFP4),
 )
 
 
@@ -177,7 +303,10 @@ class CastConfig:
 
     Args:
         scaling_type: where the scale comes from (``ScalingType`` or its string value).
-        scaling_granularity: one scale per tensor or per row/column.
+        scaling_granularity: how many scales: a ``ScalingGranularity`` member (or its
+            string value), or a granularity with its settings: ``BlockwiseGranularity``,
+            ``MXGranularity``, ``NVFP4Granularity`` (the member alone: their defaults).
+            Stored as the member, its settings in ``granularity_options``.
         target_dtype: the float8 dtype; None picks the role's default (e4m3 for input and
             weight, e5m2 for grad_output when tensorwise, e4m3 everywhere when axiswise).
         amax_history_len: DELAYED only: how many steps' amaxes the history keeps.
@@ -185,21 +314,16 @@ class CastConfig:
             history (robust to a shrinking range), ``"most_recent"`` from the last step's.
         static_scale: STATIC only: the fixed scale (``fp8 = saturate(hp * static_scale)``);
             None = set per layer by ``float8kit.calibrate``. Required for grad_output.
-        block_size: BLOCKWISE only: the side of a weight block and the length of an
-            input/grad_output tile (the CUDA kernel takes 128 only).
-        mx_scale_rounding: MX only: ``"rceil"`` (default: the power of two at or above
-            amax / fp8_max) or ``"floor"`` (the OCP spec's rounding); see ``MX_ROUNDINGS``.
-        stochastic_rounding: NVFP4 grad_output casts only: round the e2m1 elements
-            stochastically (unbiased; fresh draws from torch's generator every backward)
-            instead of to nearest.
-        hadamard: NVFP4 casts for the grad_weight gemm only (both of its operands alike):
-            apply the 16x16 random Hadamard transform along the token dim before the cast.
+        granularity_options: the settings of a granularity that has them, filled from
+            ``scaling_granularity`` (whose value wins where both are given, as
+            ``dataclasses.replace`` gives them); None for tensorwise and axiswise.
     """
 
     # where the scale comes from
     scaling_type: ScalingType = ScalingType.DYNAMIC
-    # one scale per tensor, or one per row of the left / column of the right gemm operand
-    scaling_granularity: ScalingGranularity = ScalingGranularity.TENSORWISE
+    # one scale per tensor, one per row of the left / column of the right gemm operand, or
+    # per block; a member or a granularity value with settings (BlockwiseGranularity, ...)
+    scaling_granularity: ScalingGranularity | GranularitySettings = ScalingGranularity.TENSORWISE
     # float8 dtype to cast to; None = the role's default
     target_dtype: torch.dtype | None = None
     # DELAYED: number of steps in the amax history
@@ -208,18 +332,13 @@ class CastConfig:
     delayed_scale_from: str = "max"
     # STATIC: the fixed scale; None = per layer from float8kit.calibrate
     static_scale: float | None = None
-    # BLOCKWISE: weight blocks are block_size x block_size, activation tiles 1 x block_size
-    block_size: int = 128
-    # MX: how the e8m0 scale of a 32-element block is rounded ("rceil" or "floor")
-    mx_scale_rounding: str = "rceil"
-    # NVFP4 (grad_output only): stochastic rounding of the e2m1 elements
-    stochastic_rounding: bool = False
-    # NVFP4 (the grad_weight gemm's operands only): 16x16 random Hadamard transform first
-    hadamard: bool = False
+    # the granularity's settings (BlockwiseGranularity, MXGranularity, NVFP4Granularity):
+    # filled from scaling_granularity, None where it has none
+    granularity_options: GranularitySettings | None = None
 
     def __post_init__(self):
         _coerce_enum(self, "scaling_type", ScalingType)
-        _coerce_enum(self, "scaling_granularity", ScalingGranularity)
+        self._split_granularity()
         if self.target_dtype is not None and self.target_dtype not in FP8_DTYPES:
             raise ValueError(
                 f"CastConfig.target_dtype={self.target_dtype} is not a float8 dtype: use "
@@ -252,20 +371,7 @@ class CastConfig:
                     "(fp8 = saturate(hp * static_scale)); e.g. fp8_max / expected_amax"
                 )
             object.__setattr__(self, "static_scale", float(s))
-        b = self.block_size
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(
-                f"CastConfig.block_size={b!r} must be an int >= 1 (128 for the CUDA kernel)"
-            )
-        if self.mx_scale_rounding not in MX_ROUNDINGS:
-            raise ValueError(
-                f"CastConfig.mx_scale_rounding={self.mx_scale_rounding!r} is not valid: use "
-                "'rceil' (the power of two at or above amax / fp8_max) or 'floor'"
-            )
-        for name in ("stochastic_rounding", "hadamard"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"CastConfig.{name}={getattr(self, name)!r} must be a bool")
-        # a setting that only one policy or format uses, set on a cast without it, is a
+        # a setting that only one policy uses, set on a cast without it, is a
         # config the user did not mean: say so instead of ignoring it
         for name, default, field, needs in _ONLY_WITH:
             if getattr(self, name) != default and getattr(self, field) is not needs:
@@ -279,6 +385,40 @@ class CastConfig:
                 f"CastConfig.target_dtype={self.target_dtype} does not apply to NVFP4 (e2m1 "
                 "elements, e4m3 block scales): leave target_dtype=None"
             )
+
+    def _split_granularity(self) -> None:
+        """``scaling_granularity`` -> its member; its settings -> ``granularity_options``."""
+        given, opts = self.scaling_granularity, self.granularity_options
+        if isinstance(given, GranularitySettings):  # wins (dataclasses.replace passes both)
+            given, opts = given.kind, given
+        object.__setattr__(self, "scaling_granularity", given)
+        _coerce_enum(self, "scaling_granularity", ScalingGranularity)
+        kind = GRANULARITY_OPTIONS.get(self.scaling_granularity)
+        if opts is None and kind is not None:
+            opts = kind()
+        if opts is not None and type(opts) is not kind:
+            fix = f"pass {kind.__name__}(...) as scaling_granularity" if kind else "drop it"
+            raise ValueError(
+                f"CastConfig.granularity_options={opts!r} does not apply to scaling_granularity="
+                f"{self.scaling_granularity.value!r}, which has no such settings: {fix}"
+            )
+        object.__setattr__(self, "granularity_options", opts)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickle, also a CastConfig pickled by float8kit 0.4 (a checkpoint's FSDP2 weight
+        carries its config), which kept its granularity's settings as four fields."""
+        moved = {_MOVED_SETTINGS[k]: state.pop(k) for k in list(state) if k in _MOVED_SETTINGS}
+        kind = GRANULARITY_OPTIONS.get(state["scaling_granularity"])
+        if "granularity_options" not in state:
+            ours = {f.name for f in dataclasses.fields(kind)} if kind else ()
+            opts = {k: v for k, v in moved.items() if k in ours}
+            state["granularity_options"] = kind(**opts) if kind else None
+        self.__dict__.update(state)
+
+    def option(self, name: str):
+        """A granularity setting, False where this cast's granularity does not have it (how
+        ``stochastic_rounding`` and ``hadamard`` read on a non-NVFP4 cast)."""
+        return getattr(self.granularity_options, name, False)
 
     @property
     def is_mx(self) -> bool:
@@ -309,15 +449,10 @@ class CastConfig:
         if not self.enabled:
             return "hp"
         dtype = "e4m3" if self.dtype_for(role) == E4M3 else "e5m2"
-        gran = {
-            ScalingGranularity.TENSORWISE: "tensor",
-            ScalingGranularity.AXISWISE: "axis",
-            ScalingGranularity.BLOCKWISE: f"block{self.block_size}",
-            ScalingGranularity.MX: f"mx{MX_BLOCK}{self.mx_scale_rounding}",
-        }.get(self.scaling_granularity)
+        opts = self.granularity_options
+        gran = opts.short() if opts is not None else self.scaling_granularity.value[:-4]
         if self.is_nvfp4:  # e2m1 elements: no float8 dtype to name
-            extras = ("_sr" if self.stochastic_rounding else "") + ("_rht" if self.hadamard else "")
-            return f"{self.scaling_type.value[:3]}_nvfp4{extras}"
+            return f"{self.scaling_type.value[:3]}_{gran}"
         return f"{self.scaling_type.value[:3]}_{gran}_{dtype}"
 
 
@@ -334,25 +469,14 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.use_fast_accum={self.use_fast_accum!r} must be a bool")
 
 
-# the block-scaled gemm kernels, by the granularity whose operands they take (both of them)
-_PAIRING = {
-    ScalingGranularity.MX: "an MX gemm needs both operands ScalingGranularity.MX",
-    ScalingGranularity.NVFP4: "an NVFP4 gemm needs both operands ScalingGranularity.NVFP4",
-    ScalingGranularity.BLOCKWISE: "a block-scaled gemm needs both operands "
-    "ScalingGranularity.BLOCKWISE with the same block_size",
-}
-
-
-def _block_kernel(cast: CastConfig) -> tuple[ScalingGranularity, int] | None:
-    """The block-scaled kernel a cast's operands need (granularity, block_size), or None."""
-    g = cast.scaling_granularity
-    return (g, cast.block_size) if g in _PAIRING else None
+def _kernel(cast: CastConfig) -> tuple | None:
+    """The block-scaled kernel a cast's operands need (its granularity's), or None."""
+    return None if cast.granularity_options is None else cast.granularity_options.kernel
 
 
 def _blocks(cast: CastConfig) -> str:
-    """The granularity of a cast, with its block_size where it has one."""
-    g, b = cast.scaling_granularity, cast.block_size
-    return f"{g.value} (block_size={b})" if g is ScalingGranularity.BLOCKWISE else g.value
+    """The granularity of a cast, with its settings where it has them."""
+    return repr(cast.granularity_options or cast.scaling_granularity.value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,40 +589,18 @@ class Float8LinearConfig:
                 )
             # A block-scaled kernel (MX, NVFP4, blockwise) multiplies operands of its own
             # blocks only, with one block along the inner dim K.
-            kernels = (_block_kernel(lcfg), _block_kernel(rcfg))
-            if lcfg.enabled and kernels[0] != kernels[1]:
-                kernel = kernels[0] or kernels[1]
+            if lcfg.enabled and _kernel(lcfg) != _kernel(rcfg):
+                opts = lcfg.granularity_options or rcfg.granularity_options
                 raise ValueError(
                     f"Float8LinearConfig: the {gemm} gemm has {left} {_blocks(lcfg)} but "
-                    f"{right} {_blocks(rcfg)}; {_PAIRING[kernel[0]]}, or neither"
+                    f"{right} {_blocks(rcfg)}; {opts.pairing}, or neither"
                 )
-            # A Hadamard transform is exact only when both operands of the grad_weight gemm
-            # get it.
-            if lcfg.enabled and (lcfg.hadamard or rcfg.hadamard):
-                if gemm != "grad_weight":
-                    name = left if lcfg.hadamard else right
-                    raise ValueError(
-                        f"Float8LinearConfig.{name} has hadamard=True, but the Hadamard "
-                        f"transform applies to the grad_weight gemm only (along the tokens it "
-                        f"reduces), not the {gemm} gemm: set hadamard=True on "
-                        "cast_config_input_for_grad_weight and "
-                        "cast_config_grad_output_for_grad_weight only"
-                    )
-                if lcfg.hadamard != rcfg.hadamard:
-                    raise ValueError(
-                        f"Float8LinearConfig: the grad_weight gemm has {left} hadamard="
-                        f"{lcfg.hadamard} but {right} hadamard={rcfg.hadamard}; the transform "
-                        "cancels only when both operands get it: set both or neither"
-                    )
+            if lcfg.enabled and lcfg.granularity_options is not None:
+                lcfg.granularity_options.check_gemm(gemm, (left, lcfg), (right, rcfg))
         for role, pair in self.operand_uses().items():
             for name in pair:
-                if getattr(self, name).stochastic_rounding and role is not GemmRole.GRAD_OUTPUT:
-                    raise ValueError(
-                        f"Float8LinearConfig.{name} has stochastic_rounding=True, but only "
-                        "gradients are rounded stochastically (an input or weight rounded so "
-                        "would add noise to the forward pass): set it on "
-                        "cast_config_grad_output / cast_config_grad_output_for_grad_weight"
-                    )
+                if getattr(self, name).granularity_options is not None:
+                    getattr(self, name).granularity_options.check_use(name, role)
         if not any(
             getattr(self, name).enabled for pair in self.operand_uses().values() for name in pair
         ):
@@ -775,7 +877,7 @@ class Float8ReduceScatterConfig:
             raise ValueError(
                 f"Float8ReduceScatterConfig.cast_config={c!r} is not supported: gradient "
                 "blocks are cast DYNAMIC BLOCKWISE; use CastConfig(scaling_granularity="
-                "ScalingGranularity.BLOCKWISE, target_dtype=..., block_size=...)"
+                "BlockwiseGranularity(block_size=...), target_dtype=...)"
             )
         if not isinstance(self.round_scales_to_power_of_2, bool):
             raise ValueError(
@@ -791,7 +893,7 @@ class Float8ReduceScatterConfig:
     @property
     def block_size(self) -> int:
         """Elements per scale along the flattened gradient."""
-        return self.cast_config.block_size
+        return self.cast_config.granularity_options.block_size
 
 
 class Float8Recipe(enum.Enum):
@@ -885,14 +987,17 @@ def nvfp4_config(*, hadamard: bool = True, stochastic_rounding: bool = True) -> 
     ``stochastic_rounding``: gradients (grad_output, in both of its gemms) rounded
     stochastically. The recipe's third part, the last ~15% of layers in hp, is a module
     filter: ``float8kit.hp_tail_filter``."""
-    fp4 = CastConfig(scaling_granularity=ScalingGranularity.NVFP4)
-    grad = dataclasses.replace(fp4, stochastic_rounding=stochastic_rounding)
+
+    def fp4(**settings) -> CastConfig:
+        return CastConfig(scaling_granularity=NVFP4Granularity(**settings))
+
+    sr = stochastic_rounding
     return Float8LinearConfig(
-        cast_config_input=fp4,
-        cast_config_input_for_grad_weight=dataclasses.replace(fp4, hadamard=hadamard),
-        cast_config_weight=fp4,
-        cast_config_grad_output=grad,
-        cast_config_grad_output_for_grad_weight=dataclasses.replace(grad, hadamard=hadamard),
+        cast_config_input=fp4(),
+        cast_config_input_for_grad_weight=fp4(hadamard=hadamard),
+        cast_config_weight=fp4(),
+        cast_config_grad_output=fp4(stochastic_rounding=sr),
+        cast_config_grad_output_for_grad_weight=fp4(stochastic_rounding=sr, hadamard=hadamard),
         gemm_config_output=GemmConfig(),
     )
 

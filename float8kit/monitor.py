@@ -136,7 +136,7 @@ def _operand_sums(
     # a stochastically rounded cast draws random bits: from a fork of torch's generators, so
     # that monitoring leaves the training run's random stream as it was
     devices = [hp.device] if hp.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=cast.stochastic_rounding):
+    with torch.random.fork_rng(devices=devices, enabled=cast.option("stochastic_rounding")):
         fp8 = cast_to_float8(hp, cast, role, reduce_dim, c, state_scale, None, scale_set)
     gran, data = fp8._gran, fp8._data
     scale = gran.multiplier(fp8._scale, data.shape)

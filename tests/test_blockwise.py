@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from float8kit import (
+    BlockwiseGranularity,
     CastConfig,
     Float8Linear,
     Float8LinearConfig,
     GemmRole,
-    ScalingGranularity,
     convert_to_float8_training,
     default_module_filter,
 )
@@ -36,19 +36,19 @@ def cast(hp, role, reduce_dim, config=BW):
 def test_recipe_is_e4m3_blockwise_everywhere():
     for name in ("input", "weight", "grad_output"):
         c = getattr(BW, f"cast_config_{name}")
-        assert c.scaling_granularity is ScalingGranularity.BLOCKWISE and c.block_size == 128
+        assert c.granularity_options == BlockwiseGranularity(128)
         assert c.dtype_for(GemmRole.GRAD_OUTPUT) == torch.float8_e4m3fn
     assert not BW.gemm_config_output.use_fast_accum
 
 
 def test_block_of_a_gemm_pair_must_match():
     block = CastConfig(scaling_granularity="blockwise")
-    with pytest.raises(ValueError, match="output gemm.*BLOCKWISE"):
+    with pytest.raises(ValueError, match="output gemm.*Blockwise.*both operands blockwise"):
         Float8LinearConfig(cast_config_input=block, cast_config_grad_output=block)
     with pytest.raises(ValueError, match="block_size"):
         Float8LinearConfig(
             cast_config_input=block,
-            cast_config_weight=CastConfig(scaling_granularity="blockwise", block_size=64),
+            cast_config_weight=CastConfig(scaling_granularity=BlockwiseGranularity(64)),
             cast_config_grad_output=block,
         )
     with pytest.raises(ValueError, match="delayed and static scaling are tensorwise only"):

@@ -8,7 +8,7 @@ import torch._dynamo.testing
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training
+from float8kit import Float8LinearConfig, GemmRole, MXGranularity, convert_to_float8_training
 from float8kit.cast import cast_to_float8
 from tests.helpers import COMPILE_IS_BITWISE, recipes
 
@@ -143,7 +143,7 @@ def test_compiled_mx_cast_is_bitwise_eager(rounding):
     from dataclasses import replace
 
     config = Float8LinearConfig.from_recipe_name("mxfp8")
-    cast_config = replace(config.cast_config_input, mx_scale_rounding=rounding)
+    cast_config = replace(config.cast_config_input, scaling_granularity=MXGranularity(rounding))
     # fp32, magnitudes over many binades, and a block whose amax / 448 is just above a power
     # of two (where an fp32 log2 can misround the RCEIL exponent)
     x = torch.randn(96, 64) * torch.exp2(torch.randint(-20, 20, (96, 1)).float())

@@ -1,4 +1,5 @@
 import dataclasses
+import io
 
 import pytest
 import torch
@@ -6,9 +7,12 @@ import torch
 from float8kit import (
     E4M3,
     E5M2,
+    BlockwiseGranularity,
     CastConfig,
     Float8LinearConfig,
     GemmRole,
+    MXGranularity,
+    NVFP4Granularity,
     ScalingGranularity,
     ScalingType,
 )
@@ -25,14 +29,59 @@ def test_cast_config_accepts_enum_values_as_strings():
     [
         ({"scaling_type": "fastest"}, "CastConfig.scaling_type"),
         ({"scaling_granularity": "blocky"}, "CastConfig.scaling_granularity"),
-        ({"block_size": 0}, "CastConfig.block_size"),
-        ({"block_size": 64}, "CastConfig.block_size"),
+        ({"granularity_options": BlockwiseGranularity(64)}, "CastConfig.granularity_options"),
+        (
+            {"scaling_granularity": "mx", "granularity_options": BlockwiseGranularity()},
+            "CastConfig.granularity_options",
+        ),
         ({"target_dtype": torch.bfloat16}, "CastConfig.target_dtype"),
     ],
 )
 def test_cast_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         CastConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: BlockwiseGranularity(0), "BlockwiseGranularity.block_size=0"),
+        (lambda: BlockwiseGranularity(True), "BlockwiseGranularity.block_size=True"),
+        (lambda: MXGranularity("up"), "MXGranularity.scale_rounding='up'"),
+        (lambda: NVFP4Granularity(stochastic_rounding=1), "NVFP4Granularity.stochastic_rounding"),
+        (lambda: NVFP4Granularity(hadamard="yes"), "NVFP4Granularity.hadamard"),
+    ],
+)
+def test_granularity_settings_errors_name_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_a_granularity_value_is_its_member_with_settings():
+    """The member alone means the default settings; a value keeps its own; dataclass
+    ``replace`` keeps them; a 0.4 pickle's four fields load into the settings."""
+    assert CastConfig(scaling_granularity="blockwise") == CastConfig(
+        scaling_granularity=BlockwiseGranularity(128)
+    )
+    cast = CastConfig(scaling_granularity=BlockwiseGranularity(64), target_dtype=E4M3)
+    assert cast.scaling_granularity is ScalingGranularity.BLOCKWISE
+    assert dataclasses.replace(cast, target_dtype=E5M2).granularity_options.block_size == 64
+    assert CastConfig().granularity_options is None and CastConfig().option("hadamard") is False
+    old = {
+        "scaling_type": ScalingType.DYNAMIC, "scaling_granularity": ScalingGranularity.MX,
+        "target_dtype": None, "amax_history_len": 16, "delayed_scale_from": "max",
+        "static_scale": None, "block_size": 128, "mx_scale_rounding": "floor",
+        "stochastic_rounding": False, "hadamard": False,
+    }  # fmt: skip
+    # the bytes 0.4 pickled: this class path with the old fields as its state
+    pickled_by_04 = CastConfig.__new__(CastConfig)
+    pickled_by_04.__dict__.update(old)
+    buf = io.BytesIO()
+    torch.save({"cast": pickled_by_04, "new": cast}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    assert loaded["cast"] == CastConfig(scaling_granularity=MXGranularity("floor"))
+    assert loaded["new"] == cast
 
 
 def test_role_default_dtypes():

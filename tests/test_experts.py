@@ -31,6 +31,7 @@ from float8kit import (
     Float8ExpertWeight,
     Float8LinearConfig,
     GemmConfig,
+    MXGranularity,
     convert_experts_to_float8_training,
     convert_to_float8_training,
 )
@@ -526,7 +527,9 @@ def test_mx_experts_match_torchao_emulated_bitwise(counts, dtype, rounding):
         pad_token_groups_for_grouped_mm=True,
     )
     want.backward(go)
-    cast_config = dataclasses.replace(MX_CONFIG.cast_config, mx_scale_rounding=rounding)
+    cast_config = dataclasses.replace(
+        MX_CONFIG.cast_config, scaling_granularity=MXGranularity(rounding)
+    )
     config = dataclasses.replace(MX_CONFIG, cast_config=cast_config)
     got, x8, w8 = _mx_grouped(x, w, offs, config)
     got.backward(go.to(dtype))
@@ -681,7 +684,7 @@ def _same_prefix_then_zeros(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 def test_mx_config_named_preset_and_validation_name_the_field():
-    assert MX_CONFIG.cast_config.is_mx and MX_CONFIG.cast_config.mx_scale_rounding == "rceil"
+    assert MX_CONFIG.cast_config.granularity_options == MXGranularity("rceil")
     assert Float8ExpertsConfig.from_recipe_name("rowwise") == Float8ExpertsConfig()
     with pytest.raises(ValueError, match="unknown Float8ExpertsConfig recipe 'blockwise'"):
         Float8ExpertsConfig.from_recipe_name("blockwise")

@@ -18,7 +18,13 @@ import pytest
 import torch
 from torch import nn
 
-from float8kit import CastConfig, Float8LinearConfig, ScalingGranularity, convert_to_float8_training
+from float8kit import (
+    CastConfig,
+    Float8LinearConfig,
+    MXGranularity,
+    ScalingGranularity,
+    convert_to_float8_training,
+)
 from float8kit import scaling as scaling_mod
 from float8kit.cast import cast_to_float8, to_mx
 from float8kit.config import E4M3, E5M2, GemmRole, ScalingType
@@ -27,7 +33,7 @@ from float8kit.formats import MX
 from tests.helpers import sqnr
 
 MX_CAST = CastConfig(scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3)
-FLOOR_CAST = dataclasses.replace(MX_CAST, mx_scale_rounding="floor")
+FLOOR_CAST = dataclasses.replace(MX_CAST, scaling_granularity=MXGranularity("floor"))
 
 
 def mxfp8(rounding: str = "rceil") -> Float8LinearConfig:
@@ -319,10 +325,10 @@ def test_zero_input_gives_zeros_and_nan_stays_visible():
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="CastConfig.mx_scale_rounding='up'"):
-        CastConfig(scaling_granularity=ScalingGranularity.MX, mx_scale_rounding="up")
-    with pytest.raises(ValueError, match="mx_scale_rounding='floor' is only used with"):
-        CastConfig(mx_scale_rounding="floor")
+    with pytest.raises(ValueError, match="MXGranularity.scale_rounding='up'"):
+        CastConfig(scaling_granularity=MXGranularity("up"))
+    with pytest.raises(ValueError, match="does not apply to scaling_granularity='tensorwise'"):
+        CastConfig(granularity_options=MXGranularity("floor"))
     with pytest.raises(ValueError, match="scaling_granularity='mx' is not supported"):
         CastConfig(scaling_type=ScalingType.DELAYED, scaling_granularity="mx")
     with pytest.raises(ValueError, match="an MX gemm needs both operands"):

@@ -21,6 +21,7 @@ from float8kit import (
     CastConfig,
     Float8Linear,
     Float8LinearConfig,
+    NVFP4Granularity,
     ScalingGranularity,
     gemm,
     nvfp4_config,
@@ -329,8 +330,6 @@ def test_compiled_is_bitwise_eager_without_graph_breaks(monkeypatch):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(stochastic_rounding=True), "stochastic_rounding"),
-        (dict(hadamard=True), "hadamard"),
         (dict(scaling_granularity=NV, target_dtype=torch.float8_e5m2), "target_dtype"),
         (dict(scaling_granularity=NV, scaling_type="delayed"), "scaling_granularity"),
     ],
@@ -344,18 +343,20 @@ def test_linear_config_errors_name_the_field():
     fp4 = CastConfig(scaling_granularity=NV)
     with pytest.raises(ValueError, match="cast_config_input has stochastic_rounding"):
         Float8LinearConfig(
-            cast_config_input=dataclasses.replace(fp4, stochastic_rounding=True),
+            cast_config_input=CastConfig(scaling_granularity=NVFP4Granularity(True)),
             cast_config_weight=fp4,
             cast_config_grad_output=fp4,
         )
     with pytest.raises(ValueError, match="cast_config_weight_for_grad_input has hadamard"):
         dataclasses.replace(
             nvfp4_config(),
-            cast_config_weight_for_grad_input=dataclasses.replace(fp4, hadamard=True),
+            cast_config_weight_for_grad_input=CastConfig(
+                scaling_granularity=NVFP4Granularity(hadamard=True)
+            ),
         )
     with pytest.raises(ValueError, match="hadamard=True but cast_config_input_for_grad_weight"):
         dataclasses.replace(nvfp4_config(), cast_config_input_for_grad_weight=fp4)
-    with pytest.raises(ValueError, match="needs both operands ScalingGranularity.NVFP4"):
+    with pytest.raises(ValueError, match="an NVFP4 gemm needs both operands NVFP4"):
         Float8LinearConfig(cast_config_input=fp4, cast_config_grad_output=fp4)
     assert Float8LinearConfig.from_recipe_name("nvfp4") == nvfp4_config()
 

@@ -110,7 +110,7 @@ def test_tiny_mxfp8_tracks_bf16(tiny60):
 
 def test_mxfp8_converts_every_32_aligned_linear_to_mx():
     import float8kit
-    from float8kit.config import MX_BLOCK, ScalingGranularity
+    from float8kit.config import MX_BLOCK, MXGranularity
 
     args = train.parse_args(["--preset", "tiny", "--float8", "mxfp8"])
     model = train.build_model(args, torch.device("cpu"), 1, False)
@@ -123,8 +123,7 @@ def test_mxfp8_converts_every_32_aligned_linear_to_mx():
         if aligned:
             cfg = mod.config
             casts = [cfg.cast_config_input, cfg.cast_config_weight, cfg.cast_config_grad_output]
-            assert all(c.scaling_granularity is ScalingGranularity.MX for c in casts), name
-            assert all(c.is_mx and c.mx_scale_rounding == "rceil" for c in casts), name
+            assert all(c.granularity_options == MXGranularity("rceil") for c in casts), name
             mx_layers += 1
     assert mx_layers == 8  # q, k, v, o of the 2 blocks; the FFN is 64 x 176, 176 = 5.5 x 32
 

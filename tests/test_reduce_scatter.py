@@ -21,6 +21,7 @@ from benchmarks.measures.qgz import _grad_sqnr
 from float8kit import (
     E4M3,
     E5M2,
+    BlockwiseGranularity,
     CastConfig,
     Float8LinearConfig,
     Float8ReduceScatterConfig,
@@ -34,7 +35,7 @@ from tests.helpers import sqnr
 
 def _rs(dtype=None, block_size: int = 128, **kwargs) -> Float8ReduceScatterConfig:
     """A qgZ config sending ``dtype`` (default e4m3) in blocks of ``block_size``."""
-    cast = CastConfig(scaling_granularity="blockwise", target_dtype=dtype, block_size=block_size)
+    cast = CastConfig(scaling_granularity=BlockwiseGranularity(block_size), target_dtype=dtype)
     return Float8ReduceScatterConfig(cast, **kwargs)
 
 
@@ -159,8 +160,8 @@ def test_power_of_2_scales_keep_gradients_near_fp32_max_finite(dtype):
     "make, match",
     [
         (lambda: _rs(torch.bfloat16), "CastConfig.target_dtype"),
-        (lambda: _rs(block_size=0), "CastConfig.block_size"),
-        (lambda: _rs(block_size=128.0), "CastConfig.block_size"),
+        (lambda: _rs(block_size=0), "BlockwiseGranularity.block_size"),
+        (lambda: _rs(block_size=128.0), "BlockwiseGranularity.block_size"),
         (lambda: Float8ReduceScatterConfig(CastConfig()), "Float8ReduceScatterConfig.cast_config"),
         (lambda: Float8ReduceScatterConfig(round_scales_to_power_of_2=1), "round_scales_to_power"),
     ],

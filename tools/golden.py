@@ -60,6 +60,7 @@ from torch import nn  # noqa: E402
 import float8kit  # noqa: E402
 from float8kit import (  # noqa: E402
     E5M2,
+    BlockwiseGranularity,
     CastConfig,
     Float8ColwiseParallel,
     Float8ExpertsConfig,
@@ -726,7 +727,7 @@ def dist_cases() -> dict[str, Callable[[Recorder], None]]:
     cases["qgz/tensorwise/e5m2_pow2_block64"] = _qgz_case(
         "tensorwise",
         rs=Float8ReduceScatterConfig(
-            CastConfig(scaling_granularity="blockwise", target_dtype=E5M2, block_size=64),
+            CastConfig(scaling_granularity=BlockwiseGranularity(64), target_dtype=E5M2),
             round_scales_to_power_of_2=True,
         ),
     )

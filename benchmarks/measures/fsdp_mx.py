@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.measures.gloo import _Count, _data, _train
-from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training
+from float8kit import Float8LinearConfig, GemmRole, MXGranularity, convert_to_float8_training
 from float8kit import linear as f8linear
 from float8kit.cast import cast_to_float8
 from float8kit.tensor import local
@@ -25,7 +25,7 @@ MX_AG = dataclasses.replace(MX, enable_fsdp_float8_all_gather=True)
 FLOOR = dataclasses.replace(
     MX,
     **{
-        f.name: dataclasses.replace(getattr(MX, f.name), mx_scale_rounding="floor")
+        f.name: dataclasses.replace(getattr(MX, f.name), scaling_granularity=MXGranularity("floor"))
         for f in dataclasses.fields(MX)
         if f.name.startswith("cast_config_")
     },

@@ -21,7 +21,7 @@ from float8kit import (
     CastConfig,
     Float8Linear,
     Float8LinearConfig,
-    ScalingGranularity,
+    MXGranularity,
     ScalingType,
     calibrate,
     convert_to_float8_training,
@@ -225,9 +225,7 @@ MX_ACCURACY_DB = {"rceil": (28, 28, 28), "floor": (24, 24, 27)}
 
 def mx_config(rounding: str = "rceil") -> Float8LinearConfig:
     """The mxfp8 recipe with every cast's e8m0 scale rounded ``rounding``."""
-    mx = CastConfig(
-        scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3, mx_scale_rounding=rounding
-    )
+    mx = CastConfig(scaling_granularity=MXGranularity(rounding), target_dtype=E4M3)
     return Float8LinearConfig(
         cast_config_input=mx, cast_config_weight=mx, cast_config_grad_output=mx
     )

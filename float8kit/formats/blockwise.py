@@ -51,7 +51,7 @@ class Blockwise(WholeBlocks, GroupScaledGather, Float8Elements, Format):
     def for_operand(cls, cast, role, reduce_dim, ndim):
         # weights in square blocks (which serve both of their gemms), activations in
         # 1 x block_size tiles along the reduced dim (block_size x 1 when that is dim 0)
-        b = cast.block_size
+        b = cast.granularity_options.block_size
         if role is GemmRole.WEIGHT:
             return cls(b, b)
         return cls(1, b) if reduce_dim in (1, -1) else cls(b, 1)
@@ -59,7 +59,7 @@ class Blockwise(WholeBlocks, GroupScaledGather, Float8Elements, Format):
     @classmethod
     def filter_multiple(cls, cast):
         # the block-scaled kernel tiles both dims of the weight in whole blocks
-        return math.lcm(16, cast.block_size)
+        return math.lcm(16, cast.granularity_options.block_size)
 
     def short(self) -> str:
         return f"blockwise({self.rows}x{self.cols})"
@@ -198,7 +198,7 @@ def block_kernel_plan(
         raise ValueError(
             f"block-scaled float8 gemm on CUDA needs a left operand in 1x{bk} tiles and a "
             f"right one in {bk}x{bk} blocks or {bk}x1 tiles; got {block_a[0]}x{block_a[1]} "
-            f"and {block_b[0]}x{block_b[1]}{where}: use CastConfig.block_size={bk}"
+            f"and {block_b[0]}x{block_b[1]}{where}: use BlockwiseGranularity(block_size={bk})"
         )
     n_align = bk if block_b == (bk, bk) else CUDA_ALIGN
     if n % n_align:

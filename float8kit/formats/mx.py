@@ -60,7 +60,7 @@ class MX(AlongDim, Float8Elements, Format):
         return to_fp8_saturated(hp, self.multiplier(scale, hp.shape), fp8_dtype), scale
 
     def quantize_dynamic(self, hp, fp8_dtype, cast, round_to_pow2):
-        return to_mx(hp, self.dim, fp8_dtype, cast.mx_scale_rounding)
+        return to_mx(hp, self.dim, fp8_dtype, cast.granularity_options.scale_rounding)
 
     def emulated_mm(self, a, b):
         """``a @ b`` of two MX training tensors off CUDA, in fp32 (``_mx_emulated_mm``)."""
@@ -164,7 +164,8 @@ class MX(AlongDim, Float8Elements, Format):
         chunk = math.ceil(n / world)
         start = min(job.where.offset if job.where.dim == 0 else 0, n)
         if dim == 1:
-            data, scale = to_mx(shard, 1, fp8_dtype, cast.mx_scale_rounding)
+            rounding = cast.granularity_options.scale_rounding
+            data, scale = to_mx(shard, 1, fp8_dtype, rounding)
             scale = job.all_gather_rows(job.pad(scale, chunk))[:n]
         else:
             data, local_scale = _cast_along_rows(job, start, n, fp8_dtype, cast)
@@ -353,7 +354,7 @@ def _cast_along_rows(job, start: int, n: int, fp8_dtype: torch.dtype, cast):
     padded[top : top + rows] = shard
     cut = cut_blocks(n, job.world)
     if cut:
-        first, rounding = start // MX_BLOCK, cast.mx_scale_rounding
+        first, rounding = start // MX_BLOCK, cast.granularity_options.scale_rounding
         local = scaling.mx_block_amax(padded, 0)
         touched = [(i, b - first) for i, b in enumerate(cut) if 0 <= b - first < local.shape[0]]
         parts = shard.new_zeros((len(cut), shard.shape[1]), dtype=torch.uint8)
@@ -364,7 +365,7 @@ def _cast_along_rows(job, start: int, n: int, fp8_dtype: torch.dtype, cast):
         for i, j in touched:
             row = j * MX_BLOCK if j * MX_BLOCK < top else (j + 1) * MX_BLOCK - 1
             padded[row] = _value_of_byte(parts[i], fp8_max, big, rounding).to(shard.dtype)
-    data, scale = to_mx(padded, 0, fp8_dtype, cast.mx_scale_rounding)
+    data, scale = to_mx(padded, 0, fp8_dtype, cast.granularity_options.scale_rounding)
     return data[top : top + rows], scale
 
 

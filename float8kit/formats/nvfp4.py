@@ -227,7 +227,7 @@ class NVFP4(WholeBlocks, Format):
             hp,
             self.nvfp4_block,
             hadamard_dim=self.hadamard_dim,
-            stochastic=cast.stochastic_rounding,
+            stochastic=cast.granularity_options.stochastic_rounding,
         )
 
     @property
@@ -248,9 +248,10 @@ class NVFP4(WholeBlocks, Format):
         b = NVFP4_BLOCK
         if ndim != 2:
             raise ValueError(f"float8kit: an NVFP4 cast takes 2-D operands, got {ndim}-D")
+        rht = cast.granularity_options.hadamard
         if role is GemmRole.WEIGHT:
-            return cls(b, b, cast.hadamard)
-        return cls(1, b, cast.hadamard) if reduce_dim in (1, -1) else cls(b, 1, cast.hadamard)
+            return cls(b, b, rht)
+        return cls(1, b, rht) if reduce_dim in (1, -1) else cls(b, 1, rht)
 
     def short(self) -> str:
         return f"nvfp4({self.rows}x{self.cols}{', rht' if self.hadamard else ''})"
