@@ -166,9 +166,9 @@ def runnable_recipes(device: torch.device, recipes: Sequence[str]) -> tuple[list
         ]
         kind = (
             "MX"
-            if any(c.is_mx for c in casts)
+            if any(c.scaling_granularity is float8kit.ScalingGranularity.MX for c in casts)
             else "NVFP4"
-            if any(c.is_nvfp4 for c in casts)
+            if any(c.scaling_granularity is float8kit.ScalingGranularity.NVFP4 for c in casts)
             else None
         )
         if kind and device.type == "cuda" and not versions.mx_kernels_supported(device.index):

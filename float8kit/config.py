@@ -71,6 +71,13 @@ class GranularitySettings:
     kind: ClassVar[ScalingGranularity]
     # what the error says when a gemm's two operands need different kernels
     pairing: ClassVar[str]
+    # what config validation asks of it, as data (``CastConfig.option``): its scales are
+    # powers of two (exact to dequantize), an FSDP2 float8 all-gather gathers each gemm's own
+    # cast (one per pass), its kernel has fast accumulation, its elements are a float8 dtype
+    power_of_2_scales: ClassVar[bool] = False
+    gathers_per_pass: ClassVar[bool] = False
+    fast_accum: ClassVar[bool] = True
+    float8_elements: ClassVar[bool] = True
 
     @property
     def kernel(self) -> tuple:
@@ -118,6 +125,9 @@ class MXGranularity(GranularitySettings):
 
     kind: ClassVar[ScalingGranularity] = ScalingGranularity.MX
     pairing: ClassVar[str] = "an MX gemm needs both operands MX"
+    power_of_2_scales: ClassVar[bool] = True
+    gathers_per_pass: ClassVar[bool] = True
+    fast_accum: ClassVar[bool] = False  # its kernel scales every 32 products in fp32
     scale_rounding: str = "rceil"
 
     def __post_init__(self):
@@ -141,6 +151,7 @@ class NVFP4Granularity(GranularitySettings):
 
     kind: ClassVar[ScalingGranularity] = ScalingGranularity.NVFP4
     pairing: ClassVar[str] = "an NVFP4 gemm needs both operands NVFP4"
+    float8_elements: ClassVar[bool] = False  # e2m1 elements, e4m3 block scales
     stochastic_rounding: bool = False
     hadamard: bool = False
 
@@ -380,10 +391,10 @@ class CastConfig:
                     f"CastConfig.{name}={getattr(self, name)!r} is only used with {kind}, but "
                     f"{field}={getattr(self, field).value!r}: set {field}={kind} or drop {name}"
                 )
-        if self.is_nvfp4 and self.target_dtype is not None:
+        if not self.option("float8_elements", True) and self.target_dtype is not None:
             raise ValueError(
-                f"CastConfig.target_dtype={self.target_dtype} does not apply to NVFP4 (e2m1 "
-                "elements, e4m3 block scales): leave target_dtype=None"
+                f"CastConfig.target_dtype={self.target_dtype} does not apply to scaling_granularity"
+                f"={self.scaling_granularity.value!r} (no float8 elements): leave target_dtype=None"
             )
 
     def _split_granularity(self) -> None:
@@ -415,20 +426,10 @@ class CastConfig:
             state["granularity_options"] = kind(**opts) if kind else None
         self.__dict__.update(state)
 
-    def option(self, name: str):
-        """A granularity setting, False where this cast's granularity does not have it (how
-        ``stochastic_rounding`` and ``hadamard`` read on a non-NVFP4 cast)."""
-        return getattr(self.granularity_options, name, False)
-
-    @property
-    def is_mx(self) -> bool:
-        """Whether this cast makes MX blocks (one e8m0 scale per 32 elements)."""
-        return self.scaling_granularity is ScalingGranularity.MX
-
-    @property
-    def is_nvfp4(self) -> bool:
-        """Whether this cast makes NVFP4 blocks (e2m1, e4m3 scale per 16, fp32 per tensor)."""
-        return self.scaling_granularity is ScalingGranularity.NVFP4
+    def option(self, name: str, default=False):
+        """A setting (or a fact) of this cast's ``GranularitySettings``, ``default`` where it
+        has none (how ``stochastic_rounding`` and ``hadamard`` read on a non-NVFP4 cast)."""
+        return getattr(self.granularity_options, name, default)
 
     @property
     def enabled(self) -> bool:
@@ -451,7 +452,7 @@ class CastConfig:
         dtype = "e4m3" if self.dtype_for(role) == E4M3 else "e5m2"
         opts = self.granularity_options
         gran = opts.short() if opts is not None else self.scaling_granularity.value[:-4]
-        if self.is_nvfp4:  # e2m1 elements: no float8 dtype to name
+        if not self.option("float8_elements", True):  # no float8 dtype to name
             return f"{self.scaling_type.value[:3]}_{gran}"
         return f"{self.scaling_type.value[:3]}_{gran}_{dtype}"
 
@@ -632,18 +633,16 @@ class Float8LinearConfig:
                 "Float8LinearConfig.enable_fsdp_float8_all_gather=True needs a float8 weight, "
                 "but cast_config_weight is DISABLED: set enable_fsdp_float8_all_gather=False"
             )
-        if w.is_mx or gi.is_mx:
-            # MX (float8kit/formats/mx.py): forward gathers the weight cast along K
-            # per cast_config_weight, backward's re-gather the one along N per
-            # cast_config_weight_for_grad_input: both must be MX.
-            if not (w.is_mx and gi.is_mx and gi.enabled):
+        per_pass = (c.scaling_granularity for c in (w, gi) if c.option("gathers_per_pass"))
+        if (kind := next(per_pass, None)) is not None:  # (MX) a cast along K, one along N
+            if not (gi.enabled and w.scaling_granularity is gi.scaling_granularity):
                 raise ValueError(
-                    "Float8LinearConfig.enable_fsdp_float8_all_gather=True with an MX weight "
-                    "gathers the MX cast each gemm needs (along K in forward, along N in "
+                    f"Float8LinearConfig.enable_fsdp_float8_all_gather=True with a {kind.value} "
+                    "weight gathers the cast each gemm needs (along K in forward, along N in "
                     "backward), so cast_config_weight and cast_config_weight_for_grad_input "
-                    f"must both be ScalingGranularity.MX (got {w.scaling_granularity.value} "
-                    f"and {gi.scaling_granularity.value}): make both MX (the mxfp8 recipe), "
-                    "or set enable_fsdp_float8_all_gather=False"
+                    f"must both be ScalingGranularity.{kind.name} (got "
+                    f"{w.scaling_granularity.value} and {gi.scaling_granularity.value}): make "
+                    f"both {kind.value} (its recipe), or set enable_fsdp_float8_all_gather=False"
                 )
             wd, gd = w.dtype_for(GemmRole.WEIGHT), gi.dtype_for(GemmRole.WEIGHT)
             if wd != gd:  # both copies come through FSDP2's one buffer, of one float8 dtype
@@ -813,28 +812,31 @@ class Float8ExpertsConfig:
                 f"{WGRAD_OPERANDS}"
             )
         if self.wgrad_operands == "dequantized" and not (
-            c.is_mx or self.round_scales_to_power_of_2
+            c.option("power_of_2_scales") or self.round_scales_to_power_of_2
         ):
             raise ValueError(
                 'Float8ExpertsConfig.wgrad_operands="dequantized" needs power-of-two row '
                 "scales (exact dequantization): set round_scales_to_power_of_2=True"
             )
-        if c.is_mx and self.enable_fsdp_float8_all_gather:
+        if self.enable_fsdp_float8_all_gather and (
+            c.scaling_granularity is not ScalingGranularity.AXISWISE
+        ):  # the experts' float8 all-gather sends each expert's rowwise cast
             raise ValueError(
                 "Float8ExpertsConfig.enable_fsdp_float8_all_gather=True is not supported with "
-                "an MX cast_config yet: set enable_fsdp_float8_all_gather=False (FSDP2 gathers "
-                "the hp expert weights, each gemm casts them to MX)"
-            )
-        if c.is_mx and self.gemm_config_output.use_fast_accum:
-            raise ValueError(
-                "Float8ExpertsConfig.gemm_config_output.use_fast_accum=True does not apply to "
-                "MX: the MX kernel scales every 32 products in fp32 and has no fast "
-                "accumulation; use gemm_config_output=GemmConfig()"
+                f"a {c.scaling_granularity.value} cast_config yet (axiswise only): set "
+                "enable_fsdp_float8_all_gather=False (FSDP2 gathers the hp expert weights, "
+                "each gemm casts them)"
             )
         if not isinstance(self.gemm_config_output, GemmConfig):
             raise ValueError(
                 f"Float8ExpertsConfig.gemm_config_output={self.gemm_config_output!r} must be a "
                 "GemmConfig"
+            )
+        if not c.option("fast_accum", True) and self.gemm_config_output.use_fast_accum:
+            raise ValueError(
+                "Float8ExpertsConfig.gemm_config_output.use_fast_accum=True does not apply to "
+                f"{c.scaling_granularity.value}: its kernel (MX: every 32 products scaled in "
+                "fp32) has no fast accumulation; use gemm_config_output=GemmConfig()"
             )
         if self.weight_layout not in (None, "in_out", "out_in"):
             raise ValueError(

@@ -557,11 +557,9 @@ class Float8ExpertWeight(HpWeight):
         cannot gather float8 dtypes)."""
         if not self._config.enable_fsdp_float8_all_gather:
             data = self._tensor.to(mp_policy.param_dtype or self.dtype)
-            padded_size = padded_shard_size(self.shape, outer_size, mesh.size())
-            if data.shape != padded_size:
-                padded = data.new_zeros(padded_size)
-                padded[: data.size(0)].copy_(data)
-                data = padded
+            rows = padded_shard_size(self.shape, outer_size, mesh.size())[0]
+            if data.size(0) != rows:  # uneven: zero rows up to FSDP2's padded shard
+                data = F.pad(data, (0, 0, 0, 0, 0, rows - data.size(0)))
             return (data,), None
         if outer_size[0] % mesh.size():
             # Every rank sees the same sizes, so every rank raises (no hang): FSDP2 needs

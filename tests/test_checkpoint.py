@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from float8kit import Float8LinearConfig, GemmRole, convert_to_float8_training
+from float8kit import Float8LinearConfig, GemmRole, ScalingGranularity, convert_to_float8_training
 from float8kit.cast import cast_to_float8
 
 
@@ -233,7 +233,7 @@ def test_mxfp8_resumes_bitwise_from_dcp(tmp_path):
     assert torch.equal(torch.cat([head, tail]), ref)
     # the checkpoint carried it all: the fresh init differed, and MX ran (not hp)
     assert not torch.equal(_mx_model(123)[0].weight, _mx_model(0)[0].weight)
-    assert second[0].config.cast_config_input.is_mx
+    assert second[0].config.cast_config_input.scaling_granularity is ScalingGranularity.MX
     plain = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False))
     plain.load_state_dict(second.state_dict())
     assert not torch.equal(plain(batches[0]), second(batches[0]))

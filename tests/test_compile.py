@@ -8,7 +8,13 @@ import torch._dynamo.testing
 import torch._inductor.config as inductor_config
 from torch import nn
 
-from float8kit import Float8LinearConfig, GemmRole, MXGranularity, convert_to_float8_training
+from float8kit import (
+    Float8LinearConfig,
+    GemmRole,
+    MXGranularity,
+    ScalingGranularity,
+    convert_to_float8_training,
+)
 from float8kit.cast import cast_to_float8
 from tests.helpers import COMPILE_IS_BITWISE, recipes
 
@@ -125,7 +131,9 @@ def test_mxfp8_fullgraph_forward_backward_bitwise_vs_eager(tokens):
     # grad_weight gemm's inner dim (the tokens)
     torch._dynamo.reset()
     m = model("mxfp8")
-    assert all(m[i].config.cast_config_input.is_mx for i in (0, 2))
+    assert all(
+        m[i].config.cast_config_input.scaling_granularity is ScalingGranularity.MX for i in (0, 2)
+    )
     x = torch.randn(2, tokens // 2, 64, dtype=torch.bfloat16)
     eager = _square_loss_step(m, m, x)
     counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")

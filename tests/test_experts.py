@@ -692,6 +692,9 @@ def test_mx_config_named_preset_and_validation_name_the_field():
         dataclasses.replace(MX_CONFIG, enable_fsdp_float8_all_gather=True)
     with pytest.raises(ValueError, match="gemm_config_output.use_fast_accum"):
         dataclasses.replace(MX_CONFIG, gemm_config_output=GemmConfig(use_fast_accum=True))
+    # checked before its fast-accumulation rule reads it (was an AttributeError)
+    with pytest.raises(ValueError, match="gemm_config_output=True must be a GemmConfig"):
+        dataclasses.replace(MX_CONFIG, gemm_config_output=True)
     e5m2 = dataclasses.replace(MX_CONFIG.cast_config, target_dtype=E5M2)
     with pytest.raises(ValueError, match="Float8ExpertsConfig.cast_config"):
         Float8ExpertsConfig(cast_config=e5m2)

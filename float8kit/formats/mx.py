@@ -346,7 +346,7 @@ def _cast_along_rows(job, start: int, n: int, fp8_dtype: torch.dtype, cast):
     byte (one all-reduce of the cut blocks' bytes, a NaN's 255 included), and a padding row
     of the block (one exists: part of the block lies outside the shard) carries a value of
     that byte (``_value_of_byte``) into ``to_mx``."""
-    shard = job.shard
+    shard, rounding = job.shard, cast.granularity_options.scale_rounding
     rows = shard.shape[0]
     top = start % MX_BLOCK
     bottom = -(start + rows) % MX_BLOCK
@@ -354,7 +354,7 @@ def _cast_along_rows(job, start: int, n: int, fp8_dtype: torch.dtype, cast):
     padded[top : top + rows] = shard
     cut = cut_blocks(n, job.world)
     if cut:
-        first, rounding = start // MX_BLOCK, cast.granularity_options.scale_rounding
+        first = start // MX_BLOCK
         local = scaling.mx_block_amax(padded, 0)
         touched = [(i, b - first) for i, b in enumerate(cut) if 0 <= b - first < local.shape[0]]
         parts = shard.new_zeros((len(cut), shard.shape[1]), dtype=torch.uint8)
@@ -365,7 +365,7 @@ def _cast_along_rows(job, start: int, n: int, fp8_dtype: torch.dtype, cast):
         for i, j in touched:
             row = j * MX_BLOCK if j * MX_BLOCK < top else (j + 1) * MX_BLOCK - 1
             padded[row] = _value_of_byte(parts[i], fp8_max, big, rounding).to(shard.dtype)
-    data, scale = to_mx(padded, 0, fp8_dtype, cast.granularity_options.scale_rounding)
+    data, scale = to_mx(padded, 0, fp8_dtype, rounding)
     return data[top : top + rows], scale
 
 
