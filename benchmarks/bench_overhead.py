@@ -11,6 +11,12 @@ every layer of a small model; on a GPU the wall time of a small layer is the sam
 number (launch-bound), so --device cuda measures it with a synchronize per block. Each row
 also counts the aten ops one call dispatches (each one a kernel launch on a GPU, eager).
 
+The floor (eager tensorwise): a fourth block times the same float8 math written by hand, one
+autograd Function and nothing else (``ByHandLinear``: the same casts, the same three
+``torch._scaled_mm`` calls, the same tensors kept for backward), checked bit for bit against
+float8kit's layer before timing. ``ratio_float8kit_over_byhand`` near 1 says float8kit's
+eager cost is its aten ops, with no library overhead left to cut above them.
+
 ``--compile``: each library's layer runs under ``torch.compile`` (a step function of its own,
 so that each has its own dynamo cache), forward + backward; each row then counts the dynamo
 guards the compiled forward checks before it runs (the leaf guards of every cache entry of
@@ -41,6 +47,8 @@ import torch
 from torch import nn
 
 LIBS = ("float8kit", "torchao", "bf16")
+# eager tensorwise only: the same float8 math written by hand (``ByHandLinear``)
+BYHAND = "byhand"
 
 
 # ----------------------------------------------------------------------------
@@ -61,6 +69,79 @@ def make_layers(k: int, n: int, recipe: str, device, ao_float8) -> dict[str, nn.
         ),
         "bf16": base,
     }
+
+
+class _ByHandMatmul(torch.autograd.Function):
+    """Dynamic tensorwise float8 ``x @ w.T`` in one Function, nothing else: the three casts
+    (amax, fp8_max / amax in fp64, saturate), the three ``torch._scaled_mm`` calls; e4m3
+    input and weight, e5m2 grad_output; kept for backward: the cast input, the hp weight and
+    its scale (the weight cast again there, as float8kit keeps no float8 weight copy). The
+    ops float8kit's eager tensorwise layer dispatches, without a library around them."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        x8, x_scale = _cast_by_hand(x, torch.float8_e4m3fn)
+        w8, w_scale = _cast_by_hand(w, torch.float8_e4m3fn)
+        inv_x, inv_w = x_scale.reciprocal(), w_scale.reciprocal()
+        ctx.save_for_backward(x8, inv_x, w, w_scale)
+        return torch._scaled_mm(x8, w8.t(), inv_x, inv_w, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, go):
+        x8, inv_x, w, w_scale = ctx.saved_tensors
+        w8 = _saturate(w, w_scale, torch.float8_e4m3fn)  # the forward's cast again
+        inv_w = w_scale.reciprocal()
+        g8, g_scale = _cast_by_hand(go.contiguous(), torch.float8_e5m2)
+        inv_g = g_scale.reciprocal()
+        # the gemms take their second operand column-major
+        grad_x = torch._scaled_mm(g8, w8.t().contiguous().t(), inv_g, inv_w, out_dtype=go.dtype)
+        g8_t = g8.t().contiguous()
+        grad_w = torch._scaled_mm(g8_t, x8.t().contiguous().t(), inv_g, inv_x, out_dtype=go.dtype)
+        return grad_x, grad_w
+
+
+def _cast_by_hand(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    limit = torch.finfo(dtype).max
+    amax = torch.amax(torch.abs(t)).to(torch.float32)
+    floor = float8kit_amax_floor(dtype)
+    scale = (limit / torch.clamp(amax, min=floor).to(torch.float64)).to(torch.float32)
+    return _saturate(t, scale, dtype), scale
+
+
+def _saturate(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = torch.finfo(dtype).max
+    return torch.clamp(t.to(torch.float32) * scale, min=-limit, max=limit).to(dtype)
+
+
+def float8kit_amax_floor(dtype: torch.dtype) -> float:
+    """The amax floor of float8kit's scale rule (a constant), so both give the same bits."""
+    from float8kit import scaling
+
+    return scaling.amax_floor(dtype)
+
+
+class ByHandLinear(nn.Module):
+    """A bias-free Linear whose matmul is ``_ByHandMatmul`` (the bf16 layer's weight)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ByHandMatmul.apply(x, self.weight)
+
+
+def byhand_is_bitwise(ours: nn.Module, byhand: nn.Module, x, go) -> bool:
+    """Whether the by-hand layer gives float8kit's output and gradients bit for bit (the
+    same math, so its time is the floor of that math's ops)."""
+    got = []
+    for mod in (ours, byhand):
+        xi = x.detach().clone().requires_grad_()
+        y = mod(xi)
+        y.backward(go)
+        got.append((y, xi.grad, mod[0].weight.grad))
+        mod[0].weight.grad = None
+    return all(torch.equal(a, b) for a, b in zip(*got, strict=True))
 
 
 class Step:
@@ -181,6 +262,15 @@ def main() -> int:
     rows, profiles = [], {}
     for recipe in [r.strip() for r in args.recipes.split(",")]:
         layers = make_layers(K, N, recipe, device, ao_float8)
+        libs = LIBS
+        if recipe == "tensorwise" and not args.compile:
+            libs += (BYHAND,)
+            layers[BYHAND] = nn.Sequential(ByHandLinear(copy.deepcopy(layers["bf16"][0])))
+            if not byhand_is_bitwise(layers["float8kit"], layers[BYHAND], x, go):
+                raise SystemExit(
+                    "bench_overhead: the by-hand tensorwise layer does not give float8kit's "
+                    "bits, so it is no floor for float8kit's ops: fix ByHandLinear"
+                )
         steps = {lib: Step(lib, mod, args.compile) for lib, mod in layers.items()}
         from float8kit import precompute_scales
 
@@ -189,14 +279,16 @@ def main() -> int:
                 steps[lib](x, go)
                 if lib == "float8kit":  # steady state: DELAYED scales set, as in training
                     precompute_scales(mod)
-        per_call: dict[str, list[float]] = {lib: [] for lib in LIBS}
-        ratios = []
+        per_call: dict[str, list[float]] = {lib: [] for lib in libs}
+        ratios, floor_ratios = [], []
         for r in range(args.rounds):
-            order = LIBS[r % 3 :] + LIBS[: r % 3]
+            order = libs[r % len(libs) :] + libs[: r % len(libs)]
             got = {lib: block_us(steps[lib], x, go, args.calls, device) for lib in order}
-            for lib in LIBS:
+            for lib in libs:
                 per_call[lib].append(got[lib])
             ratios.append(got["float8kit"] / got["torchao"])
+            if BYHAND in got:
+                floor_ratios.append(got["float8kit"] / got[BYHAND])
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
         row = {
             "recipe": recipe,
@@ -215,6 +307,16 @@ def main() -> int:
                 f"{lib}_aten_ops": common.count_aten_ops(layers[lib], M, K, N, True) for lib in LIBS
             },
             **({f"{lib}_guards": steps[lib].guards() for lib in LIBS} if args.compile else {}),
+            **(
+                {
+                    "byhand_us": round(common.median(per_call[BYHAND]), 2),
+                    "ratio_float8kit_over_byhand": round(common.median(floor_ratios), 4),
+                    "byhand_aten_ops": common.count_aten_ops(layers[BYHAND], M, K, N, True),
+                    "byhand_bitwise": True,
+                }
+                if floor_ratios
+                else {}
+            ),
             "rounds": args.rounds,
             "calls_per_round": args.calls,
         }

@@ -165,6 +165,10 @@ def test_bench_overhead_ratio(tmp_path):
     ratio = row["ratio_float8kit_over_torchao"]
     assert math.isfinite(ratio) and ratio > 0
     assert row["float8kit_us"] > 0 and row["torchao_us"] > 0 and row["bf16_us"] > 0
+    # the by-hand floor (eager tensorwise) ran, after the script checked it is bitwise ours
+    assert row["byhand_bitwise"] is True and row["byhand_us"] > 0
+    assert math.isfinite(row["ratio_float8kit_over_byhand"])
+    assert row["byhand_aten_ops"] > 0
 
 
 @pytest.mark.slow

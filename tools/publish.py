@@ -1260,7 +1260,16 @@ def bench_overhead_table() -> str:
                 lambda r: (
                     f"{r['float8kit_aten_ops']} / {r['torchao_aten_ops']} / {r['bf16_aten_ops']}"
                 ),
-            )
+            ),
+            (
+                "by hand us (aten ops); float8kit / by hand",
+                lambda r: (
+                    f"{r['byhand_us']:.0f} ({r['byhand_aten_ops']}); "
+                    f"{r['ratio_float8kit_over_byhand']:.2f}x"
+                    if "byhand_us" in r
+                    else "-"
+                ),
+            ),
         ],
     )
 
