@@ -1110,7 +1110,13 @@ def _suite(name: str, env: dict[str, str] | None = None, **extra) -> None:
     own = "tests/test_docs.py::test_number_file_names_a_clean_commit_that_has_its_scripts"
     deselect = [a for f in SUITE_FILES for a in ("--deselect", f"{own}[{f}]")]
     # make test's workers: the Makefile's WORKERS
-    workers = re.search(r"^WORKERS \?= (\d+)$", (REPO / "Makefile").read_text(), re.M)[1]
+    found = re.search(r"^WORKERS \?= (\d+)$", (REPO / "Makefile").read_text(), re.M)
+    if found is None:
+        raise SystemExit(
+            "tools/measure.py suite: the Makefile has no 'WORKERS ?= N' line (make test's "
+            "pytest workers), so the published time could not be make test's: restore it"
+        )
+    workers = found[1]
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "junit.xml"
         args = ("-q", "-n", workers, "--dist", "loadfile", "-p", "no:cacheprovider")
