@@ -18,6 +18,7 @@ Internal.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -53,15 +54,17 @@ def cast_tensorwise_reference(
     row: bool,
     col: bool,
     amax: bool,
+    placeholders: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What ``float8kit::cast_tensorwise`` returns, in torch ops (its CPU implementation, and
     the reference its CUDA kernel is checked against): the float8 data of a 2-D ``hp``
     (``to_fp8_saturated``) row-major if ``row``, its transpose made contiguous if ``col``,
     ``max(|hp|)`` as an fp32 scalar if ``amax`` (0 for an empty tensor, NaN if any NaN); an
-    empty tensor in place of each output not asked for."""
+    empty tensor in place of each output not asked for (None with ``placeholders=False``:
+    an eager call's, ``_cast_tensorwise_op``, which allocates nothing it does not use)."""
     data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard)
-    nothing = data.new_empty((0,))
-    amax_value = hp.new_empty((0,), dtype=torch.float32)
+    nothing = (lambda d: hp.new_empty((0,), dtype=d)) if placeholders else (lambda d: None)
+    amax_value = nothing(torch.float32)
     if amax:
         amax_value = (
             scaling.recorded_amax(hp).to(torch.float32)
@@ -69,9 +72,9 @@ def cast_tensorwise_reference(
             else hp.new_zeros((), dtype=torch.float32)
         )
     return (
-        data if row else nothing,
+        data if row else nothing(fp8_dtype),
         # (clone: .contiguous() of a transposed (1, n) or (m, 1) would be a view of ``data``)
-        data.t().clone(memory_format=torch.contiguous_format) if col else nothing,
+        data.t().clone(memory_format=torch.contiguous_format) if col else nothing(fp8_dtype),
         amax_value,
     )
 
@@ -120,7 +123,7 @@ def _cast_tensorwise_op(hp: torch.Tensor):
     """``float8kit::cast_tensorwise`` for ``hp``, or in eager (``versions.eager_direct``) the
     kernel that op would run on a plain tensor, called without the dispatcher's round trip."""
     if type(hp) in _EAGER_PLAIN and versions.eager_direct():
-        return _cast_tensorwise_cuda if hp.is_cuda else cast_tensorwise_reference
+        return _cast_tensorwise_cuda if hp.is_cuda else _CAST_TENSORWISE_EAGER
     return _cast_tensorwise
 
 
@@ -150,6 +153,7 @@ def fused_cast_applies(
 # Function (``linear._Float8Matmul``) on functional and fake tensors.
 _PLAIN = (torch.Tensor, torch.nn.Parameter, FunctionalTensor, FakeTensor)
 _EAGER_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_CAST_TENSORWISE_EAGER = functools.partial(cast_tensorwise_reference, placeholders=False)
 
 
 def cast_tensorwise(
@@ -482,14 +486,18 @@ def cast_like(dst: Float8TrainingTensor, src: torch.Tensor) -> torch.Tensor:
 _KEPT_CASTS = 0
 
 
-@contextlib.contextmanager
-def _marking():
-    global _KEPT_CASTS
-    _KEPT_CASTS += 1
-    try:
-        yield
-    finally:
+class _Marking:
+    # a class, not a generator context manager: entered on every eager forward
+    def __enter__(self):
+        global _KEPT_CASTS
+        _KEPT_CASTS += 1
+
+    def __exit__(self, *exc):
+        global _KEPT_CASTS
         _KEPT_CASTS -= 1
+
+
+_MARKING = _Marking()
 
 
 def kept_casts_running() -> bool:
@@ -502,7 +510,7 @@ def kept_cast():
     for the grad_weight gemm): ``checkpoint_policy(keep_input_casts=True)`` keeps those and
     recomputes every other cast. Nothing while compiling (that policy keeps every cast
     there)."""
-    return contextlib.nullcontext() if versions.compiling() else _marking()
+    return contextlib.nullcontext() if versions.compiling() else _MARKING
 
 
 def is_recomputing() -> bool:

@@ -71,14 +71,15 @@ _NOT_MX_RECIPES = ", ".join(
 )
 
 
-def _operand_scales(a: Float8TrainingTensor, b: Float8TrainingTensor):
-    """Reciprocal scales shaped for ``_scaled_mm``: () and () or (M, 1) and (1, N)."""
+def _operand_scales(a: Float8TrainingTensor, b: Float8TrainingTensor, rowwise: bool):
+    """Reciprocal scales shaped for ``_scaled_mm``: () and () or (M, 1) and (1, N)
+    (``rowwise``: either operand is axiswise)."""
     inv_a = scaling.inverse(a._scale)
     inv_b = scaling.inverse(b._scale)
-    m, n = a.shape[0], b.shape[1]
-    if a._axiswise_dim is not None or b._axiswise_dim is not None:
+    if rowwise:
         # _scaled_mm takes both rowwise or both tensorwise; expanding a tensorwise scale to a
         # row/column vector is exact and lets rowwise_with_gw_hp mix the two.
+        m, n = a.shape[0], b.shape[1]
         inv_a = inv_a.reshape(-1, 1).expand(m, 1).contiguous()
         inv_b = inv_b.reshape(1, -1).expand(1, n).contiguous()
     else:
@@ -320,18 +321,19 @@ def _empty(a: Float8TrainingTensor, b: Float8TrainingTensor, out_dtype: torch.dt
 
 def _tensor_or_row_scaled_mm(a, b, *, use_fast_accum, emulate, pad_inner_dim, out_dtype, gemm):
     """The ``scaled`` family: tensorwise and axiswise operands, ``torch._scaled_mm``."""
-    _check_axes(a, b)
+    rowwise = a._axiswise_dim is not None or b._axiswise_dim is not None
+    if rowwise:
+        _check_axes(a, b)
     if (zeros := _empty(a, b, out_dtype)) is not None:
         return zeros
     a_data, b_data = a._data, b._data
     k, n = a.shape[1], b.shape[1]
-    inv_a, inv_b = _operand_scales(a, b)
+    inv_a, inv_b = _operand_scales(a, b, rowwise)
 
     if emulate:
         out = (a_data.to(torch.float32) @ b_data.to(torch.float32)) * inv_a * inv_b
         return out.to(out_dtype)
 
-    rowwise = a._axiswise_dim is not None or b._axiswise_dim is not None
     plan = kernel_plan(
         k,
         n,
@@ -360,7 +362,7 @@ def _tensor_or_row_scaled_mm(a, b, *, use_fast_accum, emulate, pad_inner_dim, ou
         out = out * inv_a * inv_b
     if plan.pad_out:
         out = out[:, :n]
-    return out.to(out_dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 def _block_family(gemm_of):
@@ -419,7 +421,7 @@ def _cpu_scaled_mm(
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        if (inv_a.numel() > 1 or inv_b.numel() > 1) and not versions.cpu_rowwise_scaled_mm():
+        if not versions.cpu_rowwise_scaled_mm() and (inv_a.numel() > 1 or inv_b.numel() > 1):
             # the per-tensor kernel with scales of one (exact fp32 sums of float8 products),
             # then the row / column scales in fp32: rowwise's math on a torch whose CPU
             # kernel takes per-tensor scales only

@@ -237,23 +237,27 @@ def input_for_backward(
 _RECAST_WEIGHT = True
 
 
+# a stateless layer's ``states`` (``_Float8Matmul``)
+_NO_STATES = (None, None, False) * 3
+
+
 @torch._dynamo.allow_in_graph
 class _Float8Matmul(torch.autograd.Function):
     """``input @ weight.T`` with every operand cast per ``config``; internal.
 
-    Invariants: ``input_hp`` is 2-D (M, K), hp or already float8 (a tensor-parallel input
-    cast before its all-gather, float8kit/tp.py; used as is by the output gemm when its cast
-    fits, see ``input_for_backward`` for the second use); ``weight`` is (N, K), hp or already
-    a ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
+    Invariants: ``input_hp`` is (..., K), the gemms' (M, K) as one reshape inside (no
+    autograd nodes around this one), hp or already float8 (a tensor-parallel input cast before
+    its all-gather, float8kit/tp.py; used as is by the output gemm when its cast fits, see
+    ``input_for_backward`` for the second use); ``weight`` is (N, K), hp or already a
+    ``Float8TrainingTensor`` cast for the output gemm (FSDP2 float8 all-gather: tensorwise,
     blockwise, or rowwise, which backward re-casts, see ``_weight_for_grad_input``; MX, the
-    copy along K in forward, along N after FSDP2's backward re-gather), and may
-    have another hp dtype than the input (autocast: an fp32 weight is cast to float8
-    directly, never copied to the autocast dtype first). Returns hp (M, N) in the input's
-    dtype. Saves the input for backward as its grad_weight gemm uses it
-    (``input_for_backward``: float8, cast in forward, unless that gemm runs in hp), and the
-    weight float8 where the grad_input gemm casts it as the output gemm did, hp (the
-    parameter) otherwise. Returns grad_input
-    (M, K) in the input's dtype and grad_weight (N, K) in the weight's dtype. M == 0 (no
+    copy along K in forward, along N after FSDP2's backward re-gather), and may have another
+    hp dtype than the input (autocast: an fp32 weight is cast to float8 directly, never
+    copied to the autocast dtype first). Returns hp (..., N) in the input's dtype. Saves the
+    input for backward as its grad_weight gemm uses it (``input_for_backward``: float8, cast
+    in forward, unless that gemm runs in hp), and the weight float8 where the grad_input gemm
+    casts it as the output gemm did, hp (the parameter) otherwise. Returns grad_input
+    (..., K) in the input's dtype and grad_weight (N, K) in the weight's dtype. M == 0 (no
     tokens) gives an empty output and a zero grad_weight, like ``nn.Linear``, without
     casting or recording an amax (an empty batch says nothing about the range of the next
     ones).
@@ -263,19 +267,21 @@ class _Float8Matmul(torch.autograd.Function):
     (``allow_in_graph``) and AOTAutograd traces its body, where torch 2.11 does not report
     compiling (``versions.compiled_trace``).
 
-    DELAYED/STATIC state: ``*_scale`` is the operand's ``fp8_scale_<op>`` buffer (None when
-    the operand keeps no state), ``*_amax`` its ``fp8_amax_<op>`` buffer when amaxes are
-    recorded (train mode), else None, ``*_set`` whether the host knows the DELAYED scale is
-    set (a Python bool: compiled graphs specialize on it). ``share`` / ``share_key``: the
-    tensor and the scale buffer its shared input casts are keyed on (float8kit/shared_cast.py;
-    ``share_key`` None: ``x_scale``); a DELAYED cast taken from there is recorded as this
-    layer's own (its amax folded into ``x_amax``), so the state is the one the layer's own
-    cast leaves. The grad_output amax is recorded in ``backward`` by an in-place ``clamp_``
-    of that buffer, which reaches backward as a ``ctx`` attribute, not through
-    ``save_for_backward``: the buffer is mutated by every call, and a saved tensor's version
-    check would fail when a layer runs twice before its backwards (weight tying, activation
-    checkpointing). AOTAutograd traces the mutation of this forward input into the compiled
-    backward graph (no graph break; checked in tests/test_compile_scaling).
+    DELAYED/STATIC state, ``states``: (scale, amax record, scale set) per operand in
+    ``GEMM_ROLES``' order, or None where no operand keeps any: ``*_scale`` is the operand's
+    ``fp8_scale_<op>`` buffer (None when the operand keeps no state), ``*_amax`` its
+    ``fp8_amax_<op>`` buffer when amaxes are recorded (train mode), else None, ``*_set``
+    whether the host knows the DELAYED scale is set (a Python bool: compiled graphs
+    specialize on it). ``share`` / ``share_key``: the tensor and the scale buffer its shared
+    input casts are keyed on (float8kit/shared_cast.py; ``share_key`` None: ``x_scale``); a
+    DELAYED cast taken from there is recorded as this layer's own (its amax folded into
+    ``x_amax``), so the state is the one the layer's own cast leaves. The grad_output amax is
+    recorded in ``backward`` by an in-place ``clamp_`` of that buffer, which reaches backward
+    as a ``ctx`` attribute, not through ``save_for_backward``: the buffer is mutated by every
+    call, and a saved tensor's version check would fail when a layer runs twice before its
+    backwards (weight tying, activation checkpointing). AOTAutograd traces the mutation of
+    this forward input into the compiled backward graph (no graph break; checked in
+    tests/test_compile_scaling).
     """
 
     @staticmethod
@@ -284,15 +290,7 @@ class _Float8Matmul(torch.autograd.Function):
         input_hp: torch.Tensor,
         weight: torch.Tensor,
         plan: int,
-        x_scale: torch.Tensor | None = None,
-        x_amax: torch.Tensor | None = None,
-        x_set: bool = False,
-        w_scale: torch.Tensor | None = None,
-        w_amax: torch.Tensor | None = None,
-        w_set: bool = False,
-        go_scale: torch.Tensor | None = None,
-        go_amax: torch.Tensor | None = None,
-        go_set: bool = False,
+        states: tuple | None = None,
         share: torch.Tensor | None = None,
         share_key: torch.Tensor | None = None,
         keep_weight_t: bool = True,
@@ -300,15 +298,21 @@ class _Float8Matmul(torch.autograd.Function):
     ):
         ctx.compiled = compiled
         plan = _PLANS[plan]
+        x_scale, x_amax, x_set, w_scale, w_amax, w_set, go_scale, go_amax, go_set = (
+            states or _NO_STATES
+        )
         with versions.compiled_trace(compiled):
             c = plan.config
             share_key = x_scale if share_key is None else share_key
             x_col, w_col = None, None  # column-major copies from the casts' own passes
             ctx.w_dtype = weight.dtype
+            x_shape, lead = input_hp.shape, input_hp.shape[:-1]  # (..., K): the gemms' (M, K)
+            if input_hp.dim() != 2:
+                input_hp = input_hp.reshape(-1, x_shape[-1])
             ctx.empty = input_hp.shape[0] == 0
             if ctx.empty:
-                ctx.shapes = (input_hp.shape, weight.shape, weight.device)
-                return input_hp.new_zeros((0, weight.shape[0]))
+                ctx.shapes = (x_shape, weight.shape, weight.device)
+                return input_hp.new_zeros((*lead, weight.shape[0]))
             weight_is_fp8 = is_float8(weight)
             # An FSDP2 weight gathered one copy per pass (MX) as its backward re-gather left it
             # in a forward that activation checkpointing recomputes: the output gemm gathers its
@@ -408,24 +412,31 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.plan = plan
             ctx.w_state = (w_scale, w_amax if w_records else None, w_set)
             ctx.go_state = (go_scale, go_amax, go_set)
-            return output
+            # _unsafe_view, as torch.matmul does: no view (FSDP2 warns on a module returning one)
+            shape = (*lead, output.shape[1])
+            return output if len(lead) == 1 else torch.ops.aten._unsafe_view(output, shape)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         # The dtypes here are deliberate (grad_weight in the weight's dtype): autocast, active
         # when backward() is called inside its region, must not recast the gemms' operands.
         with (
-            torch.autocast(grad_output.device.type, enabled=False),
+            torch.autocast(grad_output.device.type, enabled=False)
+            if torch.is_autocast_enabled(grad_output.device.type)
+            else contextlib.nullcontext(),
             versions.compiled_trace(ctx.compiled),
         ):
             if ctx.empty:
                 x_shape, w_shape, w_device = ctx.shapes
                 grad_weight = torch.zeros(w_shape, dtype=ctx.w_dtype, device=w_device)
                 grad_input = grad_output.new_zeros(x_shape)
-                return grad_input, grad_weight, None, *(None,) * 13
+                return grad_input, grad_weight, *(None,) * 6
             plan = ctx.plan
             c = plan.config
             x_saved, w_saved, w_scale_kept = ctx.saved_tensors
+            lead = grad_output.shape[:-1]
+            if len(lead) != 1:
+                grad_output = grad_output.reshape(-1, grad_output.shape[-1])
             grad_output = grad_output.contiguous()
 
             # grad_input = grad_output @ weight, reducing N
@@ -467,7 +478,9 @@ class _Float8Matmul(torch.autograd.Function):
             else:
                 grad_weight = torch.mm(grad_output.t(), dequantize(x_saved).to(grad_output.dtype))
                 grad_weight = grad_weight.to(ctx.w_dtype)
-            return grad_input, grad_weight, None, *(None,) * 13
+            if len(lead) != 1:
+                grad_input = grad_input.reshape(*lead, grad_input.shape[-1])
+            return grad_input, grad_weight, *(None,) * 6
 
 
 # How a layer's weight becomes the FSDP2 float8 all-gather weight when its config enables it:
@@ -609,12 +622,12 @@ class Float8Linear(nn.Linear):
         if record and warn_after is not None and not is_recomputing():
             state.count_delayed_forward(own.forward_count, warn_after)
         weight = self.weight
-        device_type = input.device.type
         # keyed on the input as passed (before autocast): linears that read one tensor share
         # the float8 copy they keep for backward (float8kit/shared_cast.py)
         compiled = torch.compiler.is_compiling()
         share, passed = None if compiled else shared_cast.source_for(input), input
-        if torch.is_autocast_enabled(device_type) and input.is_floating_point():
+        device_type = input.device.type if torch._C._is_any_autocast_enabled() else None
+        if device_type and torch.is_autocast_enabled(device_type) and input.is_floating_point():
             # Only the input: _Float8Matmul casts an fp32 weight to float8 directly.
             input = input.to(torch.get_autocast_dtype(device_type))
         elif input.dtype != weight.dtype:
@@ -630,26 +643,21 @@ class Float8Linear(nn.Linear):
             share_key = self._share_delayed_input(input, passed, share, record)
         # (scale, amax record, scale set) per operand, in GEMM_ROLES' order
         states = (
-            [t for role in GEMM_ROLES for t in own.operand(self, role, record)]
+            tuple(t for role in GEMM_ROLES for t in own.operand(self, role, record))
             if self._stateful
-            # no DELAYED/STATIC operand: a literal, one triple per role of GEMM_ROLES (a
-            # len() of it would cost the compiled forward three dynamo guards)
-            else (None, None, False) * 3
+            else None
         )
-        out_2d = _Float8Matmul.apply(
-            input.reshape(-1, input.shape[-1]),
+        output = _Float8Matmul.apply(
+            input,
             weight,
             self._plan_index,
-            *states,
+            states,
             share,
             share_key,
             # FSDP2 reshards this weight after forward: keep no float8 copy of it till backward
             not self.__dict__.get("_is_fsdp_managed_module", False),  # (set by fully_shard)
             compiled,
         )
-        # _unsafe_view, as torch.matmul does: the output is not an autograd view of out_2d,
-        # like nn.Linear's (FSDP2 warns on every forward of a module that returns a view).
-        output = torch.ops.aten._unsafe_view(out_2d, (*input.shape[:-1], out_2d.shape[-1]))
         if self.bias is not None:
             output = output + self.bias.to(output.dtype)
         return output

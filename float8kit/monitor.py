@@ -430,9 +430,10 @@ class Float8Monitor:
 
     @torch.no_grad()
     def _measure_backward(self, fqn, mod, x, grad_inputs, grad_outputs) -> None:
-        go = grad_outputs[0].contiguous()
         w = mod.weight  # the unsharded weight again in backward under FSDP2
+        go = grad_outputs[0].reshape(-1, w.shape[0]).contiguous()  # rows, as the gemms see them
         grad_input, grad_weight = grad_inputs[0], grad_inputs[1]
+        grad_input = None if grad_input is None else grad_input.reshape(-1, w.shape[1])
         with torch.autocast(x.device.type, enabled=False):  # the references are fp32
             if grad_input is not None:
                 ref = go.float() @ w.float()

@@ -196,8 +196,9 @@ def _copy_(func, args, kwargs):
 
 # ---------------------------------------------------------------------------- gemms
 
-# Which of a linear layer's three gemms a pair of operand roles is.
-_GEMM_BY_ROLES = {(g.left.role, g.right.role): g.config_field for g in GEMMS}
+# Which of a linear layer's three gemms a pair of operand roles is: its config field and
+# its name (keyed on the roles' values, which hash without a Python-level Enum.__hash__).
+_GEMM_BY_ROLES = {(g.left.role.value, g.right.role.value): (g.config_field, g.name) for g in GEMMS}
 
 
 def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
@@ -207,7 +208,7 @@ def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
             "be float8 (check the CastConfig of both operands of that gemm)"
         )
     config = a._config or b._config or Float8LinearConfig()
-    field = _GEMM_BY_ROLES.get((a._role, b._role))
+    field, name = _GEMM_BY_ROLES.get((a._role._value_, b._role._value_), (None, None))
     gemm = getattr(config, field) if field else GemmConfig()
     return scaled_mm(
         a,
@@ -215,7 +216,7 @@ def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
         use_fast_accum=gemm.use_fast_accum,
         emulate=config.emulate,
         pad_inner_dim=config.pad_inner_dim,
-        gemm=field.removeprefix("gemm_config_") if field else None,
+        gemm=name,
     )
 
 

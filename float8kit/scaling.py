@@ -54,7 +54,7 @@ def _quotient(limit: float, amax: torch.Tensor) -> torch.Tensor:
     # (fp8_max = 7 * 2^k cannot make an exact tie), so one rounding to fp32 is the correct one:
     # in eager and under compile (inductor may rewrite a division), on every device.
     # torchao.float8 computes its scale in fp64 too, so tensorwise casts are bitwise its own.
-    return (limit / amax.to(torch.float64)).to(torch.float32)
+    return amax.to(torch.float64).reciprocal_().mul_(limit).to(torch.float32)
 
 
 def _smallest_finite_floor(fp8_dtype: torch.dtype) -> float:
@@ -87,9 +87,10 @@ def amax(hp: torch.Tensor, reduce_dim: int | None = None) -> torch.Tensor:
         if reduce_dim is not None:
             shape[reduce_dim] = 1
         return torch.zeros(shape, dtype=torch.float32, device=hp.device)
-    if reduce_dim is None:
-        return torch.amax(torch.abs(hp)).to(torch.float32)
-    return torch.amax(torch.abs(hp), dim=reduce_dim, keepdim=True).to(torch.float32)
+    # one op: max|x| of the values upcast to fp32 (exact); fp64 rounds its amax after
+    dtype = None if hp.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(hp, math.inf, reduce_dim, reduce_dim is not None, dtype=dtype)
+    return fp32(norm)
 
 
 def _smallest_safe_power_of_2(fp8_dtype: torch.dtype) -> float:

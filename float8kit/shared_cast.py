@@ -8,8 +8,9 @@ others reuse it, so autograd keeps one copy (one storage) for all of them.
 
 The key:
 
-- the tensor itself, held weakly (``WeakTensorKeyDictionary``): an entry dies with its hp
-  tensor, never outlives it, and a new tensor at a recycled address is a new key;
+- the tensor itself, by identity and held weakly (a weak reference whose callback drops the
+  entry): an entry dies with its hp tensor, never outlives it, and a new tensor at a
+  recycled address is a new key;
 - its version counter: an in-place change of the tensor means a new cast;
 - the activation-checkpoint region (the top saved-tensor hooks, which
   ``torch.utils.checkpoint`` pushes per region and per recomputation): a recomputed forward
@@ -40,11 +41,13 @@ import itertools
 import weakref
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from float8kit.config import CastConfig, Float8LinearConfig, ScalingType
 
-_CASTS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+# id(tensor) -> (weak reference to it, its state, {cast key: entry}). A plain dict: a
+# ``WeakTensorKeyDictionary`` costs a few microseconds of Python per access, on every
+# forward of every layer.
+_CASTS: dict[int, tuple] = {}
 _READ_IDS = itertools.count()
 
 
@@ -118,14 +121,15 @@ def lookup(
 
 
 def _entry(source: torch.Tensor, create: bool) -> dict:
-    state = _state(source)
-    entry = _CASTS.get(source)
-    if entry is None or entry[0] != state:
+    state, key = _state(source), id(source)
+    entry = _CASTS.get(key)
+    if entry is None or entry[0]() is not source or entry[1] != state:
         if not create:
             return {}
-        entry = (state, {})
-        _CASTS[source] = entry
-    return entry[1]
+        # (the tensor's death drops the entry, before anything else can take its address)
+        entry = (weakref.ref(source, lambda _, k=key: _CASTS.pop(k, None)), state, {})
+        _CASTS[key] = entry
+    return entry[2]
 
 
 def store(

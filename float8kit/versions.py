@@ -186,12 +186,17 @@ def eager_direct() -> bool:
     )
 
 
-@contextlib.contextmanager
 def compiled_trace(compiled: bool):
     """Runs the body as part of a compiled graph's trace when ``compiled`` (decided by the
-    caller while dynamo traces it): ``compiling()`` is True inside."""
+    caller while dynamo traces it): ``compiling()`` is True inside. Nothing otherwise (an
+    eager call's per-call cost)."""
+    return _traced() if compiled else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _traced():
     before = _COMPILED_TRACE[0]
-    _COMPILED_TRACE[0] = compiled or before
+    _COMPILED_TRACE[0] = True
     try:
         yield
     finally:

@@ -172,9 +172,9 @@ def layer_fwd_bwd(layer: Float8Linear, x: torch.Tensor, weight=None):
     """One forward and backward of ``layer`` through its autograd Function, as
     ``Float8Linear.forward`` calls it; checks the shapes and dtypes that come back."""
     weight = layer.weight if weight is None else weight
-    states = [t for role in GEMM_ROLES for t in layer.fp8_state.operand(layer, role, True)]
-    ctx = Ctx(3 + len(states))
-    out = _Float8Matmul.forward(ctx, x, weight, layer._plan_index, *states)
+    states = tuple(t for role in GEMM_ROLES for t in layer.fp8_state.operand(layer, role, True))
+    ctx = Ctx(8)  # the Function's inputs, as Float8Linear.forward passes them
+    out = _Float8Matmul.forward(ctx, x, weight, layer._plan_index, states)
     assert out.shape == (x.shape[0], layer.out_features) and out.dtype == x.dtype
     assert out.device.type == "cuda"
     grad_in, grad_w, *_ = _Float8Matmul.backward(ctx, torch.randn_like(out))

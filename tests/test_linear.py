@@ -1,6 +1,7 @@
 """Float8Linear against an fp32 nn.Linear (SQNR in dB), plus the module's contract."""
 
 import contextlib
+import copy
 import math
 
 import pytest
@@ -60,13 +61,22 @@ def test_sqnr_vs_fp32_on_bf16_3d_inputs(recipe):
     assert sqnr(hp_bias_grad, g["bias"]) >= 40
 
 
-@pytest.mark.parametrize("shape", [(64, 256), (2, 3, 8, 256)])
+@pytest.mark.parametrize("shape", [(64, 256), (2, 3, 8, 256), (256,)])
 def test_2d_and_nd_inputs(shape):
-    hp, f8 = layer()
+    # any leading dims: one autograd node for the gemms (no view nodes around it), and the
+    # bits of one 2-D call on the flattened rows
+    hp, f8 = layer(bias=False)
+    flat = copy.deepcopy(f8)
     x = torch.randn(*shape, dtype=torch.bfloat16)
-    out = f8(x)
-    assert out.shape == (*shape[:-1], 128)
+    grad = torch.randn(*shape[:-1], 128, dtype=torch.bfloat16)
+    out, gx, g = fwd_bwd(f8, x, grad)
+    assert out.shape == (*shape[:-1], 128) and gx.shape == x.shape
     assert sqnr(fp32_copy(hp)(x.float()), out) >= 25
+    ref, ref_gx, ref_g = fwd_bwd(flat, x.reshape(-1, 256), grad.reshape(-1, 128))
+    assert torch.equal(out.reshape(-1, 128), ref) and torch.equal(gx.reshape(-1, 256), ref_gx)
+    assert torch.equal(g["weight"], ref_g["weight"])
+    node = f8(x.requires_grad_()).grad_fn
+    assert type(node).__name__ == "_Float8MatmulBackward"
 
 
 def test_from_float_keeps_parameters_device_and_dtype():

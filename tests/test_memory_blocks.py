@@ -7,7 +7,9 @@ those of per-layer casts (no shared cast, the float8 weight kept for backward)."
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -130,6 +132,27 @@ def test_shared_cast_is_one_storage_and_follows_versions():
     ref = cast_to_float8(h.detach(), c.cast_config_input, GemmRole.INPUT, -1, c)
     assert torch.equal(fp8[2]._data.view(torch.uint8), ref._data.view(torch.uint8))
     assert not torch.equal(fp8[0]._data.view(torch.uint8), ref._data.view(torch.uint8))
+
+
+def test_shared_cast_lives_no_longer_than_its_input():
+    # the copy q/k share is held for the next reader of the same tensor only while that
+    # tensor lives: once it and the graph are gone, the float8 copy is freed
+    lins = [float8kit.Float8Linear(DIM, 64, config=Float8LinearConfig()).bfloat16() for _ in "qk"]
+    h = torch.randn(128, DIM, dtype=torch.bfloat16, requires_grad=True) * 2
+    refs = []
+
+    def pack(t):
+        if isinstance(t, float8kit.Float8TrainingTensor):
+            refs.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = sum(lin(h).float().sum() for lin in lins)
+    assert len(refs) == 2 and refs[0]() is refs[1]() is not None
+    loss.backward()
+    del loss, h
+    gc.collect()
+    assert refs[0]() is None
 
 
 def test_recompute_norms_keeps_the_module_tree_and_is_idempotent():
