@@ -157,8 +157,10 @@ class Step:
         self.mod, self.run = mod, torch.compile(self.fn) if compiled else self.fn
 
     def __call__(self, x: torch.Tensor, go: torch.Tensor) -> None:
-        self.run(x).backward(go)
-        x.grad = None
+        # a new input tensor per call (same storage), as each step of a training loop has: a
+        # library that keys work on the input tensor (float8kit keeps one cast per tensor
+        # for the layers that read it) must not carry it from one call to the next
+        self.run(x.detach().requires_grad_()).backward(go)
         self.mod[0].weight.grad = None
 
     def guards(self) -> int:
