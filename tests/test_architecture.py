@@ -291,8 +291,8 @@ def test_library_lines_only_go_down():
     ceiling is the count today; lower it as the formats take over what the library repeats.
     Raised twice: 11,936 -> 12,052, config names a format (three validated settings values
     replacing four CastConfig fields, their config checks, and the load of a 0.4 pickle);
-    12,052 -> 12,082, the eager call path (the reshape inside the autograd Function, shared
+    12,052 -> 12,081, the eager call path (the reshape inside the autograd Function, shared
     casts in a plain dict, eager casts that allocate no placeholders: about 14% less host
     time per eager tensorwise call, numbers/bench_overhead.json)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_082, f"float8kit has {lines} lines"
+    assert lines <= 12_081, f"float8kit has {lines} lines"

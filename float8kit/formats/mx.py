@@ -164,8 +164,7 @@ class MX(AlongDim, Float8Elements, Format):
         chunk = math.ceil(n / world)
         start = min(job.where.offset if job.where.dim == 0 else 0, n)
         if dim == 1:
-            rounding = cast.granularity_options.scale_rounding
-            data, scale = to_mx(shard, 1, fp8_dtype, rounding)
+            data, scale = to_mx(shard, 1, fp8_dtype, cast.granularity_options.scale_rounding)
             scale = job.all_gather_rows(job.pad(scale, chunk))[:n]
         else:
             data, local_scale = _cast_along_rows(job, start, n, fp8_dtype, cast)
