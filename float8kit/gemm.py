@@ -30,13 +30,15 @@ kernel's per-group blocked layouts, computed without a host sync).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 
 import torch
 import torch.nn.functional as F
 
 from float8kit import scaling, versions
-from float8kit.config import Float8Recipe
+from float8kit.config import GEMMS, Float8LinearConfig, Float8Recipe, GemmConfig
 from float8kit.formats.blockwise import (  # noqa: F401  (block_kernel_plan: gemm's API too)
     block_kernel_plan,
     cuda_block_scales,
@@ -88,22 +90,30 @@ def _operand_scales(a: Float8TrainingTensor, b: Float8TrainingTensor, rowwise: b
     return inv_a, inv_b
 
 
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """What a layer's config fixes for one of its gemms (``gemm_plan``, made once per config),
+    or a ``scaled_mm`` call's settings: calling it runs ``a @ b`` (``out_dtype`` default:
+    ``a``'s hp dtype) on the operands' gemm family."""
+
+    name: str | None
+    use_fast_accum: bool = False
+    emulate: bool = False
+    pad_inner_dim: bool = False
+
+    def __call__(self, a: Float8TrainingTensor, b: Float8TrainingTensor, out_dtype=None):
+        return _family(a, b)(a, b, self, out_dtype or a._orig_dtype)
+
+
+@functools.lru_cache(maxsize=1024)  # a pure function of its arguments, asked per gemm call
 def kernel_plan(
-    k: int,
-    n: int,
-    out_dtype: torch.dtype,
-    *,
-    cuda: bool,
-    rowwise: bool,
-    pad_inner_dim: bool = False,
-    gemm: str | None = None,
-    use_fast_accum: bool = True,
+    k: int, n: int, out_dtype: torch.dtype, cuda: bool, rowwise: bool, gemm: GemmPlan
 ) -> KernelPlan:
     """Padding and kernel output dtype of an (M, K) @ (K, N) float8 gemm; raises when the
     device's kernel cannot run it.
 
     CUDA (cuBLAS) needs K and N to be multiples of 16. N is a layer dim: when it is not
-    aligned the layer must stay hp. K is zero-padded when ``pad_inner_dim`` is set, and
+    aligned the layer must stay hp. K is zero-padded when ``gemm.pad_inner_dim`` is set, and
     always for the grad_weight gemm, whose K is the token count: it changes from batch to
     batch (an MoE expert gets any number of tokens), so no layer setting could fix it.
     ``pad_inner_dim`` also zero-pads N (the extra output columns are dropped), so that all
@@ -122,26 +132,26 @@ def kernel_plan(
         out_dtype: the dtype the caller wants.
         cuda: whether the operands are on a CUDA device.
         rowwise: whether the scales are per row/column.
-        pad_inner_dim: ``Float8LinearConfig.pad_inner_dim``.
-        gemm: ``"output"``, ``"grad_input"`` or ``"grad_weight"`` when known (messages, and
-            the grad_weight gemm's automatic padding).
-        use_fast_accum: whether the gemm asks for fast accumulation (CUDA routing).
+        gemm: the gemm's settings: ``name``, ``"output"``, ``"grad_input"`` or
+            ``"grad_weight"`` when known (messages, and the grad_weight gemm's automatic
+            padding), ``pad_inner_dim`` (``Float8LinearConfig.pad_inner_dim``) and
+            ``use_fast_accum`` (CUDA routing).
     """
-    align = _CUDA_ALIGN
-    pad = -k % align if pad_inner_dim or (cuda and gemm == "grad_weight") else 0
-    pad_out = -n % align if pad_inner_dim else 0
+    align, name, pad_dims = _CUDA_ALIGN, gemm.name, gemm.pad_inner_dim
+    pad = -k % align if pad_dims or (cuda and name == "grad_weight") else 0
+    pad_out = -n % align if pad_dims else 0
     if not cuda:
         return KernelPlan(pad, out_dtype, pad_out)
-    inner_name, out_name = GEMM_DIMS.get(gemm, ("the inner dim K", "the output dim N"))
-    for name, size, padded in ((out_name, n, pad_out), (inner_name, k, pad)):
+    inner_name, out_name = GEMM_DIMS.get(name, ("the inner dim K", "the output dim N"))
+    for dim, size, padded in ((out_name, n, pad_out), (inner_name, k, pad)):
         if size % align and not padded:
             raise ValueError(
-                f"float8 gemm on CUDA needs {name} (here {size}) to be a multiple of 16"
-                + (f" in the {gemm} gemm" if gemm else "")
+                f"float8 gemm on CUDA needs {dim} (here {size}) to be a multiple of 16"
+                + (f" in the {name} gemm" if name else "")
                 + ": set Float8LinearConfig.pad_inner_dim=True, or keep this layer in hp (the "
                 "default module filter does)"
             )
-    if rowwise and not use_fast_accum:
+    if rowwise and not gemm.use_fast_accum:
         return KernelPlan(pad, torch.float32, pad_out, post_scale=True)
     kernel_out = torch.bfloat16 if rowwise else out_dtype
     return KernelPlan(pad, kernel_out, pad_out)
@@ -289,25 +299,31 @@ def scaled_mm(
         The (M, N) product in ``out_dtype``. An empty operand (M, K or N is 0) gives zeros
         without calling a kernel.
     """
+    return GemmPlan(gemm, use_fast_accum, emulate, pad_inner_dim)(a, b, out_dtype)
+
+
+def _family(a: Float8TrainingTensor, b: Float8TrainingTensor):
+    """The gemm of the operands' family (a format's capability), after the shape check; a
+    tensorwise operand joins the other's family, whose operand check then says what does
+    not match."""
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(
             f"scaled_mm needs (M, K) @ (K, N); got {tuple(a.shape)} @ {tuple(b.shape)}"
         )
-    out_dtype = out_dtype or a._orig_dtype
-    # the operands' gemm family (a format's capability); a tensorwise operand joins the
-    # other's family, whose operand check then says what does not match
     family = a._gran.capabilities.gemm
     if family == "scaled":
         family = b._gran.capabilities.gemm
-    return _FAMILIES[family](
-        a,
-        b,
-        use_fast_accum=use_fast_accum,
-        emulate=emulate,
-        pad_inner_dim=pad_inner_dim,
-        out_dtype=out_dtype,
-        gemm=gemm,
-    )
+    return _FAMILIES[family]
+
+
+_CONFIG_FIELD = {g.name: g.config_field for g in GEMMS}
+
+
+def gemm_plan(config: Float8LinearConfig, name: str | None) -> GemmPlan:
+    """The plan of the gemm ``name`` (``config.GEMMS``) of a layer with ``config``; None: a
+    gemm of no layer (default settings)."""
+    settings = getattr(config, _CONFIG_FIELD[name]) if name else GemmConfig()
+    return GemmPlan(name, settings.use_fast_accum, config.emulate, config.pad_inner_dim)
 
 
 def _empty(a: Float8TrainingTensor, b: Float8TrainingTensor, out_dtype: torch.dtype):
@@ -319,7 +335,7 @@ def _empty(a: Float8TrainingTensor, b: Float8TrainingTensor, out_dtype: torch.dt
     return None
 
 
-def _tensor_or_row_scaled_mm(a, b, *, use_fast_accum, emulate, pad_inner_dim, out_dtype, gemm):
+def _tensor_or_row_scaled_mm(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
     """The ``scaled`` family: tensorwise and axiswise operands, ``torch._scaled_mm``."""
     rowwise = a._axiswise_dim is not None or b._axiswise_dim is not None
     if rowwise:
@@ -330,20 +346,11 @@ def _tensor_or_row_scaled_mm(a, b, *, use_fast_accum, emulate, pad_inner_dim, ou
     k, n = a.shape[1], b.shape[1]
     inv_a, inv_b = _operand_scales(a, b, rowwise)
 
-    if emulate:
+    if gemm.emulate:
         out = (a_data.to(torch.float32) @ b_data.to(torch.float32)) * inv_a * inv_b
         return out.to(out_dtype)
 
-    plan = kernel_plan(
-        k,
-        n,
-        out_dtype,
-        cuda=a_data.is_cuda,
-        rowwise=rowwise,
-        pad_inner_dim=pad_inner_dim,
-        gemm=gemm,
-        use_fast_accum=use_fast_accum,
-    )
+    plan = kernel_plan(k, n, out_dtype, a_data.is_cuda, rowwise, gemm)
     if not _is_row_major(a_data):
         a_data = a_data.contiguous()
     if not _is_col_major(b_data):
@@ -357,7 +364,7 @@ def _tensor_or_row_scaled_mm(a, b, *, use_fast_accum, emulate, pad_inner_dim, ou
             inv_b = F.pad(inv_b, (0, plan.pad_out), value=1.0)
     kernel = _kernel if a_data.is_cuda else _cpu_kernel
     scales = (inv_a.new_ones(()),) * 2 if plan.post_scale else (inv_a, inv_b)
-    out = kernel(a_data, b_data, *scales, plan.kernel_out_dtype, use_fast_accum)
+    out = kernel(a_data, b_data, *scales, plan.kernel_out_dtype, gemm.use_fast_accum)
     if plan.post_scale:
         out = out * inv_a * inv_b
     if plan.pad_out:
@@ -370,10 +377,10 @@ def _block_family(gemm_of):
     a test that wraps the function sees its calls): no fast accumulation, no inner-dim
     padding flag (its kernel plan pads what it must), empty products first."""
 
-    def run(a, b, *, use_fast_accum, emulate, pad_inner_dim, out_dtype, gemm):
+    def run(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
         if (zeros := _empty(a, b, out_dtype)) is not None:
             return zeros
-        return gemm_of()(a, b, emulate=emulate, out_dtype=out_dtype, gemm=gemm)
+        return gemm_of()(a, b, emulate=gemm.emulate, out_dtype=out_dtype, gemm=gemm.name)
 
     return run
 
@@ -421,7 +428,7 @@ def _cpu_scaled_mm(
     enabled = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        if not versions.cpu_rowwise_scaled_mm() and (inv_a.numel() > 1 or inv_b.numel() > 1):
+        if (inv_a.numel() > 1 or inv_b.numel() > 1) and not versions.cpu_rowwise_scaled_mm():
             # the per-tensor kernel with scales of one (exact fp32 sums of float8 products),
             # then the row / column scales in fp32: rowwise's math on a torch whose CPU
             # kernel takes per-tensor scales only

@@ -31,11 +31,13 @@ from float8kit.cast import (
 )
 from float8kit.config import (
     GEMM_ROLES,
+    GEMMS,
     CastConfig,
     Float8LinearConfig,
     GemmRole,
     ScalingType,
 )
+from float8kit.gemm import GemmPlan, gemm_plan
 from float8kit.hp_weight import store_plain_weight
 from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 
@@ -78,6 +80,8 @@ class LayerPlan:
     # per operand (input, weight, grad_output): whether the use of the second gemm records
     # the amax (only where the first use keeps no state: see the stateful_cast validation)
     second_records: tuple[bool, bool, bool]
+    # each gemm's name and kernel settings, by name (``config.GEMMS``)
+    gemms: dict[str, GemmPlan]
 
 
 _PLANS: list[LayerPlan] = []
@@ -110,6 +114,7 @@ def plan_of(config: Float8LinearConfig) -> LayerPlan:
             not getattr(c, first).scaling_type.stateful
             for first, _ in (c.operand_uses()[role] for role in GEMM_ROLES)
         ),
+        gemms={g.name: gemm_plan(c, g.name) for g in GEMMS},
     )
     _PLANS.append(plan)
     _PLAN_INDEX[config] = plan.index
@@ -162,7 +167,7 @@ def _fsdp_copy(weight: torch.Tensor, dim: int, cast: CastConfig, gemm: str):
     cast). Such a format's block is not its own transpose (``Format.copy_per_pass``):
     re-casting the held copy from its dequantized values would not be the cast of the hp
     weight, so a weight with no shards to gather from is refused."""
-    got = _FSDP_REGATHER[0](weight, dim) if _FSDP_REGATHER else None
+    got = _FSDP[0][1](weight, dim) if _FSDP else None
     if got is None:
         want = formats.of(cast, GemmRole.WEIGHT, dim, 2).short()
         raise RuntimeError(
@@ -388,7 +393,7 @@ class _Float8Matmul(torch.autograd.Function):
                     )  # fmt: skip
                     if w_col_too:
                         w, w_col = w
-                output = ops.mm(x, ops.t(w))
+                output = ops.mm(x, ops.t(w), plan.gemms["output"])
             else:
                 x, w = input_hp, weight
                 output = torch.mm(input_hp, dequantize(weight).to(input_hp.dtype).t())
@@ -454,7 +459,7 @@ class _Float8Matmul(torch.autograd.Function):
                     go, go_col = go
                 recast = None if ctx.w_recast is None else (w_scale_kept, *ctx.w_recast)
                 w_gi = _weight_for_grad_input(w_saved, plan, ctx.w_state, recast)
-                grad_input = ops.mm(go, w_gi)
+                grad_input = ops.mm(go, w_gi, plan.gemms["grad_input"])
             else:
                 grad_input = torch.mm(grad_output, dequantize(w_saved).to(grad_output.dtype))
 
@@ -474,7 +479,9 @@ class _Float8Matmul(torch.autograd.Function):
                 # x_saved is float8, cast for this gemm in forward (input_for_backward). .to() on
                 # a float8 tensor only changes the hp dtype it stands for: the gemm writes the
                 # weight's dtype directly (fp32 master weights under autocast).
-                grad_weight = ops.mm(ops.t(go_t).to(ctx.w_dtype), x_saved)
+                grad_weight = ops.mm(
+                    ops.t(go_t).to(ctx.w_dtype), x_saved, plan.gemms["grad_weight"]
+                )
             else:
                 grad_weight = torch.mm(grad_output.t(), dequantize(x_saved).to(grad_output.dtype))
                 grad_weight = grad_weight.to(ctx.w_dtype)
@@ -483,27 +490,20 @@ class _Float8Matmul(torch.autograd.Function):
             return grad_input, grad_weight, *(None,) * 6
 
 
-# How a layer's weight becomes the FSDP2 float8 all-gather weight when its config enables it:
-# float8kit.distributed.fsdp (a layer above this module) registers it when float8kit is
-# imported, so that this module imports nothing distributed.
-_FSDP_WEIGHT_WRAPPER: list[Callable[[nn.Parameter, Float8LinearConfig], nn.Parameter]] = []
+# The FSDP2 float8 all-gather: float8kit.distributed.fsdp (a layer above this module)
+# registers, when float8kit is imported, ``(wrap, regather)``: ``wrap(weight, config)`` makes
+# a layer's weight the all-gather weight (its config enables it), ``regather(weight, dim)``
+# gathers such a weight's copy for another pass from its shards (``Float8TrainingTensor |
+# None``). So this module imports nothing distributed.
+_FSDP: list[tuple[Callable, Callable]] = []
 
 
-# An FSDP2 float8 all-gather weight's copy for another pass, gathered from its shards:
-# float8kit.distributed.fsdp registers it (``(weight, dim) -> Float8TrainingTensor | None``).
-_FSDP_REGATHER: list[Callable[[torch.Tensor, int], Float8TrainingTensor | None]] = []
-
-
-def register_fsdp_regather(gather: Callable[[torch.Tensor, int], Float8TrainingTensor | None]):
-    """Set the function that gathers an FSDP2 weight's copy blocked along another dim."""
-    _FSDP_REGATHER[:] = [gather]
-
-
-def register_fsdp_weight_wrapper(
+def register_fsdp(
     wrap: Callable[[nn.Parameter, Float8LinearConfig], nn.Parameter],
+    regather: Callable[[torch.Tensor, int], Float8TrainingTensor | None],
 ) -> None:
-    """Set the function that wraps a layer's weight for the FSDP2 float8 all-gather."""
-    _FSDP_WEIGHT_WRAPPER[:] = [wrap]
+    """Set the functions that make and re-gather the FSDP2 float8 all-gather weight."""
+    _FSDP[:] = [(wrap, regather)]
 
 
 class Float8Linear(nn.Linear):
@@ -542,7 +542,7 @@ class Float8Linear(nn.Linear):
         if config.enable_fsdp_float8_all_gather:
             # FSDP2 all-gathers this subclass in float8 (float8kit/distributed/fsdp.py, which
             # registers the wrapper at import); idempotent
-            self.weight = _FSDP_WEIGHT_WRAPPER[0](self.weight, config)
+            self.weight = _FSDP[0][0](self.weight, config)
         state.init_state(self, config)
 
     @property

@@ -17,8 +17,8 @@ import torch
 
 from float8kit import versions
 from float8kit.cast import cast_like
-from float8kit.config import FP8_DTYPES, GEMMS, Float8LinearConfig, GemmConfig
-from float8kit.gemm import scaled_mm
+from float8kit.config import FP8_DTYPES, GEMMS, Float8LinearConfig
+from float8kit.gemm import GemmPlan, gemm_plan
 from float8kit.tensor import OP_TABLE, Float8TrainingTensor
 
 aten = torch.ops.aten
@@ -196,9 +196,9 @@ def _copy_(func, args, kwargs):
 
 # ---------------------------------------------------------------------------- gemms
 
-# Which of a linear layer's three gemms a pair of operand roles is: its config field and
-# its name (keyed on the roles' values, which hash without a Python-level Enum.__hash__).
-_GEMM_BY_ROLES = {(g.left.role.value, g.right.role.value): (g.config_field, g.name) for g in GEMMS}
+# Which of a linear layer's three gemms a pair of operand roles is (keyed on the roles'
+# values, which hash without a Python-level Enum.__hash__).
+_GEMM_BY_ROLES = {(g.left.role.value, g.right.role.value): g.name for g in GEMMS}
 
 
 def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
@@ -208,16 +208,7 @@ def _mm(a: Float8TrainingTensor, b: Float8TrainingTensor) -> torch.Tensor:
             "be float8 (check the CastConfig of both operands of that gemm)"
         )
     config = a._config or b._config or Float8LinearConfig()
-    field, name = _GEMM_BY_ROLES.get((a._role._value_, b._role._value_), (None, None))
-    gemm = getattr(config, field) if field else GemmConfig()
-    return scaled_mm(
-        a,
-        b,
-        use_fast_accum=gemm.use_fast_accum,
-        emulate=config.emulate,
-        pad_inner_dim=config.pad_inner_dim,
-        gemm=name,
-    )
+    return gemm_plan(config, _GEMM_BY_ROLES.get((a._role._value_, b._role._value_)))(a, b)
 
 
 @implements([aten.mm.default])
@@ -225,14 +216,15 @@ def _mm_op(func, args, kwargs):
     return _mm(args[0], args[1])
 
 
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm(a: torch.Tensor, b: torch.Tensor, plan: GemmPlan | None = None) -> torch.Tensor:
     """``torch.mm(a, b)``; for two float8 operands in eager (``versions.eager_direct``) the
-    table's mm called directly, without two dispatcher round trips into Python. Not under
-    autocast, whose mm casts the operands first (a float8 operand's ``.to``: the hp dtype it
-    stands for, which the gemm writes)."""
+    table's mm called directly, without two dispatcher round trips into Python (``plan``:
+    the layer's plan of this gemm, which the table's mm would make from the operands'
+    config). Not under autocast, whose mm casts the operands first (a float8 operand's
+    ``.to``: the hp dtype it stands for, which the gemm writes)."""
     if type(a) is Float8TrainingTensor and type(b) is Float8TrainingTensor:
         if versions.eager_direct() and not torch._C._is_any_autocast_enabled():
-            return _mm(a, b)
+            return plan(a, b) if plan is not None else _mm(a, b)
     return torch.mm(a, b)
 
 

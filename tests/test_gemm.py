@@ -8,6 +8,7 @@ import torch
 from float8kit import Float8LinearConfig, GemmRole, gemm
 from float8kit.cast import cast_to_float8
 from float8kit.gemm import (
+    GemmPlan,
     KernelPlan,
     kernel_plan,
     mx_kernel_operands,
@@ -99,18 +100,18 @@ def test_zero_padding_the_token_dim_gives_the_unpadded_result(cfg):
 
 @pytest.mark.parametrize("gemm", [None, "output", "grad_input", "grad_weight"])
 def test_cpu_kernel_plan_takes_any_shape_and_dtype(gemm):
-    plan = kernel_plan(37, 40, torch.float32, cuda=False, rowwise=True, gemm=gemm)
+    plan = kernel_plan(37, 40, torch.float32, False, True, GemmPlan(gemm))
     assert plan == KernelPlan(pad_inner=0, kernel_out_dtype=torch.float32)
-    assert kernel_plan(37, 40, torch.bfloat16, cuda=False, rowwise=False, pad_inner_dim=True) == (
+    padded = GemmPlan(gemm, pad_inner_dim=True)
+    assert kernel_plan(37, 40, torch.bfloat16, False, False, padded) == (
         KernelPlan(pad_inner=11, kernel_out_dtype=torch.bfloat16, pad_out=8)
     )
 
 
 def test_cuda_kernel_plan_pads_the_token_dim_and_names_the_real_cause():
     def plan(k, n, gemm, out_dtype=torch.bfloat16, rowwise=False, pad=False):
-        return kernel_plan(
-            k, n, out_dtype, cuda=True, rowwise=rowwise, pad_inner_dim=pad, gemm=gemm
-        )
+        # (fast accumulation, as a layer's output gemm asks: the rowwise kernel)
+        return kernel_plan(k, n, out_dtype, True, rowwise, GemmPlan(gemm, True, False, pad))
 
     # grad_weight reduces over the tokens: any count works, padded to the next 16
     assert plan(37, 64, "grad_weight") == KernelPlan(11, torch.bfloat16)
@@ -167,7 +168,7 @@ def test_cuda_rowwise_without_fast_accum_takes_the_post_scale_route():
     # torchao's rule: the CUTLASS rowwise kernel is very slow without fast accumulation, so
     # such gemms run the tensorwise kernel with unit scales (fp32 out) and scale afterwards
     def plan(rowwise, fast, cuda=True):
-        return kernel_plan(64, 64, torch.bfloat16, cuda=cuda, rowwise=rowwise, use_fast_accum=fast)
+        return kernel_plan(64, 64, torch.bfloat16, cuda, rowwise, GemmPlan(None, fast))
 
     assert plan(True, False) == KernelPlan(0, torch.float32, post_scale=True)
     assert plan(True, True) == KernelPlan(0, torch.bfloat16)  # the rowwise kernel

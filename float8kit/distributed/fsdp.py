@@ -626,5 +626,4 @@ def wrap_weight(weight: nn.Parameter, config: Float8LinearConfig) -> nn.Paramete
     return wrapped
 
 
-linear.register_fsdp_weight_wrapper(wrap_weight)
-linear.register_fsdp_regather(regather)
+linear.register_fsdp(wrap_weight, regather)
