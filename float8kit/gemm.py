@@ -31,7 +31,6 @@ kernel's per-group blocked layouts, computed without a host sync).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import torch
@@ -105,7 +104,6 @@ class GemmPlan:
         return _family(a, b)(a, b, self, out_dtype or a._orig_dtype)
 
 
-@functools.lru_cache(maxsize=1024)  # a pure function of its arguments, asked per gemm call
 def kernel_plan(
     k: int, n: int, out_dtype: torch.dtype, cuda: bool, rowwise: bool, gemm: GemmPlan
 ) -> KernelPlan:
