@@ -23,15 +23,18 @@ def test_dry_run_checks_every_step(tmp_path):
         (1, "linear_compiled"),
         (1, "roofline"),
         (1, "gpu_tests"),
-        (2, "train"),
+        (1, "train"),
         (2, "linear_more"),
         (2, "memory"),
         (2, "precompute"),
+        (2, "train_rowwise"),
     ]
     assert all(s["exit"] == 0 for s in steps), steps
     # each part's step limits fit one 10-minute device command with a minute to spare
     for part in (1, 2):
         assert sum(s["limit_s"] for s in steps if s["part"] == part) <= 9 * 60, part
+    # and both parts one lease's 15 minutes of device time, a minute left for its start
+    assert sum(s["limit_s"] for s in steps) <= 14 * 60
     summary = (tmp_path / "summary.md").read_text()
     assert "dry run" in summary and "| linear_compiled | 0 |" in summary
     # the timed shapes: the seed shape and the three Llama-3-8B ones, both timings
@@ -57,5 +60,5 @@ def test_a_step_with_an_unknown_flag_fails_the_dry_run_of_its_part(tmp_path):
     assert run.returncode != 0
     assert "has no flag --modez" in (tmp_path / "linear_compiled.log").read_text()
     steps = json.loads((tmp_path / "steps.json").read_text())
-    assert [s["step"] for s in steps] == ["linear_compiled", "roofline", "gpu_tests"]
+    assert [s["step"] for s in steps] == ["linear_compiled", "roofline", "gpu_tests", "train"]
     assert steps[0]["exit"] != 0

@@ -18,6 +18,7 @@ in DOCS.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -204,11 +205,27 @@ def gpu_compile_table() -> str:
 
 # ---------------------------------------------------------------------------- GPU acceptance
 
-# The acceptance run (benchmarks/gpu_acceptance.sh, both parts, then two training-step calls)
-# on a second H200 lease. Its JSON names the device copy's stale HEAD (222957e, "dirty": the
-# copy kept the session's first git metadata); the tree that ran is 9744355 (its README).
-GPU_ACC = REPO / "benchmarks" / "results" / "2026-11-27-nvidia-h200"
-GPU_ACC_TREE = "9744355"
+
+@dataclasses.dataclass(frozen=True)
+class AccRun:
+    """One acceptance run (benchmarks/gpu_acceptance.sh): its folder under
+    benchmarks/results/, the commit whose tree ran (its README says why the JSON may name
+    another or say dirty) and its training-step files, each timing its own bf16."""
+
+    folder: str
+    tree: str
+    train: tuple[str, ...]
+
+    def path(self, rel: str) -> Path:
+        return REPO / "benchmarks" / "results" / self.folder / rel
+
+
+# 2026-11-27: both parts, then two training-step calls; the JSON names the device copy's
+# stale HEAD (222957e, "dirty": the copy kept the session's first git metadata).
+ACC_PREVIOUS = AccRun("2026-11-27-nvidia-h200", "9744355", ("train_ao.json", "train.json"))
+# 2026-11-29: part 1 and the training step, then the rest of part 2; "dirty" is the
+# untracked .whl/ folder of wheels alone (acceptance/git_status.txt).
+ACC = AccRun("2026-11-29-nvidia-h200", "952f326", ("train.json", "train_rowwise.json"))
 SEED_SHAPE = (4096, 8192, 16384)
 
 # The GPU acceptance targets, checked against the run (the thresholds of the acceptance run)
@@ -218,30 +235,32 @@ TARGET_TRAIN = {"tensorwise": 1.30, "delayed": 1.40}
 
 
 @functools.cache
-def gpu_acc(rel: str) -> dict:
-    return json.loads((GPU_ACC / rel).read_text())
+def gpu_acc(rel: str, run: AccRun = ACC) -> dict:
+    return json.loads(run.path(rel).read_text())
 
 
-def gpu_acc_caption(rel: str) -> str:
-    d = gpu_acc(rel)
-    path = (GPU_ACC / rel).relative_to(REPO)
+def gpu_acc_caption(rel: str, run: AccRun = ACC) -> str:
+    d = gpu_acc(rel, run)
+    path = run.path(rel).relative_to(REPO)
     return (
         f"`{d['command']}`: {d['device']}; torch {d['torch']}, torchao {d['torchao']}; "
-        f"float8kit {GPU_ACC_TREE}; {d['date'][:10]}; [{path}](/{path})"
+        f"float8kit {run.tree}; {d['date'][:10]}; [{path}](/{path})"
     )
 
 
-def _acc_linear_rows() -> list[dict]:
+def _acc_linear_rows(run: AccRun) -> list[dict]:
     return [
         r
         for rel in ("acceptance/linear_compiled.json", "acceptance/linear_more.json")
-        for r in gpu_acc(rel)["rows"]
+        for r in gpu_acc(rel, run)["rows"]
     ]
 
 
-def _acc_row(recipe: str, shape: tuple[int, int, int]) -> dict:
+def _acc_row(run: AccRun, recipe: str, shape: tuple[int, int, int]) -> dict:
     (r,) = [
-        r for r in _acc_linear_rows() if r["recipe"] == recipe and (r["M"], r["K"], r["N"]) == shape
+        r
+        for r in _acc_linear_rows(run)
+        if r["recipe"] == recipe and (r["M"], r["K"], r["N"]) == shape
     ]
     return r
 
@@ -250,7 +269,7 @@ def _x(v) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
-def gpu_acc_linear_table() -> str:
+def gpu_acc_linear_table(run: AccRun = ACC) -> str:
     rows = [
         [
             f"{r['M']}x{r['K']}x{r['N']}",
@@ -263,11 +282,11 @@ def gpu_acc_linear_table() -> str:
             _x(r.get("torchao_synced_speedup")),
             f(r["float8kit_sqnr_db"]),
         ]
-        for r in _acc_linear_rows()
+        for r in _acc_linear_rows(run)
     ]
-    d = gpu_acc("acceptance/linear_compiled.json")
+    d = gpu_acc("acceptance/linear_compiled.json", run)
     return (
-        f"{gpu_acc_caption('acceptance/linear_compiled.json')} (rowwise_with_gw_hp and "
+        f"{gpu_acc_caption('acceptance/linear_compiled.json', run)} (rowwise_with_gw_hp and "
         f"blockwise: acceptance/linear_more.json, the same flags at the seed shape); one "
         f"Linear, fwd+bwd, compiled, median of {d['iters']} calls; back to back (the host "
         "queues ahead) and synchronized after every call\n\n"
@@ -288,28 +307,30 @@ def gpu_acc_linear_table() -> str:
     )
 
 
-def _acc_train_rows() -> list[tuple[str, dict]]:
-    return [(rel, r) for rel in ("train_ao.json", "train.json") for r in gpu_acc(rel)["rows"]]
+def _acc_train_rows(run: AccRun) -> list[tuple[str, dict]]:
+    return [(rel, r) for rel in run.train for r in gpu_acc(rel, run)["rows"]]
 
 
-def gpu_acc_train_table() -> str:
+def gpu_acc_train_table(run: AccRun = ACC) -> str:
     rows = [
         [
             rel.removesuffix(".json"),
             r["variant"],
-            f(r["step_ms"], ".1f"),
-            f(r["tokens_per_s"], ".0f"),
-            _x(r["speedup_vs_bf16"]),
-            f(r["peak_mem_gib"]),
-            f(r["loss_first"], ".4f"),
+            f(r.get("step_ms"), ".1f"),
+            f(r.get("tokens_per_s"), ".0f"),
+            _x(r.get("speedup_vs_bf16")),
+            f(r.get("peak_mem_gib")),
+            f(r.get("loss_first"), ".4f"),
         ]
-        for rel, r in _acc_train_rows()
+        for rel, r in _acc_train_rows(run)
+        if "step_ms" in r
     ]
-    d = gpu_acc("train.json")
+    d = gpu_acc(run.train[0], run)
+    captions = "; and ".join(gpu_acc_caption(rel, run) for rel in run.train)
     return (
-        f"{gpu_acc_caption('train_ao.json')}; and {gpu_acc_caption('train.json')}; preset "
-        f"{d['preset']}, {d['batch']}x{d['seq']} tokens per step, compiled, median of "
-        f"{d['steps']} steps after {d['warmup']} warm-up; each call times its own bf16\n\n"
+        f"{captions}; preset {d['preset']}, {d['batch']}x{d['seq']} tokens per step, "
+        f"compiled, median of {d['steps']} steps after {d['warmup']} warm-up; each call "
+        "times its own bf16\n\n"
         + table(
             ["call", "variant", "step ms", "tokens/s", "vs bf16", "peak GiB", "loss step 1"],
             rows,
@@ -317,8 +338,8 @@ def gpu_acc_train_table() -> str:
     )
 
 
-def gpu_acc_roofline_table() -> str:
-    d = gpu_acc("acceptance/roofline.json")
+def gpu_acc_roofline_table(run: AccRun = ACC) -> str:
+    d = gpu_acc("acceptance/roofline.json", run)
     rows = [
         [
             f"{r['M']}x{r['K']}x{r['N']}",
@@ -333,8 +354,8 @@ def gpu_acc_roofline_table() -> str:
     ]
     rates = d["rates"]
     return (
-        f"{gpu_acc_caption('acceptance/roofline.json')}; rates measured on the card: bf16 "
-        f"{rates['bf16_tflops']:.0f} TFLOP/s, float8 {rates['fp8_tflops']:.0f} TFLOP/s, "
+        f"{gpu_acc_caption('acceptance/roofline.json', run)}; rates measured on the card: "
+        f"bf16 {rates['bf16_tflops']:.0f} TFLOP/s, float8 {rates['fp8_tflops']:.0f} TFLOP/s, "
         f"{rates['bw_tbps']:.2f} TB/s; measured: tensorwise, compiled, back to back\n\n"
         + table(
             [
@@ -351,12 +372,12 @@ def gpu_acc_roofline_table() -> str:
     )
 
 
-def _acc_shapes() -> list[tuple[int, int, int]]:
-    rows = gpu_acc("acceptance/linear_compiled.json")["rows"]
+def _acc_shapes(run: AccRun) -> list[tuple[int, int, int]]:
+    rows = gpu_acc("acceptance/linear_compiled.json", run)["rows"]
     return list(dict.fromkeys((r["M"], r["K"], r["N"]) for r in rows))
 
 
-def gpu_acc_targets_table() -> str:
+def gpu_acc_targets_table(run: AccRun = ACC) -> str:
     """The GPU acceptance targets, each read from the run: what was needed, what was measured."""
     out = []
 
@@ -372,9 +393,10 @@ def gpu_acc_targets_table() -> str:
         return [
             (
                 name(s),
-                _acc_row(slow[0], s)[f"{slow[1]}{x}_ms"] / _acc_row(fast[0], s)[f"{fast[1]}{x}_ms"],
+                _acc_row(run, slow[0], s)[f"{slow[1]}{x}_ms"]
+                / _acc_row(run, fast[0], s)[f"{fast[1]}{x}_ms"],
             )
-            for s in _acc_shapes()
+            for s in _acc_shapes(run)
         ]
 
     timings = (("", "back to back"), ("_synced", "synchronized"))
@@ -382,7 +404,7 @@ def gpu_acc_targets_table() -> str:
         got = speedup_per_shape(x, ("tensorwise", "torchao"), ("tensorwise", "float8kit"))
         row(f"tensorwise vs torchao, every shape, {how}", "1.00x or more", got, lambda v: v >= 1.0)
     for x, how in timings:
-        got = [("", _acc_row("tensorwise", SEED_SHAPE)[f"float8kit{x}_speedup"])]
+        got = [("", _acc_row(run, "tensorwise", SEED_SHAPE)[f"float8kit{x}_speedup"])]
         need = TARGET_SEED_SPEEDUP
         row(f"tensorwise vs bf16 at {name(SEED_SHAPE)}, {how}", f"{need:.2f}x or more", got,
             lambda v: v >= TARGET_SEED_SPEEDUP)  # fmt: skip
@@ -394,12 +416,49 @@ def gpu_acc_targets_table() -> str:
     for recipe, need in TARGET_TRAIN.items():
         got = [
             (rel.removesuffix(".json"), r["speedup_vs_bf16"])
-            for rel, r in _acc_train_rows()
+            for rel, r in _acc_train_rows(run)
             if r["variant"] == f"float8kit:{recipe}"
         ]
         row(f"llama3-8b-4l {recipe} vs bf16", f"{need:.2f}x or more", got, lambda v, n=need: v >= n)
-    return "The acceptance targets, from the run's JSON\n\n" + table(
-        ["target", "needed", "measured", "holds"], out
+    date = gpu_acc("acceptance/linear_compiled.json", run)["date"][:10]
+    return (
+        f"The acceptance targets, from the JSON of the run of {date} (float8kit {run.tree})\n\n"
+        + table(["target", "needed", "measured", "holds"], out)
+    )
+
+
+def gpu_acc_precompute_table(run: AccRun = ACC) -> str:
+    d = gpu_acc("acceptance/precompute.json", run)
+    rows = [
+        [
+            r["layers"],
+            r["recipe"],
+            f(r["host_us"], ".0f"),
+            f(r["host_us_per_layer"], ".0f"),
+            r["aten_ops"],
+            f(r["host_us_gpu_busy"], ".0f"),
+            f(r["busy_gpu_ms"], ".1f"),
+            "yes" if r["waits_for_gpu"] else "no",
+        ]
+        for r in d["rows"]
+    ]
+    return (
+        f"{gpu_acc_caption('acceptance/precompute.json', run)}; layers of {d['dim']}x{d['dim']}, "
+        f"{d['tokens']} tokens; host time of one `precompute_scales` call (median), idle and "
+        "with a queue of GPU work ahead of it\n\n"
+        + table(
+            [
+                "layers",
+                "recipe",
+                "host us",
+                "host us per layer",
+                "aten ops",
+                "host us, GPU busy",
+                "queued GPU ms",
+                "waits for the GPU",
+            ],
+            rows,
+        )
     )
 
 
@@ -407,7 +466,7 @@ def _acc_pytest(log: str) -> Callable[[], str]:
     """The "N passed" (and any failures) of a committed pytest log's summary line."""
 
     def get() -> str:
-        last = (GPU_ACC / "acceptance" / log).read_text().strip().splitlines()[-1]
+        last = ACC.path(f"acceptance/{log}").read_text().strip().splitlines()[-1]
         counts = re.findall(r"(\d+ (?:passed|failed|error))", last)
         assert counts, f"{log}: no pytest summary in {last!r}"
         return ", ".join(counts)
@@ -416,14 +475,15 @@ def _acc_pytest(log: str) -> Callable[[], str]:
 
 
 def _acc_speedup(recipe: str, lib: str, synced: bool = False) -> Callable[[], str]:
-    return lambda: _x(_acc_row(recipe, SEED_SHAPE)[f"{lib}{'_synced' if synced else ''}_speedup"])
+    x = "_synced" if synced else ""
+    return lambda: _x(_acc_row(ACC, recipe, SEED_SHAPE)[f"{lib}{x}_speedup"])
 
 
-def _acc_train(rel: str, variant: str) -> Callable[[], str]:
-    """``variant``'s speedup over the bf16 step timed in the same call (``rel``)."""
+def _acc_train(variant: str) -> Callable[[], str]:
+    """``variant``'s speedup over the bf16 step timed in the same call."""
 
     def get() -> str:
-        (r,) = [r for r in gpu_acc(rel)["rows"] if r["variant"] == variant]
+        (r,) = [r for _, r in _acc_train_rows(ACC) if r["variant"] == variant]
         return _x(r["speedup_vs_bf16"])
 
     return get
@@ -1950,6 +2010,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu_acc_train": gpu_acc_train_table,
     "gpu_acc_roofline": gpu_acc_roofline_table,
     "gpu_acc_targets": gpu_acc_targets_table,
+    "gpu_acc_precompute": gpu_acc_precompute_table,
+    "gpu_acc_targets_previous": lambda: gpu_acc_targets_table(ACC_PREVIOUS),
 }
 
 
@@ -2068,9 +2130,9 @@ INLINE: dict[str, Callable[[], str]] = {
     "gpu_acc.tensorwise_ao_synced": _acc_speedup("tensorwise", "torchao", synced=True),
     "gpu_acc.rowwise_fk": _acc_speedup("rowwise", "float8kit"),
     "gpu_acc.rowwise_ao": _acc_speedup("rowwise", "torchao"),
-    "gpu_acc.train_tensorwise_fk": _acc_train("train_ao.json", "float8kit:tensorwise"),
-    "gpu_acc.train_tensorwise_ao": _acc_train("train_ao.json", "torchao:tensorwise"),
-    "gpu_acc.train_delayed_fk": _acc_train("train.json", "float8kit:delayed"),
+    "gpu_acc.train_tensorwise_fk": _acc_train("float8kit:tensorwise"),
+    "gpu_acc.train_tensorwise_ao": _acc_train("torchao:tensorwise"),
+    "gpu_acc.train_delayed_fk": _acc_train("float8kit:delayed"),
     "fsdp.ag_ratio": lambda: "{:.3f}x".format(
         load("fsdp")["data"]["all_gather_bytes_fp8"] / load("fsdp")["data"]["all_gather_bytes_bf16"]
     ),
