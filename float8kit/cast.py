@@ -131,20 +131,20 @@ def fused_cast_applies(
     hp: torch.Tensor,
     gran: Format,
     fp8_dtype: torch.dtype,
-    role: GemmRole = GemmRole.WEIGHT,
     kind: ScalingType = ScalingType.STATIC,
 ) -> bool:
     """Whether ``cast_tensorwise`` casts ``hp``: a plain 2-D tensor (not a DTensor or other
-    subclass), tensorwise, to e4m3fn or e5m2; while compiling, not a DYNAMIC activation.
+    subclass), tensorwise, to e4m3fn or e5m2; while compiling, not a DYNAMIC cast.
 
-    Under ``torch.compile`` an activation's cast stays inductor's to fuse with the op that
-    produces it (a norm, SiLU, their backward), whose bf16 result inductor may feed to the
-    cast unrounded: an opaque op would round it first and move the cast's bits (to eager's).
-    A DYNAMIC cast keeps those bits (bitwise torchao's compiled); a DELAYED or STATIC one
-    takes the op, which is what gives it its byte minimum (the amax record in the cast pass,
-    both layouts from one read), and then has eager's bits; a weight (a parameter, read from
-    memory) has the same bits either way."""
-    if versions.compiling() and role is not GemmRole.WEIGHT and kind is ScalingType.DYNAMIC:
+    Under ``torch.compile`` a DYNAMIC cast stays inductor's. An activation's, to fuse with
+    the op that produces it (a norm, SiLU, their backward), whose bf16 result inductor may
+    feed to the cast unrounded: an opaque op would round it first and move its bits (to
+    eager's). A weight's (the same bits either way): the op's dispatch before the first gemm
+    cost more than its one-read saving at most Llama shapes on an H200
+    (benchmarks/results/2026-11-29-nvidia-h200/cast_op_probe). A DELAYED or STATIC cast takes
+    the op, its byte minimum (the amax record in the cast pass, both layouts from one read),
+    and then has eager's bits."""
+    if versions.compiling() and kind is ScalingType.DYNAMIC:
         return False
     return gran is TENSORWISE and hp.dim() == 2 and fp8_dtype in (E4M3, E5M2) and type(hp) in _PLAIN
 
@@ -272,7 +272,7 @@ def recast_with_scale(
     granularity) it used before: bitwise the float8 tensor that cast made. A tensorwise one
     is made column-major (the weight's grad_input gemm takes it so): one pass, no copy."""
     guard = cast.scaling_type is not ScalingType.DYNAMIC
-    if fused_cast_applies(hp, gran, fp8_dtype, role, cast.scaling_type):
+    if fused_cast_applies(hp, gran, fp8_dtype, cast.scaling_type):
         _, fp8_col, _ = cast_tensorwise(
             hp, scale, fp8_dtype, role, config, guard=guard, row=False, col=True
         )
@@ -324,7 +324,7 @@ def cast_to_float8(
         return _layouts(fp8, fp8, row, col)
     gran = formats.of(cast, role, reduce_dim, hp.dim())
     fp8_dtype = cast.dtype_for(role)
-    fused = one_pass and fused_cast_applies(hp, gran, fp8_dtype, role, cast.scaling_type)
+    fused = one_pass and fused_cast_applies(hp, gran, fp8_dtype, cast.scaling_type)
     if cast.scaling_type is ScalingType.DYNAMIC and not fused:
         # the format's own scale rule (amax -> scale; MX's e8m0, NVFP4's two levels)
         data, scale = gran.quantize_dynamic(hp, fp8_dtype, cast, config.round_scales_to_power_of_2)

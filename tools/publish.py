@@ -462,6 +462,37 @@ def gpu_acc_precompute_table(run: AccRun = ACC) -> str:
     )
 
 
+def gpu_cast_op_probe_table() -> str:
+    """The opaque weight cast on and off under compile, beside torchao (cast_op_probe/)."""
+    rows = []
+    for rel in ("cast_op_probe/probe_a.json", "cast_op_probe/probe_b.json"):
+        d = gpu_acc(rel)
+        for r in d["rows"]:
+            rows.append(
+                [f"{r['M']}x{r['K']}x{r['N']}"]
+                + [_x(r[f"{v}_vs_ao_{t}"]) for t in ("b2b", "sync") for v in ("fk", "fk_noop")]
+                + ["yes" if r["noop_bitwise"] else "**no**"]
+            )
+    path = ACC.path("cast_op_probe").relative_to(REPO)
+    return (
+        f"`probe.py` in [{path}](/{path}/README.md): {d['device']}, torch {d['torch']}; "
+        "float8kit 8f85b28; compiled fwd+bwd of one Linear, tensorwise; torchao's time / "
+        "float8kit's (above 1: faster than torchao), with the opaque weight cast as it was "
+        "and with inductor casting the weight\n\n"
+        + table(
+            [
+                "M x K x N",
+                "op, back to back",
+                "inductor, back to back",
+                "op, synchronized",
+                "inductor, synchronized",
+                "same bits",
+            ],
+            rows,
+        )
+    )
+
+
 def _acc_pytest(log: str) -> Callable[[], str]:
     """The "N passed" (and any failures) of a committed pytest log's summary line."""
 
@@ -2011,6 +2042,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu_acc_roofline": gpu_acc_roofline_table,
     "gpu_acc_targets": gpu_acc_targets_table,
     "gpu_acc_precompute": gpu_acc_precompute_table,
+    "gpu_cast_op_probe": gpu_cast_op_probe_table,
     "gpu_acc_targets_previous": lambda: gpu_acc_targets_table(ACC_PREVIOUS),
 }
 
