@@ -112,11 +112,11 @@ class Traffic:
 # float8kit compiled (torch.compile, inductor), per recipe: benchmarks/bench_traffic.py's
 # per-element split at 256x512x1024 (numbers/traffic.json holds the measured rows).
 TRAFFIC = {
-    "tensorwise": Traffic(8.0, 6.0, 8.0, 11),
+    "tensorwise": Traffic(8.0, 8.0, 8.0, 12),
     "delayed": Traffic(4.0, 4.0, 4.0, 10),
     "static": Traffic(4.0, 4.0, 4.0, 6),
     "rowwise": Traffic(6.0, 8.0, 6.0, 7),
-    "rowwise_with_gw_hp": Traffic(3.0, 8.0, 3.0, 7, (True, True, False)),
+    "rowwise_with_gw_hp": Traffic(3.0, 8.0, 3.0, 6, (True, True, False)),
     "blockwise": Traffic(10.0, 8.0, 10.0, 17),
 }
 
