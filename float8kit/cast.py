@@ -62,6 +62,7 @@ def cast_tensorwise_reference(
     ``max(|hp|)`` as an fp32 scalar if ``amax`` (0 for an empty tensor, NaN if any NaN); an
     empty tensor in place of each output not asked for (None with ``placeholders=False``:
     an eager call's, ``_cast_tensorwise_op``, which allocates nothing it does not use)."""
+    hp = hp.contiguous()  # the outputs are contiguous whatever the input's strides (the fake)
     data = to_fp8_saturated(hp, scale, fp8_dtype, guard_non_finite=guard)
     nothing = (lambda d: hp.new_empty((0,), dtype=d)) if placeholders else (lambda d: None)
     amax_value = nothing(torch.float32)

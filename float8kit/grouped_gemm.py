@@ -24,7 +24,11 @@ def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     meta function accepts bf16 only, so a compiled graph could not trace it directly. CUDA's
     grouped kernel takes bf16 only: there, one matmul per group (emulation is for debugging)."""
     if a.device.type == "cpu":
-        return torch._grouped_mm(a, b, offs=offs)
+        out = torch._grouped_mm(a, b, offs=offs)
+        if b.dim() == 3:  # rows past offs[-1], in no group, are left unwritten: zeros
+            in_group = token_groups(offs, a.size(0)) < offs.numel()
+            out = torch.where(in_group.unsqueeze(1), out, 0.0)
+        return out
     ends = offs.tolist()
     starts = [0, *ends[:-1]]
     if b.dim() == 3:

@@ -144,3 +144,33 @@ def test_compiled_precompute_scales_is_one_graph_without_host_reads():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(precompute_scales)(model)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "static"])
+def test_compiled_transposed_operands_match_eager(recipe):
+    """A weight made as ``nn.Parameter(w.t())`` and a transposed input (column-major): the
+    one-pass cast op's outputs are contiguous whatever its input's strides, as its fake says
+    (they kept the input's strides, and inductor's ``assert_size_stride`` crashed)."""
+    torch.manual_seed(0)
+    cast = CastConfig() if recipe == "tensorwise" else STATIC
+    config = Float8LinearConfig(
+        cast_config_input=cast, cast_config_weight=cast, cast_config_grad_output=CastConfig()
+    )
+    eager = Float8Linear(64, 48, bias=False, config=config)
+    eager.weight = nn.Parameter(eager.weight.detach().t().contiguous().t())
+    if recipe == "static":
+        calibrate(eager, [torch.randn(32, 64)])
+    compiled_copy = copy.deepcopy(eager)
+    assert compiled_copy.weight.stride() == (1, 48)
+    torch._dynamo.reset()
+    compiled = torch.compile(compiled_copy, fullgraph=True)
+    x = torch.randn(64, 32).t()  # (32, 64), column-major
+    grad = torch.randn(32, 48)
+    outs = []
+    for model, layer in ((eager, eager), (compiled, compiled_copy)):
+        xi = x.detach().clone().t().contiguous().t().requires_grad_()
+        out = model(xi)
+        out.backward(grad)
+        outs.append((out.detach(), xi.grad, layer.weight.grad))
+    for what, e, c in zip(("output", "grad_input", "grad_weight"), *outs, strict=True):
+        assert torch.equal(e, c), what
