@@ -1,5 +1,7 @@
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from float8kit import versions
 
@@ -33,3 +35,13 @@ def pretend_gpu(monkeypatch):
 
     yield pretend
     versions._capability_of.cache_clear()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group in this process (its mesh)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -2,10 +2,8 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from float8kit import (
@@ -118,15 +116,6 @@ def test_every_linear_is_converted_including_a_linears_children(where):
     x = torch.randn(16, 32)
     assert sqnr(hp_adapter(x), adapter(x)) >= 20
     assert list(model.state_dict()) == list(hp.state_dict())
-
-
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("fp8_all_gather", [False, True])

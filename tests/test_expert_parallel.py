@@ -200,3 +200,14 @@ def test_inf_and_nan_tokens_stay_visible_as_on_one_rank(tmp_path):
             local = gw["w1"].size(0)
             for n in gw:
                 assert _same(gw[n], r_gw[n][rank * local : (rank + 1) * local]), (name, n)
+
+
+def test_plan_dispatch_refuses_rows_not_sorted_by_expert(one_rank_group):
+    """Token-major rows (``experts.flatten()`` unsorted) would run through other experts'
+    weights without an error: refused, in the plan's one host read, naming the fix."""
+    experts = torch.tensor([[2, 0], [1, 3], [0, 2]])  # (tokens, top_k)
+    with pytest.raises(ValueError, match=r"sorted by expert .* 2 of 6 rows .*argsort"):
+        ep.plan_dispatch(experts.flatten(), 4)
+    order = experts.flatten().argsort(stable=True)
+    plan = ep.plan_dispatch(experts.flatten()[order], 4)
+    assert plan.send_sizes == [6] and plan.offs.tolist() == [2, 3, 5, 6]

@@ -111,13 +111,32 @@ def expert_counts(row_expert: torch.Tensor, n_experts: int) -> torch.Tensor:
     return counts.scatter_add_(0, row_expert.long(), torch.ones_like(row_expert, dtype=torch.int64))
 
 
-def make_plan(counts: torch.Tensor, recv: torch.Tensor, group, n_experts: int) -> EPPlan:
+def make_plan(
+    counts: torch.Tensor,
+    recv: torch.Tensor,
+    group,
+    n_experts: int,
+    row_expert: torch.Tensor | None = None,
+) -> EPPlan:
     """The plan from this rank's ``counts`` per expert and ``recv`` (ep, E_local): the rows
     each rank sends each of this rank's experts (what the counts all-to-all delivers). Reads
-    the split sizes to the host: the one sync of a dispatch."""
+    the split sizes to the host: the one sync of a dispatch, which also checks that
+    ``row_expert`` (when given) is sorted: unsorted rows would run through other experts'
+    weights without an error."""
     ep, local = recv.shape
-    sizes = torch.cat([counts.view(ep, local).sum(1), recv.sum(1)]).tolist()
-    send_sizes, recv_sizes = sizes[:ep], sizes[ep:]
+    checks = [counts.view(ep, local).sum(1), recv.sum(1)]
+    if row_expert is not None:  # how many rows come after a row of a higher expert
+        checks.append((row_expert[1:] < row_expert[:-1]).sum().reshape(1).to(counts.dtype))
+    sizes = torch.cat(checks).tolist()
+    if row_expert is not None and sizes[-1]:
+        raise ValueError(
+            f"float8kit: plan_dispatch needs the rows sorted by expert (row_expert "
+            f"non-decreasing); {sizes[-1]} of {row_expert.numel()} rows follow a row of a "
+            "higher expert. Sort the (token, expert) rows stably by expert first: order = "
+            "experts.flatten().argsort(stable=True), row_expert = experts.flatten()[order], "
+            "token = order // top_k (docs/moe.md)"
+        )
+    send_sizes, recv_sizes = sizes[:ep], sizes[ep : 2 * ep]
     # rank-major -> expert-major: segment (src, e) starts at start[src, e] in the buffer
     flat = recv.flatten()
     start = (flat.cumsum(0) - flat).view(ep, local)
@@ -134,8 +153,8 @@ def plan_dispatch(
     row_expert: torch.Tensor, n_experts: int, group: dist.ProcessGroup | None = None
 ) -> EPPlan:
     """The plan for rows routed to ``row_expert`` (non-decreasing: the rows sorted by
-    expert). Exchanges the per-expert counts (one small all-to-all) and reads the split sizes
-    to the host (the one sync of a dispatch)."""
+    expert; unsorted rows raise). Exchanges the per-expert counts (one small all-to-all) and
+    reads the split sizes to the host (the one sync of a dispatch)."""
     group = group or dist.group.WORLD
     ep = dist.get_world_size(group)
     if n_experts % ep:
@@ -146,7 +165,7 @@ def plan_dispatch(
     counts = expert_counts(row_expert, n_experts)
     recv = torch.empty_like(counts)
     dist.all_to_all_single(recv, counts, group=group)
-    return make_plan(counts, recv.view(ep, n_experts // ep), group, n_experts)
+    return make_plan(counts, recv.view(ep, n_experts // ep), group, n_experts, row_expert)
 
 
 # ---------------------------------------------------------------------------- the wire
