@@ -77,22 +77,32 @@ def set_hp_forward(model: nn.Module, enabled: bool = True) -> int:
     (the NVFP4 paper's late-training switch of the forward gemms to bf16; the backward gemms
     keep their casts): ``Float8LinearConfig.with_hp_forward``. Returns how many layers it
     switched. A compiled model recompiles once for the new configs. Switching back restores
-    each layer's config from before the first switch."""
-    switched = 0
-    for mod in model.modules():
+    each layer's config from before the first switch. All or nothing: a layer that cannot
+    switch (DELAYED/STATIC scaling) raises, naming it, before any layer is switched."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"float8kit: set_hp_forward(enabled=...) takes a bool, got {enabled!r}")
+    switches = []  # (layer, its new config, the config to restore later or None)
+    for fqn, mod in model.named_modules():
         if not isinstance(mod, Float8Linear):
             continue
         original = mod.__dict__.get("_config_before_hp_forward")
         if enabled and original is None:
-            new = mod.config.with_hp_forward()  # raises for DELAYED/STATIC layers
-            mod.__dict__["_config_before_hp_forward"] = mod.config
-            mod.config = new
-            switched += 1
+            try:
+                switches.append((mod, mod.config.with_hp_forward(), mod.config))
+            except ValueError as e:
+                raise ValueError(
+                    f"float8kit: set_hp_forward: {fqn or '<root>'} cannot switch (no layer was "
+                    f"switched): {e}"
+                ) from None
         elif not enabled and original is not None:
-            mod.config = original
+            switches.append((mod, original, None))
+    for mod, config, restore in switches:
+        if restore is None:
             del mod.__dict__["_config_before_hp_forward"]
-            switched += 1
-    return switched
+        else:
+            mod.__dict__["_config_before_hp_forward"] = restore
+        mod.config = config
+    return len(switches)
 
 
 def check_layer_dims(linear: nn.Module, config: Float8LinearConfig, fqn: str = "") -> None:

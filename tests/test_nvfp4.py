@@ -166,6 +166,23 @@ def test_hadamard_is_orthogonal_and_cancels_in_the_grad_weight_gemm():
         assert sqnr(x, nvfp4.hadamard(nvfp4.hadamard(x, 0), 0, inverse=True)) > 120
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hadamard_stays_fp32_under_autocast(dtype):
+    """The transform is fp32 in any autocast region (its matmul would run in the autocast
+    dtype): an fp16 block with an input channel of 2e4 made the layer's grad_weight inf."""
+    x = torch.randn(64, 48)
+    with torch.autocast("cpu", dtype=dtype):
+        rotated = nvfp4.hadamard(x, 0)
+    assert rotated.dtype == torch.float32 and torch.equal(rotated, nvfp4.hadamard(x, 0))
+    layer = Float8Linear(64, 32, bias=False, config=Float8LinearConfig.from_recipe_name("nvfp4"))
+    x = torch.randn(64, 64)
+    x[:, 3] = 2e4
+    with torch.autocast("cpu", dtype=dtype):
+        out = layer(x.requires_grad_())
+    out.float().sum().backward()
+    assert torch.isfinite(layer.weight.grad).all() and torch.isfinite(x.grad).all()
+
+
 def test_hadamard_cast_dequantizes_to_the_untransformed_values():
     x = torch.randn(64, 48)
     gran = float8kit.NVFP4(16, 1, hadamard=True)
@@ -407,6 +424,22 @@ def test_set_hp_forward_switches_and_restores():
     )
     with pytest.raises(ValueError, match="with_hp_forward.*cast_config_input is delayed"):
         float8kit.set_hp_forward(delayed)
+
+
+def test_set_hp_forward_is_all_or_nothing_and_takes_a_bool():
+    model = nn.Sequential(
+        float8kit.convert_to_float8_training(nn.Linear(64, 64), config=nvfp4_config()),
+        float8kit.convert_to_float8_training(
+            nn.Linear(64, 64), config=Float8LinearConfig.from_recipe_name("delayed")
+        ),
+    )
+    with pytest.raises(ValueError, match=r"set_hp_forward: 1 cannot switch \(no layer was"):
+        float8kit.set_hp_forward(model)
+    assert model[0].config == nvfp4_config()  # the nvfp4 layer before it did not switch
+    for bad in ("no", 0, None):
+        with pytest.raises(TypeError, match=r"enabled=...\) takes a bool"):
+            float8kit.set_hp_forward(model[:1], enabled=bad)
+    assert model[0].config == nvfp4_config()
 
 
 def test_monitor_measures_nvfp4_layers_without_moving_the_random_stream():

@@ -33,6 +33,7 @@ all its codes are 0 (torchao's reference divides by a zero scale there and gives
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -140,7 +141,14 @@ def hadamard(x: torch.Tensor, dim: int, *, inverse: bool = False) -> torch.Tenso
     if inverse:
         q = q.t()
     blocks = x[:whole].reshape(whole // NVFP4_BLOCK, NVFP4_BLOCK, x.shape[1])
-    out = torch.matmul(q, blocks).reshape(whole, x.shape[1])
+    # in fp32 under autocast too (whose matmul would run it in bf16/fp16: an fp16 block of
+    # large values overflows)
+    with (
+        torch.autocast(x.device.type, enabled=False)
+        if torch.is_autocast_enabled(x.device.type)
+        else contextlib.nullcontext()
+    ):
+        out = torch.matmul(q, blocks).reshape(whole, x.shape[1])
     return torch.cat([out, x[whole:]]) if whole < x.shape[0] else out
 
 
