@@ -10,6 +10,7 @@ checkpoint (resume).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -412,6 +413,95 @@ def test_precompute_splits_the_reduced_amaxes_back_per_contribution(monkeypatch)
 
 
 # ---------------------------------------------------------------------------- a single rank
+
+
+def test_set_hp_forward_keeps_the_precomputed_all_gather_scale(one_rank_group):
+    """After ``set_hp_forward`` the weight is still gathered in float8 with the config it was
+    sharded with (docs/numerics.md): ``precompute_scales`` keeps computing its scale from that
+    config, and the all-gather uses it (it skipped the switched layers, and every step warned
+    that the weight changed after precompute_scales)."""
+    from torch.distributed.fsdp import fully_shard
+
+    gather = dataclasses.replace(
+        Float8LinearConfig.from_recipe_name("tensorwise"), enable_fsdp_float8_all_gather=True
+    )
+    model = convert_to_float8_training(
+        nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), config=gather
+    )
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=one_rank_group)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(32, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        for step in range(4):
+            if step == 2:
+                assert float8kit.set_hp_forward(model) == 2
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            precompute_scales(model)
+            kept = model[0].fp8_state.all_gather_scale
+            assert kept is not None and kept.fresh(model[0].weight, backward=False)
+
+
+def _train_updates(model, xs, ys, update: str, precompute_after: set[int]):
+    """Losses of AdamW steps (``update``: "foreach", "fused", or "param.data": the default
+    optimizer, then every parameter halved through ``param.data``, an EMA-like update
+    after any ``precompute_scales``), with ``precompute_scales`` after the steps in
+    ``precompute_after``; and the warnings."""
+    fused = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(update, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **fused)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(len(xs)):
+            loss = F.mse_loss(model(xs[step]), ys[step])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step in precompute_after:
+                precompute_scales(model)
+            if update == "param.data":
+                for p in model.parameters():
+                    p.data.mul_(0.5)
+            losses.append(loss.item())
+    return losses, [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "nvfp4"])
+@pytest.mark.parametrize("update", ["foreach", "fused"])
+@pytest.mark.parametrize("precompute_after", [(), (0,)], ids=["never", "first step"])
+def test_one_rank_float8_all_gather_sees_foreach_and_fused_updates(
+    one_rank_group, recipe, update, precompute_after
+):
+    """A foreach or fused optimizer (CUDA's default) updates a parameter without moving its
+    version: neither the scale an NVFP4 hook kept for its backward re-gather nor a
+    precomputed one may serve a later step's forward (the losses left the unsharded run's
+    from step 2)."""
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    gather = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    xs, ys = _data(4, 8, 128, 16)
+    model = _net(gather, dim=128, hidden=256, n_blocks=1)
+    _shard(model, one_rank_group, model.layers)
+    losses, _ = _train_updates(model, xs, ys, update, set(precompute_after))
+    ref, _ = _train_updates(_net(config, dim=128, hidden=256, n_blocks=1), xs, ys, update, set())
+    assert _bitwise(losses, ref), (losses, ref)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "nvfp4"])
+def test_one_rank_param_data_update_after_precompute_is_reported(one_rank_group, recipe):
+    """An update through ``param.data`` after ``precompute_scales`` moves no signal: the
+    next step's all-gather uses the stale scale, and the next ``precompute_scales`` names
+    the layer (NVFP4 said nothing)."""
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    gather = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    xs, ys = _data(3, 8, 128, 16)
+    model = _net(gather, dim=128, hidden=256, n_blocks=1)
+    _shard(model, one_rank_group, model.layers)
+    _, warned = _train_updates(model, xs, ys, "param.data", {0, 1, 2})
+    stale = [w for w in warned if "without a version bump" in w]
+    assert len(stale) == 2 and all("layers.0.fc1" in w for w in stale), warned
 
 
 @pytest.mark.parametrize("recipe", recipes(lambda caps: caps.fsdp_float8_all_gather))

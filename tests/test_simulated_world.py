@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from float8kit.cast import cast_to_float8, operand_scale
 from float8kit.distributed.fsdp import (
     Float8AllGatherWeight,
     PrecomputedScale,
+    _stamp,
     shard_spec,
 )
 from float8kit.formats import weight as weight_granularity
@@ -113,8 +113,7 @@ def simulate_all_gather(full: torch.Tensor, config: Float8LinearConfig, world: i
         local = [groups.group_amaxes(s, spec) for s, spec in zip(shards, specs, strict=True)]
         amax = torch.stack(local).amax(0)
         scale = operand_scale(cast, GemmRole.WEIGHT, config, amax)
-        stamp = (weakref.ref(module.weight), module.weight._version)
-        module.fp8_state.all_gather_scale = PrecomputedScale(scale, *stamp, amax)
+        module.fp8_state.all_gather_scale = PrecomputedScale(scale, *_stamp(module.weight), amax)
     sent = [
         w.fsdp_pre_all_gather(FakeMesh(r, world), outer, (outer[1], 1), module, None)
         for r, w in enumerate(weights)

@@ -17,7 +17,8 @@ blockwise shards of whole blocks cast alone, MX gathers the copy of the pass (al
 forward, along N in backward), NVFP4 its one 16x16-block copy as e2m1 codes. ``AllGather``
 is what the lifecycle gives the format: the shard, where it sits, the layer's scale and the
 collectives over the shard's ranks. Freshness of a precomputed scale is judged by signals
-alike on every rank (the parameter's identity and version). docs/fsdp.md explains each choice.
+alike on every rank (the parameter's identity, its version, and the optimizer steps that
+updated it). docs/fsdp.md explains each choice.
 
 Internal, except ``fsdp_weight_contributions`` (the provider ``precompute_scales`` uses).
 """
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit import cast as casting
@@ -254,17 +256,23 @@ class AllGather:
         )
         return fp8._data, fp8._scale
 
-    def kept_scale(self) -> torch.Tensor | None:
-        """The scale kept for this weight (by ``precompute_scales`` or an earlier hook) while
-        the weight is unchanged since (the same parameter at the same version), else None."""
+    def kept_scale(self, amax_of_shard) -> torch.Tensor | None:
+        """The scale kept for this weight while it is fresh (``PrecomputedScale.fresh``: by
+        ``precompute_scales``, or by this forward's hook for a backward re-gather), else
+        None. Using a ``precompute_scales`` scale records ``amax_of_shard()`` (the shard's
+        amaxes as that scale was made from), so that the next ``precompute_scales`` reports a
+        weight changed without any signal (``param.data``)."""
         kept = self.module.fp8_state.all_gather_scale
-        return kept.scale if kept is not None and kept.fresh(self.module.weight) else None
+        if kept is None or not kept.fresh(self.module.weight, self.backward):
+            return None
+        if not kept.by_hook:
+            kept.gathered_amax = amax_of_shard()
+        return kept.scale
 
     def keep(self, scale: torch.Tensor, local_amax: torch.Tensor) -> torch.Tensor:
-        """Keep ``scale`` (made from the shard's ``local_amax``) for the weight as it is now."""
-        weight = self.module.weight
+        """Keep ``scale`` (made from the shard's ``local_amax``) for this step's re-gathers."""
         self.module.fp8_state.all_gather_scale = PrecomputedScale(
-            scale, weakref.ref(weight), weight._version, local_amax
+            scale, *_stamp(self.module.weight), local_amax, by_hook=True
         )
         return scale
 
@@ -305,12 +313,41 @@ def regather(weight: torch.Tensor, dim: int) -> Float8TrainingTensor | None:
 # ---------------------------------------------------------------------------- scales
 
 
+# float8 all-gather weight parameter -> how many optimizer steps have updated it. A foreach
+# or fused optimizer (CUDA's default) updates a parameter without moving its version (its
+# in-place ops reach the hp tensor below the wrapper's autograd): this count still moves.
+_OPTIMIZER_STEPS = WeakIdKeyDictionary()
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    """After every ``torch.optim`` step: one more step for each watched weight it updates."""
+    if not _OPTIMIZER_STEPS:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in _OPTIMIZER_STEPS:
+                _OPTIMIZER_STEPS[p] += 1
+
+
+register_optimizer_step_post_hook(_count_optimizer_step)
+
+
+def _stamp(param: torch.Tensor) -> tuple[weakref.ref, int, int]:
+    """What a kept scale is valid for: the parameter, its version and its optimizer steps
+    (from now on counted)."""
+    steps = _OPTIMIZER_STEPS.setdefault(param, 0)
+    return weakref.ref(param), param._version, steps
+
+
 @dataclass
 class PrecomputedScale:
-    """A weight's next all-gather scale from ``precompute_scales``, stored on its module.
+    """A weight's next all-gather scale from ``precompute_scales``, stored on its module (or
+    one a hook made and keeps for its pass's re-gather, ``by_hook``).
 
-    Valid while the module's weight parameter is the same object at the same version as
-    when its amax was read: both change alike on every rank (see the module docstring).
+    Valid while the module's weight parameter is the same object at the same version, with
+    no optimizer step on it, as when its amax was read: all change alike on every rank (see
+    the module docstring). A scale a hook kept serves backward re-gathers only: a forward
+    makes its own.
 
     An update through ``param.data`` (an EMA, some optimizers) changes the values without a
     version bump, and no rank can tell the others without a collective. So the hook cannot
@@ -324,11 +361,18 @@ class PrecomputedScale:
     scale: torch.Tensor
     param: weakref.ref
     version: int
+    steps: int
     local_amax: torch.Tensor
     gathered_amax: torch.Tensor | None = None
+    by_hook: bool = False
 
-    def fresh(self, param: torch.Tensor) -> bool:
-        return self.param() is param and param._version == self.version
+    def fresh(self, param: torch.Tensor, backward: bool) -> bool:
+        return (
+            self.param() is param
+            and param._version == self.version
+            and _OPTIMIZER_STEPS.get(param) == self.steps
+            and (backward or not self.by_hook)
+        )
 
 
 def weight_scale_for_all_gather(job: AllGather) -> torch.Tensor:
@@ -363,7 +407,7 @@ def weight_scale_for_all_gather(job: AllGather) -> torch.Tensor:
     if kind is ScalingType.DYNAMIC:
         precomputed: PrecomputedScale | None = own.all_gather_scale
         if precomputed is not None:
-            if precomputed.fresh(module.weight):
+            if precomputed.fresh(module.weight, job.backward):
                 precomputed.gathered_amax = groups.group_amaxes(shard, where)
                 return precomputed.scale
             warnings.warn(
@@ -550,7 +594,10 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
     # the device.
     groups: dict[tuple, list[tuple[nn.Module, ShardSpec]]] = {}
     for _, m in sharded:
-        cast = m.config.cast_config_weight
+        # the config the weight is gathered with (the layer's, unless set_hp_forward switched
+        # the layer's output gemm to hp since: its weight is still gathered as before)
+        gather_config = m.weight._local_tensor._config
+        cast = gather_config.cast_config_weight
         if cast.scaling_type is not ScalingType.DYNAMIC:
             continue
         where = _precompute_spec(m)
@@ -559,7 +606,7 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
         fmt = formats.weight(cast)
         mesh = m.fp8_state.shard_mesh or m.weight.device_mesh
         if fmt.precomputes(where, mesh.size()):
-            key = (fmt, cast, m.config.round_scales_to_power_of_2)
+            key = (fmt, cast, gather_config.round_scales_to_power_of_2)
             groups.setdefault(key, []).append((m, where))
     if not groups:
         return []
@@ -571,13 +618,13 @@ def fsdp_weight_contributions(module: nn.Module) -> list[state.Contribution]:
         plan.append((fmt, [m for m, _ in rows], shapes))
     amaxes = torch.cat(pieces)
     mods = [m for _, rows, _ in plan for m in rows]
-    stamps = [(weakref.ref(m.weight), m.weight._version) for m in mods]
+    stamps = [_stamp(m.weight) for m in mods]
 
     def apply(reduced: torch.Tensor) -> None:
         start, i = 0, 0
         for fmt, rows, shapes in plan:
             stop = start + sum(math.prod(s) for s in shapes)
-            config = rows[0].config
+            config = rows[0].weight._local_tensor._config
             scales = fmt.precomputed_scales(
                 reduced[start:stop], shapes, config.cast_config_weight, config
             )

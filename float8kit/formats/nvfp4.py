@@ -308,7 +308,8 @@ class NVFP4(WholeBlocks, Format):
     #   and the hooks of the next step use the scale it keeps; without a fresh one (the first
     #   step, no ``precompute_scales``) the hook all-reduces itself and keeps its scale, so
     #   the backward's re-gather reuses the forward's (``job.kept_scale``: fresh while the
-    #   weight is the same parameter at the same version, alike on every rank).
+    #   weight is the same parameter at the same version with no optimizer step, alike on
+    #   every rank; a forward never reuses a hook's).
     # - The shard's codes: its elements times their block's factor ``(1 / tensor_scale) /
     #   block_scale``, rounded to nearest: the products the one-device cast forms.
     #
@@ -330,7 +331,7 @@ class NVFP4(WholeBlocks, Format):
             )
         shard = job.shard
         start = min(job.where.offset if job.where.dim == 0 else 0, n)
-        scale = job.kept_scale()
+        scale = job.kept_scale(lambda: _partial_amaxes(shard, start, job.outer_size))
         if scale is None:
             partial = job.all_reduce_max(_partial_amaxes(shard, start, job.outer_size))
             scale = job.keep(_scale_of_grid(partial), partial)
