@@ -60,6 +60,18 @@ def test_hf_moe_training_under_ep_matches_one_rank(ep2):
 
 
 @pytest.mark.slow
+def test_checkpoint_round_trips_each_ranks_experts_and_their_optimizer_state(ep2):
+    """A DCP save/load of a sharded model and its AdamW state gives every rank back its own
+    experts and their state (the state_dict held each rank's local experts as plain tensors
+    under the global key: DCP kept one rank's, and the other loaded them)."""
+    for rank, res in enumerate(ep2):
+        for name, r in res["checkpoint"].items():
+            assert r["same"] and all(r["same"].values()), f"rank {rank} {name}: {r['same']}"
+            for param, (kind, shape) in r["saved_as"].items():
+                assert kind == "DTensor" and shape[0] == 4, f"{name}.{param}: {kind} {shape}"
+
+
+@pytest.mark.slow
 def test_refusals_name_the_fix(ep2):
     r = ep2[0]["refusals"]
     assert "3 experts" in r["experts_not_divisible"] and "divides" in r["experts_not_divisible"]

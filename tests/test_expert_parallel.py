@@ -120,29 +120,40 @@ def test_configs_and_misuse_name_the_field():
 
 
 def _whole(results: list[dict]) -> dict:
-    """Every rank's outputs per step and local experts, concatenated in rank order."""
+    """Every rank's outputs per step, and its local experts and their AdamW state,
+    concatenated in rank order (the global tensors)."""
     steps = len(results[0]["outs"])
     return {
         "outs": [torch.cat([r["outs"][s] for r in results]) for s in range(steps)],
-        **{n: torch.cat([r["experts"][n] for r in results]) for n in ("w1", "w2", "w3")},
+        **{k: torch.cat([r["saved"][k] for r in results]) for k in results[0]["saved"]},
     }
 
 
 @pytest.mark.slow
-def test_checkpoint_resumes_bitwise_on_another_expert_parallel_degree(tmp_path):
+def test_checkpoint_resumes_bitwise_on_another_expert_parallel_degree(tmp_path, monkeypatch):
+    """Expert weights and their AdamW state through ``get_state_dict`` +
+    ``torch.distributed.checkpoint`` at EP 2, loaded at EP 2, 4 and 1, and through each
+    rank's ``torch.save`` at EP 2: the state loaded and the steps after it are bitwise the
+    uninterrupted run's (a plain local optimizer state under one key on every rank: DCP
+    kept one rank's, and the other rank resumed with its exp_avg)."""
     saved = spawn("benchmarks.measures.expert_parallel:_worker_ep_save", 2, tmp_path)
-    # the state_dict shows each expert weight whole: a DTensor sharded over the EP group
+    # the state_dicts show each expert weight, and its optimizer state, whole: a DTensor
+    # sharded over the EP group
     assert saved[0]["keys"]["w1"] == ("DTensor", (8, DIM, HIDDEN))
+    assert saved[0]["optim_keys"]["exp_avg"] == ("DTensor", (8, DIM, HIDDEN))
     want = _whole(saved)
-    for world in (4, 1):
-        got = _whole(spawn("benchmarks.measures.expert_parallel:_worker_ep_load", world, tmp_path))
+    for world, how in ((2, "dcp"), (4, "dcp"), (1, "dcp"), (2, "torch.save")):
+        monkeypatch.setenv("EP_LOAD", how)
+        load = tmp_path / f"load_ep{world}_{how}"
+        load.mkdir()
+        got = _whole(spawn("benchmarks.measures.expert_parallel:_worker_ep_load", world, load))
         for key, value in want.items():
             same = (
                 all(map(torch.equal, value, got[key]))
                 if key == "outs"
                 else torch.equal(value, got[key])
             )
-            assert same, f"EP2 -> EP{world}: {key}"
+            assert same, f"EP2 -> EP{world} ({how}): {key}"
 
 
 @pytest.mark.slow

@@ -12,7 +12,9 @@ hf_experts.py) on real gloo ranks: Qwen3-MoE, Mixtral and GPT-OSS tiny configs.
   "dequantized"`` and ``EPConfig()``, and bf16 experts with ``EPConfig(comm="hp")``;
 - ``STEPS`` AdamW steps of the whole tiny model: expert parallel (dense gradients
   all-reduced and averaged, expert gradients divided by the group size) against one rank on
-  the concatenated batch with the same float8 experts, and the bf16 EP baseline's losses.
+  the concatenated batch with the same float8 experts, and the bf16 EP baseline's losses;
+- a checkpoint of the float8 EP model and its AdamW state through ``get_state_dict`` and
+  ``torch.distributed.checkpoint``, loaded into a fresh EP model (``checkpoint_round_trip``).
 """
 
 from __future__ import annotations
@@ -145,6 +147,46 @@ def train(model, ids, *, group=None) -> list[float]:
     return losses
 
 
+def checkpoint_round_trip(name: str, group, tmp: str) -> dict:
+    """One AdamW step of the float8 EP model ``name``, saved with ``get_state_dict`` +
+    ``torch.distributed.checkpoint`` and loaded into a fresh EP model: whether each sharded
+    expert parameter and its AdamW state came back bit for bit, and what the saved state_dict
+    held for it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    batch = _batch(world)[0].chunk(world)[rank]
+
+    def model_and_optimizer():
+        model = build(name, "float8", group)
+        return model, torch.optim.AdamW(model.parameters(), lr=LR)
+
+    model, opt = model_and_optimizer()
+    model(batch, labels=batch).loss.backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/{name}")
+    fresh, fresh_opt = model_and_optimizer()
+    fmsd, fosd = get_state_dict(fresh, fresh_opt)
+    dcp.load({"model": fmsd, "optim": fosd}, checkpoint_id=f"{tmp}/{name}")
+    set_state_dict(fresh, fresh_opt, model_state_dict=fmsd, optim_state_dict=fosd)
+
+    def hp(t):  # a float8 expert weight's hp tensor
+        return getattr(t, "_tensor", t).detach()
+
+    sharded = {id(p) for p in expert_parallel_parameters(model)}
+    loaded = dict(fresh.named_parameters())
+    same, saved_as = {}, {}
+    for n, p in model.named_parameters():
+        if id(p) in sharded:
+            q = loaded[n]
+            states = [(opt.state[p][k], fresh_opt.state[q][k]) for k in ("exp_avg", "exp_avg_sq")]
+            same[n] = bit_equal(hp(p), hp(q)) and all(bit_equal(a, b) for a, b in states)
+            saved_as[n] = (type(msd[n]).__name__, tuple(msd[n].shape))
+    return {"same": same, "saved_as": saved_as}
+
+
 def _worker_ep_hf(rank: int, world: int, tmp: str) -> dict:
     group = dist.group.WORLD
     res: dict = {}
@@ -158,6 +200,7 @@ def _worker_ep_hf(rank: int, world: int, tmp: str) -> dict:
         if rank == 0:  # the one-rank reference: every expert, the whole batch
             res[f"{name}/float8/one_rank_losses"] = train(build(name, "float8"), ids)
     res["refusals"] = refusals(group)
+    res["checkpoint"] = {name: checkpoint_round_trip(name, group, tmp) for name in MODELS}
     return res
 
 

@@ -11,6 +11,7 @@ for bit, the bytes each all-to-all sent, and the host reads a step made.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -177,9 +178,12 @@ def _resume_model(group):
     return convert(m, ROWWISE)
 
 
-def _resume_steps(m, rank, world, first_step, steps) -> list[torch.Tensor]:
-    """SGD steps on this rank's share of each step's global batch: the outputs per step."""
-    opt = torch.optim.SGD([m.w1, m.w2, m.w3], lr=0.5)
+def _resume_optimizer(m):
+    return torch.optim.AdamW([m.w1, m.w2, m.w3], lr=0.05)
+
+
+def _resume_steps(m, opt, rank, world, first_step, steps) -> list[torch.Tensor]:
+    """AdamW steps on this rank's share of each step's global batch: the outputs per step."""
     outs = []
     per = RESUME_TOKENS // world
     for step in range(first_step, first_step + steps):
@@ -193,33 +197,65 @@ def _resume_steps(m, rank, world, first_step, steps) -> list[torch.Tensor]:
     return outs
 
 
-def _worker_ep_save(rank: int, world: int, tmp: str) -> dict:
-    """Train, save with torch.distributed.checkpoint, train on: the reference to resume."""
-    import torch.distributed.checkpoint as dcp
+def _experts_and_state(m, opt) -> dict:
+    """This rank's expert weights and their AdamW state (a state loaded by a plain
+    ``load_state_dict`` before any step is still the checkpoint's DTensor: its local part,
+    which the optimizer's first step takes)."""
+    from torch.distributed.tensor import DTensor
 
-    m = _resume_model(dist.group.WORLD)
-    _resume_steps(m, rank, world, 0, RESUME_STEPS)
-    sd = m.state_dict()
-    dcp.save({"model": sd}, checkpoint_id=f"{tmp}/ckpt")
-    keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()}
-    outs = _resume_steps(m, rank, world, RESUME_STEPS, RESUME_STEPS)
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
     return {
-        "outs": outs,
-        "experts": {n: getattr(m, n).detach() for n in ("w1", "w2", "w3")},
-        "keys": keys,
+        **{n: getattr(m, n).detach() for n in ("w1", "w2", "w3")},
+        **{
+            f"{n}.{k}": local(opt.state[getattr(m, n)][k]).clone()
+            for n in ("w1", "w2", "w3")
+            for k in ("exp_avg", "exp_avg_sq")
+        },
     }
 
 
-def _worker_ep_load(rank: int, world: int, tmp: str) -> dict:
-    """Load the checkpoint into another expert-parallel degree and train on."""
+def _worker_ep_save(rank: int, world: int, tmp: str) -> dict:
+    """Train, save with torch.distributed.checkpoint (model and AdamW state, through
+    ``get_state_dict``) and with a per-rank ``torch.save``, train on: the reference to
+    resume."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     m = _resume_model(dist.group.WORLD)
-    sd = m.state_dict()
-    dcp.load({"model": sd}, checkpoint_id=f"{tmp}/ckpt")
-    m.load_state_dict(sd)
-    outs = _resume_steps(m, rank, world, RESUME_STEPS, RESUME_STEPS)
-    return {"outs": outs, "experts": {n: getattr(m, n).detach() for n in ("w1", "w2", "w3")}}
+    opt = _resume_optimizer(m)
+    _resume_steps(m, opt, rank, world, 0, RESUME_STEPS)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/ckpt")
+    torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, f"{tmp}/ckpt_rank{rank}.pt")
+    keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in msd.items()}
+    optim_keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in osd["state"]["w1"].items()}
+    saved = _experts_and_state(m, opt)
+    outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
+    return {"outs": outs, "saved": saved, "keys": keys, "optim_keys": optim_keys}
+
+
+def _worker_ep_load(rank: int, world: int, tmp: str) -> dict:
+    """Load the checkpoint in ``tmp``'s parent folder into another expert-parallel degree
+    (``torch.save``'s: the same degree, each rank its own file) and train on."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    saved = os.path.dirname(tmp)  # each load runs in a folder of the save's
+    m = _resume_model(dist.group.WORLD)
+    opt = _resume_optimizer(m)
+    if os.environ.get("EP_LOAD") == "torch.save":
+        sd = torch.load(f"{saved}/ckpt_rank{rank}.pt")
+        m.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["optim"])
+    else:
+        msd, osd = get_state_dict(m, opt)
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{saved}/ckpt")
+        set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+    loaded = _experts_and_state(m, opt)
+    outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
+    return {"outs": outs, "saved": loaded}
 
 
 # ---------------------------------------------------------------------------- checkpointing

@@ -45,6 +45,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole
 from float8kit.quantized_rows import dispatched_rows, quantize_rows, rows_format
@@ -333,13 +335,8 @@ def shard_experts(module: nn.Module, names: Sequence[str], group=None) -> tuple[
     parameters. Call it before ``convert_experts_to_float8_training`` and before building the
     optimizer. Returns ``(first expert, experts kept)``.
 
-    Checkpoints: ``module.state_dict()`` shows each as a DTensor of the global (E, ...)
-    shape, ``Shard(0)`` over the group (sharing the parameter's storage), so
-    ``torch.distributed.checkpoint`` saves every expert once and loads it into any other
-    expert-parallel degree (or none: a plain state_dict of the whole tensor loads too, each
-    rank taking its slice)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+    Checkpoints: see ``checkpoint_as_global``."""
+    from torch.distributed.tensor import DTensor
 
     group = group or dist.group.WORLD
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -359,29 +356,137 @@ def shard_experts(module: nn.Module, names: Sequence[str], group=None) -> tuple[
             )
         mine = full.detach()[rank * local : (rank + 1) * local].clone()
         setattr(module, name, nn.Parameter(mine, requires_grad=full.requires_grad))
+    checkpoint_as_global(module, names, group, local)
+    return rank * local, local
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sharding:
+    """Experts ``[rank * local, (rank + 1) * local)`` of ``local * ep``, along dim 0."""
+
+    mesh: object  # the group's DeviceMesh
+    rank: int
+    local: int
+    ep: int
+
+    def to_global(self, t: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+
+    def to_local(self, value):
+        """This rank's experts of a checkpoint's ``value``: a DTensor of the global tensor
+        (any placement), or a plain tensor of all experts (a checkpoint without expert
+        parallelism); anything else as is."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        whole = self.local * self.ep
+        if isinstance(value, DTensor):
+            # sharded as here (this process's, or this rank's own torch.save: its mesh is
+            # the saving process's, read for nothing)
+            mine = value._local_tensor
+            if value.placements == (Shard(0),) and value.size(0) == whole:
+                if mine.size(0) == self.local:
+                    return mine
+            value = value.full_tensor()
+        if isinstance(value, torch.Tensor) and value.dim() and value.size(0) == whole:
+            return value[self.rank * self.local : (self.rank + 1) * self.local]
+        return value
+
+
+# module -> (names, _Sharding) of the experts parameters cut by shard_experts /
+# shard_hf_experts (their checkpoints and optimizer states show the global tensors)
+_SHARDED = WeakIdKeyDictionary()
+_HOOKED_OPTIMIZERS = WeakIdKeyDictionary()
+
+
+def checkpoint_as_global(module: nn.Module, names: Sequence[str], group, local: int) -> None:
+    """Checkpoints of ``module``'s expert-parallel parameters ``names`` (this rank's ``local``
+    experts, along dim 0, of ``group``): ``module.state_dict()`` shows each as a DTensor of
+    the global (E, ...) shape, ``Shard(0)`` over ``group`` (sharing the parameter's
+    storage), and so does an optimizer's state of them (``exp_avg``, ...: hooked onto each
+    optimizer holding them before its first step, which ``get_state_dict`` takes to
+    initialize the state), so ``torch.distributed.checkpoint`` saves every expert once with its
+    optimizer state, and loads both into any other expert-parallel degree (or none: a plain
+    state_dict of the whole tensor loads too, each rank taking its slice). A rank's own
+    ``torch.save`` of these state_dicts loads back on that rank."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from float8kit.hp_weight import store_plain_weight
+
     mesh = DeviceMesh.from_group(group, getattr(module, names[0]).device.type)
+    sharding = _Sharding(mesh, dist.get_rank(group), local, dist.get_world_size(group))
+    _SHARDED[module] = (tuple(names), sharding)
 
     def to_global(mod, state_dict, prefix, local_metadata):
-        from float8kit.hp_weight import store_plain_weight
-
         for name in names:
             key = prefix + name
             if key in state_dict and not isinstance(state_dict[key], nn.Parameter):
                 store_plain_weight(state_dict, prefix, name)  # a float8 expert weight's hp
-                state_dict[key] = DTensor.from_local(
-                    state_dict[key], mesh, [Shard(0)], run_check=False
-                )
+                state_dict[key] = sharding.to_global(state_dict[key])
 
     def to_local(mod, state_dict, prefix, *args):
         for name in names:
-            value = state_dict.get(prefix + name)
-            if isinstance(value, DTensor):
-                value = value.full_tensor() if value.placements != (Shard(0),) else value
-            if isinstance(value, DTensor):
-                state_dict[prefix + name] = value.to_local()
-            elif isinstance(value, torch.Tensor) and value.size(0) == local * ep != local:
-                state_dict[prefix + name] = value[rank * local : (rank + 1) * local]
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = sharding.to_local(state_dict[prefix + name])
 
     module.register_state_dict_post_hook(to_global)
     module.register_load_state_dict_pre_hook(to_local)
-    return rank * local, local
+
+
+def _sharded_parameters() -> dict[nn.Parameter, _Sharding]:
+    """Every expert-parallel parameter now (conversion to float8 replaces them)."""
+    return {
+        getattr(m, name): sharding for m, (names, sharding) in _SHARDED.items() for name in names
+    }
+
+
+def _optimizer_states(optimizer, state_dict, convert) -> None:
+    # an optimizer state_dict's "state" is keyed as its param_groups list the parameters
+    # (ids, or the FQNs of torch.distributed.checkpoint's state_dict), which pair with the
+    # optimizer's own param_groups by position (Optimizer.load_state_dict); its
+    # per-parameter dicts are the optimizer's own (state_dict()) or the caller's: new ones
+    # replace them
+    keys = (k for group in state_dict["param_groups"] for k in group["params"])
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    sharded = _sharded_parameters()
+    of_key = {k: sharded.get(p) for k, p in zip(keys, params, strict=False)}
+    states = dict(state_dict["state"])
+    for key, values in states.items():
+        sharding = of_key.get(key)
+        if sharding is not None:
+            states[key] = {name: convert(sharding, value) for name, value in values.items()}
+    state_dict["state"] = states
+
+
+def _state_to_global(optimizer, state_dict):
+    def convert(sharding, value):
+        plain = isinstance(value, torch.Tensor) and type(value) is torch.Tensor
+        return sharding.to_global(value) if plain and value.dim() else value
+
+    _optimizer_states(optimizer, state_dict, convert)
+
+
+def _state_to_local(optimizer, state_dict):
+    _optimizer_states(optimizer, state_dict, _Sharding.to_local)
+
+
+def _hook_optimizer(optimizer, args, kwargs) -> None:
+    """Before an optimizer's first step: its checkpoints show its state of expert-parallel
+    parameters as global DTensors (``checkpoint_as_global``), and a state loaded before (a
+    rank's ``torch.save`` of them, loaded without hooks) becomes this rank's experts'."""
+    if not _SHARDED or optimizer in _HOOKED_OPTIMIZERS:
+        return
+    sharded = _sharded_parameters()
+    hooked = any(p in sharded for group in optimizer.param_groups for p in group["params"])
+    _HOOKED_OPTIMIZERS[optimizer] = hooked
+    if hooked:
+        for param, state in optimizer.state.items():
+            if param in sharded:
+                for key, value in state.items():
+                    state[key] = sharded[param].to_local(value)
+        optimizer.register_state_dict_post_hook(_state_to_global)
+        optimizer.register_load_state_dict_pre_hook(_state_to_local)
+
+
+register_optimizer_step_pre_hook(_hook_optimizer)

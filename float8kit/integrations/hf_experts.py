@@ -44,6 +44,7 @@ from torch import nn
 
 from float8kit.distributed.expert_parallel import (
     EPConfig,
+    checkpoint_as_global,
     combine,
     dispatch,
     expert_counts,
@@ -218,7 +219,8 @@ def shard_hf_experts(
     Then ``use_float8kit_experts``: the model's experts run ``experts_forward``, their tokens
     crossing ``group`` as ``ep_config`` says. Call it before or after
     ``convert_experts_to_float8_training``, before building the optimizer and before
-    ``fully_shard``.
+    ``fully_shard``. Checkpoints show the sharded weights (and an optimizer's state of them)
+    whole, as ``shard_experts``' (``checkpoint_as_global``).
 
     Args:
         model: an HF model (or any module holding HF experts modules).
@@ -261,6 +263,7 @@ def shard_hf_experts(
         keep = slice(rank * local, (rank + 1) * local)
         for name in _sharded_names(m):
             setattr(m, name, _local_experts(getattr(m, name), keep))
+        checkpoint_as_global(m, _sharded_names(m), group, local)
         setattr(m, _SHARD, ExpertShard(group, ep_config, rank * local, local))
     use_float8kit_experts(model)
     return [fqn for fqn, _ in found]
