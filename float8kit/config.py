@@ -724,7 +724,9 @@ class Float8LinearConfig:
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8LinearConfig:
         """A named preset: ``tensorwise``, ``rowwise``, ``rowwise_with_gw_hp``, ``delayed``,
-        ``blockwise``, ``mxfp8`` or ``nvfp4``."""
+        ``blockwise``, ``mxfp8`` or ``nvfp4`` (or another library's enum of these names,
+        torchao's ``Float8LinearRecipeName``: by value)."""
+        name = _recipe_value(name)
         if isinstance(name, str):
             try:
                 name = Float8Recipe(name)
@@ -786,7 +788,7 @@ class Float8ExpertsConfig:
         RCEIL scales, no fast accumulation: the MX kernel has none)."""
         recipes = {Float8Recipe.ROWWISE: _experts_rowwise, Float8Recipe.MXFP8: _experts_mxfp8}
         try:
-            return recipes[Float8Recipe(name)]()
+            return recipes[Float8Recipe(_recipe_value(name))]()
         except (ValueError, KeyError):
             valid = ", ".join(repr(r.value) for r in recipes)
             raise ValueError(
@@ -861,6 +863,17 @@ class Float8ReduceScatterConfig:
     a single all-to-all. The receiving rank dequantizes and sums in fp32.
     """
 
+    def __new__(cls, *args, **kwargs):
+        old = {"dtype": "cast_config's target_dtype", "block_size": "cast_config's block size"}
+        for field, now in old.items():
+            if field in kwargs:
+                raise TypeError(
+                    f"Float8ReduceScatterConfig({field}=...) is 0.3's: it is now {now}: "
+                    "Float8ReduceScatterConfig(cast_config=CastConfig(scaling_granularity="
+                    "BlockwiseGranularity(block_size=...), target_dtype=...))"
+                )
+        return super().__new__(cls)
+
     # the cast of the sent gradient: DYNAMIC BLOCKWISE, its float8 format (target_dtype: e4m3
     # by default, more mantissa; blocks cover the range) and block_size (elements per fp32
     # scale: 4 / block_size bytes each)
@@ -896,6 +909,22 @@ class Float8ReduceScatterConfig:
     def block_size(self) -> int:
         """Elements per scale along the flattened gradient."""
         return self.cast_config.granularity_options.block_size
+
+
+def _recipe_value(name):
+    """A recipe name as float8kit's: another library's enum member by its value."""
+    if isinstance(name, enum.Enum) and not isinstance(name, Float8Recipe):
+        return name.value
+    return name
+
+
+def config_name(config: object) -> str:
+    """``config``'s type as an error names it: with its module where it is not float8kit's
+    (torchao.float8's ``Float8LinearConfig`` has float8kit's name)."""
+    kind = type(config)
+    if kind.__module__.startswith("float8kit"):
+        return kind.__name__
+    return f"{kind.__module__}.{kind.__qualname__} (build float8kit's own config)"
 
 
 class Float8Recipe(enum.Enum):

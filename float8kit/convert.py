@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 
 from torch import nn
 
 from float8kit import formats
-from float8kit.config import Float8LinearConfig
+from float8kit.config import Float8LinearConfig, config_name
 from float8kit.linear import Float8Linear
 
 ModuleFilter = Callable[[nn.Module, str], bool]
@@ -54,12 +55,14 @@ def hp_tail_filter(
     ``default_module_filter`` for ``config``), in ``model.named_modules()`` order (a model's
     definition order: for a transformer, its blocks from first to last); the last
     ``round(fraction * count)`` of them stay hp, the others follow ``base``. Build it from the
-    model before ``convert_to_float8_training``, which it is then passed to."""
+    model before ``convert_to_float8_training``, which it is then passed to, with the same
+    ``config`` (conversion with another config refuses a default-based one)."""
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)):
         raise ValueError(f"hp_tail_filter: fraction={fraction!r} must be a number in [0, 1]")
     if not 0 <= fraction <= 1:
         raise ValueError(f"hp_tail_filter: fraction={fraction!r} must be in [0, 1]")
-    base = base or functools.partial(default_module_filter, config=config)
+    default = functools.partial(default_module_filter, config=config)
+    base = base or default
     candidates = [
         fqn for fqn, mod in model.named_modules() if isinstance(mod, nn.Linear) and base(mod, fqn)
     ]
@@ -69,6 +72,8 @@ def hp_tail_filter(
         return fqn not in tail and base(mod, fqn)
 
     keep.hp_tail = sorted(tail, key=candidates.index)  # what it keeps in hp, for reports
+    # the config whose default filter chose the candidates (convert checks it is its own)
+    keep.hp_tail_config = None if base is not default else (config or Float8LinearConfig())
     return keep
 
 
@@ -185,8 +190,16 @@ def convert_to_float8_training(
     """
     config = config if config is not None else Float8LinearConfig()
     if not isinstance(config, Float8LinearConfig):
-        raise TypeError(f"config must be a Float8LinearConfig, got {type(config).__name__}")
+        raise TypeError(f"config must be a Float8LinearConfig, got {config_name(config)}")
     keep = module_filter_fn or functools.partial(default_module_filter, config=config)
+    built_for = getattr(keep, "hp_tail_config", None)
+    if built_for is not None and built_for != config:
+        raise ValueError(
+            "float8kit: this hp_tail_filter chose its candidates with the default filter of "
+            "another config than this conversion's (the layers it would convert are not the "
+            "ones it counted; an nvfp4 conversion needs dims that are multiples of 32): build "
+            "it with hp_tail_filter(model, fraction, config=<this conversion's config>)"
+        )
 
     # Plan the whole tree first, so that an error leaves the model untouched.
     plan: list[tuple[nn.Module | None, str, nn.Linear]] = []  # (parent, name, linear)
@@ -210,6 +223,7 @@ def convert_to_float8_training(
             visit(mod, child_name, f"{fqn}.{child_name}" if fqn else child_name, child)
 
     visit(None, "", "", module)
+    _warn_if_nothing_converted(module, plan, module_filter_fn, config)
     if config.enable_fsdp_float8_all_gather:
         _refuse_ties_with_unconverted(module, {id(linear) for _, _, linear in plan})
     # Innermost first: a Linear nested in a Linear is swapped before its parent, which then
@@ -224,6 +238,27 @@ def convert_to_float8_training(
             new._modules.update(linear._modules)
             setattr(parent, name, new)
     return module
+
+
+def _warn_if_nothing_converted(module, plan, module_filter_fn, config) -> None:
+    """A model with Linears of which the filter took none trains in hp: say so, and why."""
+    linears = [(fqn, m) for fqn, m in module.named_modules() if isinstance(m, nn.Linear)]
+    if plan or not linears or any(isinstance(m, Float8Linear) for _, m in linears):
+        return
+    fqn, m = linears[0]
+    why = (
+        "module_filter_fn returned False for every one"
+        if module_filter_fn is not None
+        else f"the default filter converts layers whose in_features and out_features are both "
+        f"multiples of {required_multiple(config)} under this config"
+    )
+    warnings.warn(
+        f"float8kit: convert_to_float8_training converted none of the {len(linears)} Linears "
+        f"({why}; e.g. {fqn or '<root>'}: in_features={m.in_features}, "
+        f"out_features={m.out_features}): the model trains in hp",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _refuse_ties_with_unconverted(module: nn.Module, converting: set[int]) -> None:

@@ -59,7 +59,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from float8kit import cast, formats
-from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole
+from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole, config_name
 from float8kit.formats.base import local_scale_inputs, local_scale_outputs
 from float8kit.grouped_gemm import (
     mx_scaled_grouped_mm,
@@ -688,7 +688,7 @@ def convert_experts_to_float8_training(
 
     config = config if config is not None else Float8ExpertsConfig()
     if not isinstance(config, Float8ExpertsConfig):
-        raise ValueError(f"config must be a Float8ExpertsConfig, got {type(config).__name__}")
+        raise ValueError(f"config must be a Float8ExpertsConfig, got {config_name(config)}")
     multiple = rows_format(config).filter_multiple(config.cast_config)
     default = functools.partial(default_expert_filter, multiple=multiple)
     keep = param_filter_fn if param_filter_fn is not None else default

@@ -66,8 +66,9 @@ def premul_sum_factor(op) -> float | None:
 
 
 # oneDNN ISA caps (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) that keep its native bf16 matmul:
-# AVX512_CORE_BF16 and every ISA above it (AMX, AVX10, AVX512_CORE_FP16) or no cap at all.
-_BF16_ISA_MARKS = ("BF16", "AMX", "AVX10", "FP16", "ALL")
+# AVX512_CORE_BF16 and every ISA above it (AMX, AVX10, AVX512_CORE_FP16) or no cap at all
+# (ALL, or DEFAULT: oneDNN's name for no cap).
+_BF16_ISA_MARKS = ("BF16", "AMX", "AVX10", "FP16", "ALL", "DEFAULT")
 CPU_HP_DTYPE_ENV = "FLOAT8KIT_CPU_HP_DTYPE"
 _HP_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

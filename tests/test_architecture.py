@@ -296,3 +296,19 @@ def test_library_lines_only_go_down():
     time per eager tensorwise call, numbers/bench_overhead.json)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
     assert lines <= 12_078, f"float8kit has {lines} lines"
+
+
+@pytest.mark.parametrize(
+    "integration, missing",
+    [("hf", "transformers"), ("lightning", "lightning"), ("torchtitan", "spmd_types")],
+)
+def test_an_integration_without_its_trainer_names_the_extra(monkeypatch, integration, missing):
+    import importlib
+    import sys
+
+    monkeypatch.delitem(sys.modules, f"float8kit.integrations.{integration}", raising=False)
+    for name in [missing, *(m for m in sys.modules if m.startswith(f"{missing}."))]:
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    extra = rf"needs '{missing}'.*float8kit\[{integration}\]"
+    with pytest.raises(ModuleNotFoundError, match=extra):
+        importlib.import_module(f"float8kit.integrations.{integration}")

@@ -3,18 +3,21 @@ import io
 
 import pytest
 import torch
+from torch import nn
 
 from float8kit import (
     E4M3,
     E5M2,
     BlockwiseGranularity,
     CastConfig,
+    Float8ExpertsConfig,
     Float8LinearConfig,
     GemmRole,
     MXGranularity,
     NVFP4Granularity,
     ScalingGranularity,
     ScalingType,
+    convert_to_float8_training,
 )
 
 
@@ -161,6 +164,20 @@ def test_configs_are_frozen():
 def test_unknown_recipe_lists_the_known_ones():
     with pytest.raises(ValueError, match="'tensorwise'"):
         Float8LinearConfig.from_recipe_name("fastest")
+
+
+def test_torchaos_recipe_names_and_config_are_understood():
+    ao = pytest.importorskip("torchao.float8")
+    for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        member = ao.Float8LinearRecipeName(name)
+        assert Float8LinearConfig.from_recipe_name(member) == Float8LinearConfig.from_recipe_name(
+            name
+        )
+    assert Float8ExpertsConfig.from_recipe_name(
+        ao.Float8LinearRecipeName.ROWWISE
+    ) == Float8ExpertsConfig.from_recipe_name("rowwise")
+    with pytest.raises(TypeError, match=r"got torchao\.float8\.config\.Float8LinearConfig \(build"):
+        convert_to_float8_training(nn.Linear(64, 64), config=ao.Float8LinearConfig())
 
 
 def test_recipes():

@@ -1,4 +1,5 @@
 import copy
+import warnings
 
 import pytest
 import torch
@@ -152,6 +153,18 @@ def test_outputs_track_the_hp_model():
     f8.load_state_dict(hp.state_dict())
     x = torch.randn(8, 64)
     assert sqnr(hp(x), f8(x)) >= 20
+
+
+def test_converting_no_layer_warns_naming_why():
+    model = nn.Sequential(nn.Linear(10, 20), nn.Linear(20, 4))
+    with pytest.warns(UserWarning, match=r"none of the 2 Linears .*of 16.*in_features=10"):
+        convert_to_float8_training(model)
+    with pytest.warns(UserWarning, match="module_filter_fn returned False for every one"):
+        convert_to_float8_training(Block(), module_filter_fn=lambda mod, fqn: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_to_float8_training(Block())  # some converted: nothing to say
+        convert_to_float8_training(nn.Sequential(nn.ReLU()))  # no Linear at all
 
 
 def test_bad_config_type():

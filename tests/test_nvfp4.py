@@ -405,6 +405,26 @@ def test_hp_tail_filter_keeps_the_last_layers_in_hp():
         float8kit.hp_tail_filter(model, 1.5)
 
 
+def test_hp_tail_filter_built_for_another_config_is_refused():
+    """Built without the conversion's config, the filter counted (and would convert) the
+    layers the default filter takes: a 48-wide layer, which the nvfp4 filter keeps in hp."""
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)), nn.Linear(64, 48))
+    keep = float8kit.hp_tail_filter(model)
+    with pytest.raises(ValueError, match=r"hp_tail_filter\(model, fraction, config="):
+        float8kit.convert_to_float8_training(model, config=nvfp4_config(), module_filter_fn=keep)
+    assert not any(isinstance(mod, Float8Linear) for mod in model)  # nothing converted
+    keep = float8kit.hp_tail_filter(model, config=nvfp4_config())
+    assert keep.hp_tail == ["5"]  # 6 candidates (not the 48-wide one): round(0.9) in hp
+    float8kit.convert_to_float8_training(model, config=nvfp4_config(), module_filter_fn=keep)
+    assert [type(mod) is Float8Linear for mod in model] == [True] * 5 + [False, False]
+    # the default config's filter is the tensorwise conversion's
+    tensorwise = nn.Sequential(nn.Linear(64, 64))
+    float8kit.convert_to_float8_training(
+        tensorwise, module_filter_fn=float8kit.hp_tail_filter(tensorwise, 0.0)
+    )
+    assert type(tensorwise[0]) is Float8Linear
+
+
 def test_set_hp_forward_switches_and_restores():
     torch.manual_seed(0)
     model = float8kit.convert_to_float8_training(

@@ -171,6 +171,12 @@ def test_config_errors_name_the_field(make, match):
         make()
 
 
+@pytest.mark.parametrize("field", ["dtype", "block_size"])
+def test_030_fields_name_their_replacement(field):
+    with pytest.raises(TypeError, match=rf"\({field}=...\) is 0.3's: it is now cast_config's"):
+        Float8ReduceScatterConfig(**{field: 1})
+
+
 def test_config_composes_the_cast_config():
     config = _rs(E5M2, block_size=64)
     assert (config.dtype, config.block_size) == (E5M2, 64)

@@ -44,7 +44,7 @@ def test_onednn_capped_below_bf16_means_fp32(cap):
     assert probe(ONEDNN_MAX_CPU_ISA=cap) == "False torch.float32"
 
 
-@pytest.mark.parametrize("cap", ["AVX512_CORE_BF16", "avx512_core_amx", "ALL"])
+@pytest.mark.parametrize("cap", ["AVX512_CORE_BF16", "avx512_core_amx", "ALL", "DEFAULT"])
 def test_onednn_capped_at_or_above_bf16_keeps_it(cap):
     if not torch.cpu._is_avx512_bf16_supported():
         pytest.skip("this CPU has no native bf16")

@@ -31,7 +31,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from float8kit import versions
 from float8kit.cast import cast_last_dim_blocks
-from float8kit.config import Float8ReduceScatterConfig
+from float8kit.config import Float8ReduceScatterConfig, config_name
 
 _SCALE_BYTES = 4  # fp32
 
@@ -172,7 +172,7 @@ def enable_float8_reduce_scatter(
     """
     config = config or Float8ReduceScatterConfig()
     if not isinstance(config, Float8ReduceScatterConfig):
-        raise TypeError(f"config must be a Float8ReduceScatterConfig, got {type(config).__name__}")
+        raise TypeError(f"config must be a Float8ReduceScatterConfig, got {config_name(config)}")
     if not isinstance(module, FSDPModule):
         has_fsdp = any(isinstance(m, FSDPModule) for m in module.modules())
         where = (

@@ -12,6 +12,17 @@
 """
 
 
+def missing_extra(extra: str, error: ModuleNotFoundError) -> ModuleNotFoundError:
+    """The error an integration raises when its trainer is not installed: names the extra
+    that installs it."""
+    package = (error.name or "").split(".")[0]
+    return ModuleNotFoundError(
+        f"float8kit.integrations.{extra} needs {package!r}, which is not installed: "
+        f"pip install 'float8kit[{extra}]'",
+        name=package,
+    )
+
+
 def float8_linears(module):
     """``(fqns of the Linears that run in float8, number of Linears)`` in ``module``: what
     the callbacks log once, as proof that float8 is on."""

@@ -29,7 +29,13 @@ import logging
 from collections.abc import Callable
 
 from torch import nn
-from transformers import TrainerCallback
+
+from float8kit.integrations import missing_extra
+
+try:
+    from transformers import TrainerCallback
+except ModuleNotFoundError as e:
+    raise missing_extra("hf", e) from e
 
 from float8kit.config import Float8LinearConfig
 from float8kit.convert import convert_to_float8_training, default_module_filter

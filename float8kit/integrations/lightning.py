@@ -21,8 +21,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from lightning.pytorch.callbacks import Callback
 from torch import nn
+
+from float8kit.integrations import missing_extra
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ModuleNotFoundError as e:
+    raise missing_extra("lightning", e) from e
 
 from float8kit.config import Float8LinearConfig
 from float8kit.convert import convert_to_float8_training

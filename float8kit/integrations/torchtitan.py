@@ -31,12 +31,18 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import spmd_types as spmd
 import torch
 from torch import nn
-from torchtitan.components.quantization import QuantizationConverter
-from torchtitan.models.common.linear import Linear
-from torchtitan.protocols.module import Module
+
+from float8kit.integrations import missing_extra
+
+try:
+    import spmd_types as spmd
+    from torchtitan.components.quantization import QuantizationConverter
+    from torchtitan.models.common.linear import Linear
+    from torchtitan.protocols.module import Module
+except ModuleNotFoundError as e:
+    raise missing_extra("torchtitan", e) from e
 
 from float8kit import state
 from float8kit.config import Float8LinearConfig
