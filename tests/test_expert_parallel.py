@@ -222,3 +222,23 @@ def test_plan_dispatch_refuses_rows_not_sorted_by_expert(one_rank_group):
     order = experts.flatten().argsort(stable=True)
     plan = ep.plan_dispatch(experts.flatten()[order], 4)
     assert plan.send_sizes == [6] and plan.offs.tolist() == [2, 3, 5, 6]
+
+
+def test_combine_refuses_an_op_after_the_last_expert_gemm(one_rank_group):
+    """combine's backward sends float8 gradient rows, which only the expert gemm's backward
+    takes: an op between them (routing scores, a bias, a cast) failed in backward with an
+    error about float8 tensor ops; it is refused at combine, naming where it goes."""
+    from benchmarks.measures.expert_parallel import ROWWISE, convert, moe, routing
+
+    m = moe()
+    m.shard_experts(one_rank_group.get_group(), ep.EPConfig())
+    m = convert(m, ROWWISE)
+    (x, _, e, _), *_ = routing("uniform", 1, [16], 2, seed=1)
+    order = e.flatten().argsort(stable=True)
+    plan = ep.plan_dispatch(e.flatten()[order], m.n_experts)
+    xs = ep.dispatch(x.requires_grad_(), order // 2, plan, m.w1._config)
+    ys = m.expert_gemms(xs, plan.offs)
+    with pytest.raises(ValueError, match=r"output of MulBackward0: apply routing scores before"):
+        ep.combine(ys * 2.0, plan, m.w1._config)
+    ep.combine(ys, plan, m.w1._config).sum().backward()  # the gemm's own output: fine
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -46,9 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole
+from float8kit.experts import _GroupedMM
 from float8kit.quantized_rows import dispatched_rows, quantize_rows, rows_format
 from float8kit.tensor import Float8TrainingTensor
 
@@ -311,6 +313,9 @@ def dispatch(
     return _Dispatch.apply(x, token, plan, config, ep)
 
 
+_EXPERT_GEMM_OUTPUT = (_GroupedMM, CheckpointFunction)
+
+
 def combine(
     ys: torch.Tensor, plan: EPPlan, config: Float8ExpertsConfig | None, ep: EPConfig = EPConfig()
 ) -> torch.Tensor:
@@ -322,6 +327,15 @@ def combine(
         raise ValueError(
             f"float8kit: combine takes the {plan.num_received} rows this rank received, got "
             f"{tuple(ys.shape)}"
+        )
+    # (or a reentrant activation checkpoint of the expert gemms, whose backward reruns them)
+    made_by = getattr(ys.grad_fn, "_forward_cls", None)
+    if ep.comm == "float8" and ys.requires_grad and made_by not in _EXPERT_GEMM_OUTPUT:
+        raise ValueError(
+            "float8kit: combine's input must be the output of the last float8 expert gemm "
+            "itself (its backward sends that gemm float8 gradient rows), got the output of "
+            f"{ys.grad_fn.name()}: apply routing scores before dispatch or after combine, "
+            'add a bias or cast after combine, or use EPConfig(comm="hp")'
         )
     return _Combine.apply(ys, plan, config, ep)
 
