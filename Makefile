@@ -7,7 +7,8 @@
 #   make test-torch TORCH=2.11.0   the suite under another torch (a cached venv outside the repo)
 #   make test-fake-cuda            every CUDA code path traced without a GPU (torch 2.11.0 CUDA)
 # torch: reused when the Python running this already has it (GPU machines); otherwise the
-# CPU build torch==2.13.0 is installed (never the multi-GB CUDA wheels).
+# CPU build torch==2.13.0 from torch's CPU index (never PyPI's multi-GB CUDA wheels), or,
+# where that index is unreachable, from pip's configured sources (a local wheel folder).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -22,9 +23,21 @@ WORKERS ?= 2
 
 setup: $(STAMP)
 
+# torch's CPU wheels: where this index answers, torch comes from it (PyPI's torch is the CUDA
+# build, with GBs of nvidia packages); where it does not (offline, a local wheel folder or
+# mirror in pip's config), pip's own configuration serves torch==2.13.0.
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+CPU_INDEX_UP := $(PY) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=5)"
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv --system-site-packages $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+		if $(CPU_INDEX_UP) 2>/dev/null; then \
+			$(BIN)/pip install -q --index-url $(TORCH_CPU_INDEX) torch==2.13.0; \
+		else \
+			echo "$(TORCH_CPU_INDEX) unreachable: torch==2.13.0 from pip's configured sources"; \
+			$(BIN)/pip install -q torch==2.13.0; \
+		fi
 	$(BIN)/pip install -q -e ".[test,recipes,dev]"
 	# torchtitan (tests/test_integrations_torchtitan.py) without its declared deps: the test
 	# extra lists the few its imports need. It requires Python >= 3.11.
