@@ -33,10 +33,19 @@ parser.add_argument(
     help="float8 recipe (Float8LinearConfig.from_recipe_name)",
 )
 parser.add_argument("--seed", type=int, default=0, help="seed for model and data")
+parser.add_argument(
+    "--threads",
+    type=int,
+    default=1,
+    help="CPU threads (0 = torch's default, one per core); 1 by default, as train.py: this "
+    "model is too small to gain from more, and threads waiting on busy cores slow it many times",
+)
 args = parser.parse_args()  # before torch is imported: --help and bad flags answer at once
 for name in ("steps", "dim", "batch_size"):
     if getattr(args, name) < 1:
         parser.error(f"--{name.replace('_', '-')} must be >= 1")
+if args.threads < 0:
+    parser.error("--threads must be >= 0")
 if args.dim % 16:
     parser.error(f"--dim {args.dim} must be a multiple of 16 (float8 gemms need it)")
 if args.recipe in ("mxfp8", "nvfp4") and args.dim % 32:
@@ -55,6 +64,8 @@ from float8kit import (  # noqa: E402
 )
 from float8kit.versions import cpu_hp_dtype  # noqa: E402
 
+if args.threads:
+    torch.set_num_threads(args.threads)
 HP = cpu_hp_dtype()
 hp_name = str(HP).removeprefix("torch.")
 

@@ -244,11 +244,19 @@ def test_readme_example_trains_float8_like_hp(forced, monkeypatch):
         monkeypatch.setenv("FLOAT8KIT_CPU_HP_DTYPE", forced)
     else:
         monkeypatch.delenv("FLOAT8KIT_CPU_HP_DTYPE", raising=False)
+    import torch
+
     from float8kit import Float8Linear
     from float8kit.versions import cpu_hp_dtype
 
     blocks = python_blocks((REPO / "README.md").read_text())
-    scope = run_block(blocks[0], "README.md example")
+    threads = torch.get_num_threads()
+    try:
+        scope = run_block(blocks[0], "README.md example")
+        # one thread, as train.py: "seconds" on a busy 2-core machine too (not a minute)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     assert scope["hp_dtype"] == cpu_hp_dtype() and scope["hp"][0].weight.dtype == cpu_hp_dtype()
     kinds = [n for n, m in scope["fp8"].named_modules() if isinstance(m, Float8Linear)]
     assert kinds == ["0", "2"]  # the 256/1024 layers; the 16-class head ("4") stays hp

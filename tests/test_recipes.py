@@ -724,6 +724,7 @@ finally:
         ("quickstart.py", ["--help"], 0, "--recipe"),
         ("quickstart.py", ["--recipe", "fp4"], 2, "invalid choice: 'fp4'"),
         ("quickstart.py", ["--dim", "100"], 2, "--dim 100 must be a multiple of 16"),
+        ("quickstart.py", ["--threads", "-1"], 2, "--threads must be >= 0"),
         ("quickstart.py", ["--recipe", "mxfp8", "--dim", "48"], 2, "48 must be a multiple of 32"),
         ("quickstart.py", ["--recipe", "nvfp4", "--dim", "48"], 2, "48 must be a multiple of 32"),
     ],
