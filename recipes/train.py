@@ -111,6 +111,22 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
         raise UsageError("--device cuda: no CUDA device is available")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # Checked before the process group exists: every rank fails alike, nothing hangs.
+    for flag, degree in (("--ep", args.ep), ("--tp", args.tp)):
+        if degree > 1 and world_size == 1:
+            raise UsageError(
+                f"{flag} {degree} runs on {degree} processes or more: launch with torchrun "
+                f"--nproc-per-node {degree} recipes/train.py ..."
+            )
+    if args.tp > 1 and args.float8 != "none":
+        try:  # the recipe's formats must support tensor parallelism (before anything runs)
+            float8kit.formats.require(
+                linear_config(args.float8),
+                lambda caps: caps.tensor_parallel is not None,
+                f"--tp {args.tp} (tensor parallelism)",
+                f"use another --float8 recipe with --tp, or --float8 {args.float8} without it",
+            )
+        except ValueError as e:
+            raise UsageError(str(e).removeprefix("float8kit: ")) from None
     n_experts = ModelArgs.from_name(args.preset).n_experts
     if args.ep > 1:
         if not n_experts:
@@ -583,7 +599,17 @@ def load_checkpoint(
     saved = json.loads(train_state["train"]["meta"])
     for k, v in saved.items():
         if meta.get(k) != v:
-            raise UsageError(f"--resume {path}: checkpoint has {k}={v!r}, this run {meta.get(k)!r}")
+            why = ""
+            if k == "steps":  # the one a user changes to train longer
+                why = (
+                    ": the learning rate follows a warmup and cosine decay over --steps, so "
+                    "other --steps would change the schedule of the steps already taken; to "
+                    "train longer, start the run with the final --steps (an interrupted run "
+                    "resumes to it)"
+                )
+            raise UsageError(
+                f"--resume {path}: checkpoint has {k}={v!r}, this run {meta.get(k)!r}{why}"
+            )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with quiet_single_process():
@@ -647,11 +673,14 @@ def check_out(args: argparse.Namespace) -> None:
         steps = 0
         if (out / "metrics.jsonl").exists():
             steps = len((out / "metrics.jsonl").read_text().splitlines())
+        # a run to continue: one with a complete checkpoint (its .metadata is written last)
+        resumable = any((out / "checkpoints").glob("step_*/.metadata"))
         raise UsageError(
             f"--out {out} already holds a run ({steps} steps logged"
-            + (", checkpoints" if "checkpoints" in held else "")
-            + f"): pass --overwrite to replace it, --resume {out} to continue it, "
-            "or another --out"
+            + (", checkpoints" if resumable else ", no checkpoint")
+            + "): pass --overwrite to replace it, "
+            + (f"--resume {out} to continue it, " if resumable else "")
+            + "or another --out"
         )
     if int(os.environ.get("RANK", "0")) == 0 and (out / "checkpoints").exists():
         # an old checkpoint left beside the new run would be what --resume OUT picks up

@@ -236,6 +236,12 @@ def test_resume_refuses_other_flags(tmp_path, capsys):
         run_train(tmp_path / "b", "--steps", "2", "--lr", "1e-3", "--resume", str(tmp_path / "a"))
     assert e.value.code == 2
     assert "checkpoint has lr=0.003, this run 0.001" in capsys.readouterr().err
+    # more --steps: the refusal says why (the schedule) and how to train longer
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path / "c", "--steps", "4", "--resume", str(tmp_path / "a"))
+    err = capsys.readouterr().err
+    assert "checkpoint has steps=2, this run 4: the learning rate follows" in err, err
+    assert "start the run with the final --steps" in err, err
 
 
 def test_resume_refuses_another_recipe_before_loading(tmp_path, capsys):
@@ -514,6 +520,39 @@ def test_out_holding_a_run_is_refused_unless_overwrite(tmp_path, capsys):
     assert [r["loss"] for r in again] == [r["loss"] for r in first[:2]]
     assert not (tmp_path / "a" / "checkpoints").exists()
     assert f"wrote {tmp_path / 'a'}/" in capsys.readouterr().out
+
+
+def test_out_holding_no_checkpoint_does_not_suggest_resume(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "metrics.jsonl").write_text("")  # a run stopped before its first step
+    with pytest.raises(SystemExit):
+        run_train(tmp_path / "a", "--steps", "2")
+    err = capsys.readouterr().err
+    assert "already holds a run (0 steps logged, no checkpoint)" in err, err
+    assert "--overwrite" in err and "--resume" not in err, err
+
+
+@pytest.mark.parametrize(
+    "world, flags, expect",
+    [
+        (1, ["--ep", "2", "--preset", "moe-tiny"], "launch with torchrun --nproc-per-node 2"),
+        (1, ["--tp", "2"], "launch with torchrun --nproc-per-node 2"),
+        (2, ["--tp", "2", "--float8", "nvfp4"], "--tp 2 (tensor parallelism) does not support"),
+        (2, ["--tp", "2", "--float8", "mxfp8"], "scaling_granularity='mx'"),
+    ],
+)
+def test_parallel_flags_are_refused_before_anything_is_written(
+    tmp_path, capsys, monkeypatch, world, flags, expect
+):
+    """Without torchrun, and a recipe whose formats the parallelism refuses: the answer
+    comes before the process group or any file."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(SystemExit) as e:
+        run_train(tmp_path / "o", *flags)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert expect in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_filter_fqns_and_the_default_filter_per_recipe():
