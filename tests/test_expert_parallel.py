@@ -242,3 +242,9 @@ def test_combine_refuses_an_op_after_the_last_expert_gemm(one_rank_group):
         ep.combine(ys * 2.0, plan, m.w1._config)
     ep.combine(ys, plan, m.w1._config).sum().backward()  # the gemm's own output: fine
     assert x.grad is not None and torch.isfinite(x.grad).all()
+    # compiled expert gemms: their backward took the float8 rows and failed inside AOTAutograd
+    torch._dynamo.reset()
+    compiled = torch.compile(m.expert_gemms, fullgraph=True)
+    xs = ep.dispatch(x, order // 2, plan, m.w1._config)
+    with pytest.raises(ValueError, match=r"CompiledFunctionBackward: a compiled graph's backward"):
+        ep.combine(compiled(xs, plan.offs), plan, m.w1._config)

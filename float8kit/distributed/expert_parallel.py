@@ -331,11 +331,17 @@ def combine(
     # (or a reentrant activation checkpoint of the expert gemms, whose backward reruns them)
     made_by = getattr(ys.grad_fn, "_forward_cls", None)
     if ep.comm == "float8" and ys.requires_grad and made_by not in _EXPERT_GEMM_OUTPUT:
+        fix = (
+            "a compiled graph's backward takes no float8 gradient rows: leave the expert "
+            'gemms eager or use EPConfig(comm="hp")'
+            if ys.grad_fn.name() == "CompiledFunctionBackward"
+            else "apply routing scores before dispatch or after combine, add a bias or cast "
+            'after combine, or use EPConfig(comm="hp")'
+        )
         raise ValueError(
             "float8kit: combine's input must be the output of the last float8 expert gemm "
             "itself (its backward sends that gemm float8 gradient rows), got the output of "
-            f"{ys.grad_fn.name()}: apply routing scores before dispatch or after combine, "
-            'add a bias or cast after combine, or use EPConfig(comm="hp")'
+            f"{ys.grad_fn.name()}: {fix}"
         )
     return _Combine.apply(ys, plan, config, ep)
 
