@@ -66,6 +66,17 @@ def test_copies_bitwise_for_bf16_fp16_weights_near_their_max_and_floor_rounding(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
+def test_copies_bitwise_for_fp16_weights_in_the_subnormal_range(mx_ranks):
+    # weights near 1e-7 in fp16 (subnormal): the value a cut block's padding row carries must
+    # keep its byte in fp16 (rounded to nearest, fp8_max * 2 ** (byte - 127) went up a byte)
+    _, results = mx_ranks
+    for r in results:
+        for name in ("float16_tiny", "floor_float16_tiny"):
+            assert r[f"{name}_bitwise"] == [True] * (2 * len(LAYERS)), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
 def test_nan_and_inf_in_a_cut_block_stay_visible_like_one_device(mx_ranks):
     # a NaN on one side of a cut block (3 ranks) makes the whole block's byte 255 on every
     # rank (the all-reduced bytes), an inf likewise its byte: bitwise the one-device cast

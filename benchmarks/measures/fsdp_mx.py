@@ -38,7 +38,7 @@ STEPS = 3
 # 10 (block 0 cut twice).
 LAYERS = ((128, 608), (608, 192), (192, 32))
 # FSDP2's all-gather and the hook's (torch 2.11's all_gather_into_tensor is counted under
-# 2.13's name), the hook's all-reduce of cut blocks' scale bytes
+# 2.13's name), the hook's all-reduce of cut blocks' amaxes
 COLLECTIVES = ("all_gather_single", "all_reduce")
 
 
@@ -47,19 +47,27 @@ def mx_net(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     non_finite: bool = False,
+    tiny: bool = False,
 ) -> nn.Sequential:
     """The three linears; ``dtype`` other than fp32: weights in that dtype, and one column
     of 17 rows (across the first cut block of the 608-row weight on 3 ranks) near the
     dtype's max (fp16: above fp8_max * 2 ** 7, whose block's byte-carrying value,
     fp8_max * 2 ** 8, fp16 cannot hold). ``non_finite``: a NaN and an inf in the first
-    weight's block 6 (cut by 3 ranks), on either side of the cut."""
+    weight's block 6 (cut by 3 ranks), on either side of the cut. ``tiny``: every weight
+    scaled to a largest magnitude of 1.5e-7 first (in fp16: 0 to 2 of its smallest
+    subnormal, 2 ** -24, where a block's byte value fp8_max * 2 ** (byte - 127) is not
+    representable)."""
     torch.manual_seed(seed)
     mods: list[nn.Module] = []
     for i, (k, n) in enumerate(LAYERS):
         mods += [nn.Linear(k, n, bias=False)] + ([nn.ReLU()] if i < len(LAYERS) - 1 else [])
     net = nn.Sequential(*mods)
-    if dtype != torch.float32:
-        net = net.to(dtype)
+    if tiny:
+        with torch.no_grad():
+            for m in mods[::2]:  # the Linears
+                m.weight.mul_(1.5e-7 / m.weight.abs().max())
+    net = net.to(dtype)
+    if dtype != torch.float32 and not tiny:
         with torch.no_grad():
             net[0].weight[195:212, 3] = 0.9 * torch.finfo(dtype).max
     if non_finite:
@@ -72,13 +80,13 @@ def linears(net: nn.Sequential) -> list[nn.Module]:
     return [m for m in net.modules() if isinstance(m, f8linear.Float8Linear)]
 
 
-def _fsdp(config, mesh, ac=False, dtype=torch.float32, non_finite=False, **fsdp_kwargs):
+def _fsdp(config, mesh, ac=False, dtype=torch.float32, non_finite=False, tiny=False, **fsdp_kwargs):
     """``mx_net`` with each linear sharded by FSDP2 (``ac``: checkpoint-wrapped first,
     torchtitan's order: its forward is recomputed in backward, inside FSDP2's hooks)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
 
-    net = mx_net(config, dtype=dtype, non_finite=non_finite)
+    net = mx_net(config, dtype=dtype, non_finite=non_finite, tiny=tiny)
     for i, m in enumerate(net):
         if not isinstance(m, nn.ReLU):
             if ac:
@@ -118,9 +126,9 @@ def _spy_copies(net):
     return fwd, bwd, undo
 
 
-def _same_as_one_device(copies, dim, dtype=torch.float32, config=MX, non_finite=False):
+def _same_as_one_device(copies, dim, dtype=torch.float32, config=MX, non_finite=False, tiny=False):
     """Each copy (layer order) bitwise the one-device MX cast of the initial hp weight."""
-    ref = linears(mx_net(config, dtype=dtype, non_finite=non_finite))
+    ref = linears(mx_net(config, dtype=dtype, non_finite=non_finite, tiny=tiny))
     cast = config.cast_config_weight if dim == -1 else config.cast_config_weight_for_grad_input
     out = []
     for (gran, data, scale), m in zip(copies, ref, strict=True):
@@ -170,8 +178,11 @@ def _worker_mx(rank: int, world: int, tmp: str) -> dict:
         ("floor_bfloat16", torch.bfloat16, FLOOR_AG, False),
         ("non_finite", torch.float32, MX_AG, True),
         ("floor_non_finite", torch.float32, FLOOR_AG, True),
+        ("float16_tiny", torch.float16, MX_AG, False),
+        ("floor_float16_tiny", torch.float16, FLOOR_AG, False),
     ):
-        net = _fsdp(config, mesh, dtype=dtype, non_finite=bad)
+        tiny = name.endswith("tiny")
+        net = _fsdp(config, mesh, dtype=dtype, non_finite=bad, tiny=tiny)
         fwd, bwd, undo = _spy_copies(net)
         try:
             net(xs[0, mine].to(dtype)).float().pow(2).mean().backward()
@@ -179,8 +190,8 @@ def _worker_mx(rank: int, world: int, tmp: str) -> dict:
             undo()
         ref = dataclasses.replace(config, enable_fsdp_float8_all_gather=False)
         res[f"{name}_bitwise"] = _same_as_one_device(
-            fwd, -1, dtype, ref, bad
-        ) + _same_as_one_device(list(reversed(bwd)), 0, dtype, ref, bad)
+            fwd, -1, dtype, ref, bad, tiny
+        ) + _same_as_one_device(list(reversed(bwd)), 0, dtype, ref, bad, tiny)
         if bad:  # the gathered along-N copy of the NaN's block: NaN scale byte (255)
             res[f"{name}_nan_block"] = bwd[-1][2][6, 5].item()
     res["grads_bitwise"] = [

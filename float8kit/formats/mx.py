@@ -143,7 +143,7 @@ class MX(AlongDim, Float8Elements, Format):
     #   (``cut_blocks``), the block's scale byte is the MAX of both sides' partial bytes: one
     #   all-reduce of those blocks' bytes only (K bytes each). The shard is then cast by
     #   ``to_mx`` itself with a value of that byte planted in a padding row
-    #   (``_value_of_byte``), so every byte is the one-device cast's.
+    #   (``_value_of_byte``: one the hp dtype holds), so every byte is the one-device cast's.
     #
     # The fp8 bytes ride FSDP2's all-gather (1 byte per element); the e8m0 scale bytes (1 per
     # 32 elements) take one all-gather of their own, in the hook, and reach the post hook as
@@ -360,26 +360,28 @@ def _cast_along_rows(job, start: int, n: int, fp8_dtype: torch.dtype, cast):
         for i, j in touched:
             parts[i] = scaling.mx_scale_bits(local[j], fp8_dtype, rounding)
         job.all_reduce_max(parts)
-        fp8_max, big = scaling.fp8_max(fp8_dtype), torch.finfo(shard.dtype).max
+        fp8_max = scaling.fp8_max(fp8_dtype)
         for i, j in touched:
             row = j * MX_BLOCK if j * MX_BLOCK < top else (j + 1) * MX_BLOCK - 1
-            padded[row] = _value_of_byte(parts[i], fp8_max, big, rounding).to(shard.dtype)
+            padded[row] = _value_of_byte(parts[i], fp8_max, shard.dtype, rounding)
     data, scale = to_mx(padded, 0, fp8_dtype, rounding)
     return data[top : top + rows], scale
 
 
-def _value_of_byte(byte: torch.Tensor, fp8_max: float, big: float, rounding: str):
-    """An fp32 amax whose e8m0 byte (``scaling.mx_scale_bits`` with ``rounding``) is
-    ``byte``, within ``big`` (the hp dtype's max) where finite: ``fp8_max * 2 ** (byte -
-    127)`` (255: NaN). Beyond fp32's range that is inf: with "floor" (the byte keeps the
-    amax's exponent) only an inf amax has such a byte; with "rceil" 254 is an inf amax's,
-    and the largest finite amaxes round up to a byte whose value is beyond the dtype: the
-    dtype's max has that byte."""
-    value = scaling.mx_descale(byte) * fp8_max
-    if rounding == "floor":
-        return value
-    value = torch.clamp(value, max=big)  # keeps NaN
-    return torch.where(byte == 254, math.inf, value)
+def _value_of_byte(byte: torch.Tensor, fp8_max: float, dtype: torch.dtype, rounding: str):
+    """An amax in ``dtype`` whose e8m0 byte (``scaling.mx_scale_bits`` with ``rounding``) is
+    ``byte``: ``fp8_max * 2 ** (byte - 127)`` (255: NaN) rounded toward zero to ``dtype``.
+    The byte's amaxes are a range whose top is that value, and the range holds a value of
+    ``dtype`` (the byte came from one): rounded toward zero the value stays in it, where
+    rounding to nearest could leave it (fp16's subnormals, near 1e-7: the next byte up). With
+    "rceil" the largest finite amaxes round up to a byte whose value is beyond ``dtype``:
+    its max has that byte; 254 is an inf amax's."""
+    value = scaling.mx_descale(byte) * fp8_max  # fp32; NaN for 255
+    if rounding == "rceil":  # (with "floor" a value past fp32's range is an inf amax's)
+        value = torch.clamp(value, max=torch.finfo(dtype).max)  # keeps NaN
+    held = value.to(dtype)
+    held = torch.where(held.float() > value, torch.nextafter(held, torch.zeros_like(held)), held)
+    return held if rounding == "floor" else torch.where(byte == 254, math.inf, held)
 
 
 def _gather_block_scales(job, local_scale: torch.Tensor, start: int, n: int) -> torch.Tensor:
