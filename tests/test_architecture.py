@@ -289,13 +289,17 @@ def test_format_branch_sites_only_go_down():
 def test_library_lines_only_go_down():
     """0.5's bar is a library of <= 10,800 lines (11,560 at 0.4), docstrings kept. This
     ceiling is the count today; lower it as the formats take over what the library repeats.
-    Raised twice: 11,936 -> 12,052, config names a format (three validated settings values
-    replacing four CastConfig fields, their config checks, and the load of a 0.4 pickle);
-    12,052 -> 12,081, the eager call path (the reshape inside the autograd Function, shared
-    casts in a plain dict, eager casts that allocate no placeholders: about 14% less host
-    time per eager tensorwise call, numbers/bench_overhead.json)."""
+    Raised three times: 11,936 -> 12,052, config names a format (three validated settings
+    values replacing four CastConfig fields, their config checks, and the load of a 0.4
+    pickle); 12,052 -> 12,081, the eager call path (the reshape inside the autograd
+    Function, shared casts in a plain dict, eager casts that allocate no placeholders: about
+    14% less host time per eager tensorwise call, numbers/bench_overhead.json); 12,078 ->
+    12,391, hardening (silently wrong results and crashes found by an adversarial user):
+    expert-parallel checkpoints with the experts' optimizer state (checkpoint_as_global,
+    about 150), kept FSDP2 scales that see foreach/fused optimizer steps, and errors and
+    warnings that name the fix."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_078, f"float8kit has {lines} lines"
+    assert lines <= 12_391, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(
