@@ -236,6 +236,13 @@ def test_python_code_sits_in_python_blocks(doc):
     assert fragments == [], f"{doc}: Python outside a ```python block: {fragments}"
 
 
+def test_readme_is_a_front_page():
+    """The README stays a front page (install, the two commands, an example, the recipes,
+    where to go further, limitations in short): the details live in docs/."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move detail to docs/"
+
+
 @pytest.mark.parametrize("forced", [None, "float32"])
 def test_readme_example_trains_float8_like_hp(forced, monkeypatch):
     """The README example as written: on this CPU's hp dtype, and forced to fp32 (what a CPU

@@ -43,6 +43,7 @@ DOCS = [
     "docs/monitor.md",
     "docs/performance.md",
     "docs/torchao.md",
+    "docs/limitations.md",
     "docs/numbers.md",
     "benchmarks/README.md",
     "benchmarks/NOTES.md",
