@@ -19,6 +19,7 @@ from benchmarks.measures.experts import OFFS, TOKENS, Experts
 from float8kit import (
     Float8ExpertsConfig,
     Float8LinearConfig,
+    Float8Recipe,
     convert_experts_to_float8_training,
     convert_to_float8_training,
     precompute_scales,
@@ -26,15 +27,8 @@ from float8kit import (
 from float8kit.config import E4M3, FP8_DTYPES
 from float8kit.formats.mx import _to_mx_last_dim
 
-LINEAR_RECIPES = [
-    "tensorwise",
-    "rowwise",
-    "rowwise_with_gw_hp",
-    "delayed",
-    "blockwise",
-    "mxfp8",
-    "nvfp4",
-]
+# every named recipe (the registry's, not a hand-kept list)
+LINEAR_RECIPES = [r.value for r in Float8Recipe]
 EXPERT_RECIPES = ["rowwise", "mxfp8"]
 ALL_UTILS = (
     "test_schema",
