@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from typing import ClassVar
 
@@ -749,8 +750,8 @@ class Float8ExpertsConfig:
     expert group in the weight-gradient gemm) or MX (MXFP8, Blackwell: one e8m0 scale per 32
     elements along each gemm's inner dim; token groups padded to 32 rows for the
     weight-gradient gemm, whose blocks run along tokens). ``gemm_config_output`` sets the
-    output gemm. Named presets: ``from_recipe_name("rowwise")`` (the default) and
-    ``from_recipe_name("mxfp8")``.
+    output gemm. ``wgrad_with_hp`` runs the weight-gradient gemm in hp instead. Named presets:
+    ``from_recipe_name("rowwise")`` (the default), ``"mxfp8"`` and ``"mxfp8_wgrad_with_hp"``.
     """
 
     # the cast of every grouped-gemm operand (DYNAMIC, e4m3, AXISWISE or MX)
@@ -781,19 +782,24 @@ class Float8ExpertsConfig:
     # for tokens dispatched in float8 (float8kit.expert_parallel): with it, one rank computes
     # exactly what expert parallelism computes, and saves float8 rows instead of hp ones
     wgrad_operands: str = "hp"
+    # run the weight-gradient gemm in hp (torch._grouped_mm of those operands, torchao's
+    # wgrad_with_hp): the gemm whose sums run along the tokens, where a float8 cast loses the
+    # most; the output and grad_input gemms stay float8
+    wgrad_with_hp: bool = False
 
     @staticmethod
     def from_recipe_name(name: str | Float8Recipe) -> Float8ExpertsConfig:
-        """A named preset: ``rowwise`` (the default config) or ``mxfp8`` (MX e4m3 operands,
-        RCEIL scales, no fast accumulation: the MX kernel has none)."""
-        recipes = {Float8Recipe.ROWWISE: _experts_rowwise, Float8Recipe.MXFP8: _experts_mxfp8}
-        try:
-            return recipes[Float8Recipe(_recipe_value(name))]()
-        except (ValueError, KeyError):
-            valid = ", ".join(repr(r.value) for r in recipes)
-            raise ValueError(
-                f"unknown Float8ExpertsConfig recipe {name!r}: use one of {valid}"
-            ) from None
+        """A named preset: ``rowwise`` (the default config), ``mxfp8`` (MX e4m3 operands,
+        RCEIL scales, no fast accumulation: the MX kernel has none) or
+        ``mxfp8_wgrad_with_hp`` (mxfp8 with the weight-gradient gemm in hp). torchao's
+        ``MXFP8TrainingRecipe`` names of the last two (``mxfp8_rceil``,
+        ``mxfp8_rceil_wgrad_with_hp``) and its enum members are taken too."""
+        value = name.value if isinstance(name, enum.Enum) else name
+        value = _TORCHAO_EXPERTS_RECIPES.get(value, value)
+        if value not in _EXPERTS_RECIPES:
+            valid = ", ".join(repr(r) for r in _EXPERTS_RECIPES)
+            raise ValueError(f"unknown Float8ExpertsConfig recipe {value!r}: use one of {valid}")
+        return _EXPERTS_RECIPES[value]()
 
     def __post_init__(self):
         c = self.cast_config
@@ -846,7 +852,8 @@ class Float8ExpertsConfig:
                 '(decided at the first use, the default), "in_out" (experts, in, out) or '
                 '"out_in" (experts, out, in)'
             )
-        for name in ("round_scales_to_power_of_2", "emulate", "enable_fsdp_float8_all_gather"):
+        bools = ("round_scales_to_power_of_2", "emulate", "enable_fsdp_float8_all_gather")
+        for name in (*bools, "wgrad_with_hp"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"Float8ExpertsConfig.{name}={getattr(self, name)!r} must be a bool"
@@ -1041,10 +1048,25 @@ def _experts_rowwise() -> Float8ExpertsConfig:
     return Float8ExpertsConfig()
 
 
-def _experts_mxfp8() -> Float8ExpertsConfig:
-    # every operand of the three grouped gemms cast from hp along the dim its gemm reduces
+def _experts_mxfp8(wgrad_with_hp: bool = False) -> Float8ExpertsConfig:
+    # every operand of the float8 grouped gemms cast from hp along the dim its gemm reduces
     mx = CastConfig(scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3)
-    return Float8ExpertsConfig(cast_config=mx, gemm_config_output=GemmConfig())
+    return Float8ExpertsConfig(
+        cast_config=mx, gemm_config_output=GemmConfig(), wgrad_with_hp=wgrad_with_hp
+    )
+
+
+_EXPERTS_RECIPES = {
+    "rowwise": _experts_rowwise,
+    "mxfp8": _experts_mxfp8,
+    "mxfp8_wgrad_with_hp": functools.partial(_experts_mxfp8, wgrad_with_hp=True),
+}
+# torchao.prototype.moe_training's MXFP8TrainingRecipe values (its emulated one is a kernel
+# choice, ``emulate``, not a recipe here)
+_TORCHAO_EXPERTS_RECIPES = {
+    "mxfp8_rceil": "mxfp8",
+    "mxfp8_rceil_wgrad_with_hp": "mxfp8_wgrad_with_hp",
+}
 
 
 _RECIPES = {

@@ -62,6 +62,7 @@ from float8kit import cast, formats
 from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole, config_name
 from float8kit.formats.base import local_scale_inputs, local_scale_outputs
 from float8kit.grouped_gemm import (
+    hp_grad_weight,
     mx_scaled_grouped_mm,
     pad_token_groups,
     scaled_grouped_mm,
@@ -163,7 +164,9 @@ class _GroupedMM(torch.autograd.Function):
     (hp, or, rowwise, float8 data + per-expert-column scales from an FSDP2 float8
     all-gather) or a plain hp tensor. Returns (M, N) in ``x``'s dtype, grad_input in ``x``'s
     dtype and grad_weight in the weight's dtype. Saves hp ``x`` (or its float8 rows,
-    ``wgrad_operands="dequantized"``) and what the family keeps of the weight.
+    ``wgrad_operands="dequantized"``) and what the family keeps of the weight. With
+    ``wgrad_with_hp`` the grad_weight gemm is ``grouped_gemm.hp_grad_weight`` of the same
+    rows (hp, or dequantized), for every family.
     """
 
     @staticmethod
@@ -192,8 +195,11 @@ class _GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # the input rows the weight-gradient gemm casts along the tokens: hp, or dequantized
             x = x_saved[0] if len(x_saved) == 1 else rows_format(c).dequantize(*x_saved)
-            operands = gemms.grad_weight(x, go_rows.wgrad(), offs, w_saved[0].shape[0], c)
-            grad_weight = gemms.mm(*operands, out_dtype=ctx.w_dtype, emulate=c.emulate)
+            if c.wgrad_with_hp:
+                grad_weight = hp_grad_weight(x, go_rows.wgrad(), offs).to(ctx.w_dtype)
+            else:
+                operands = gemms.grad_weight(x, go_rows.wgrad(), offs, w_saved[0].shape[0], c)
+                grad_weight = gemms.mm(*operands, out_dtype=ctx.w_dtype, emulate=c.emulate)
         return grad_input, grad_weight, None, None
 
 

@@ -39,6 +39,19 @@ def _grouped_mm_fp32(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> to
     return torch.stack([a[:, lo:hi] @ b[lo:hi] for lo, hi in zip(starts, ends, strict=True)])
 
 
+def hp_grad_weight(x: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """An expert layer's weight gradient in hp, (G, K, N): per token group ``x.T @
+    grad_output``, as ``torch._grouped_mm(grad_output.T, x)`` transposed (torchao's order, so
+    the bits of its ``mxfp8_rceil_wgrad_with_hp``). torch's grouped kernel (and its meta,
+    under ``torch.compile``) takes bf16 only: other dtypes run it in fp32 (exact products,
+    fp32 sums; ``float8kit::grouped_mm_fp32``) and round to ``x``'s dtype."""
+    a, b = grad_output.t(), x
+    if a.dtype == b.dtype == torch.bfloat16:
+        return torch._grouped_mm(a, b, offs=offs).transpose(-2, -1)
+    out = _grouped_mm_fp32(a.float(), b.float(), offs).transpose(-2, -1)
+    return out.to(torch.promote_types(x.dtype, grad_output.dtype))
+
+
 def _out_shape(a, b, offs) -> tuple[int, ...]:
     """A grouped gemm's result: (M, N) for 2-D x 3-D, (G, M, N) for 2-D x 2-D."""
     return (a.size(0), b.size(-1)) if b.dim() == 3 else (offs.size(0), a.size(0), b.size(1))

@@ -297,9 +297,11 @@ def test_library_lines_only_go_down():
     12,391, hardening (silently wrong results and crashes found by an adversarial user):
     expert-parallel checkpoints with the experts' optimizer state (checkpoint_as_global,
     about 150), kept FSDP2 scales that see foreach/fused optimizer steps, and errors and
-    warnings that name the fix."""
+    warnings that name the fix; 12,391 -> 12,432, the experts' hp weight-gradient recipe
+    (torchao's mxfp8_rceil_wgrad_with_hp: a config field, its recipe names, one hp grouped
+    gemm)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_391, f"float8kit has {lines} lines"
+    assert lines <= 12_432, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

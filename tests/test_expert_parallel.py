@@ -26,8 +26,9 @@ def ep_ranks(request, tmp_path_factory):
 def test_expert_parallel_step_is_one_ranks_bits(ep_ranks):
     world, results = ep_ranks
     for rank, res in enumerate(results):
-        # every case x {rowwise fp32, rowwise bf16, mxfp8 bf16, hp comm float8 experts, hp}
-        assert len(res) == len(CASES) * 5
+        # every case x {rowwise fp32, rowwise bf16, mxfp8 bf16, mxfp8_wgrad_with_hp bf16, hp
+        # comm float8 experts, hp}
+        assert len(res) == len(CASES) * 6
         for key, r in res.items():
             ok = r["out"] and r["grad_input"] and all(r["grad_weight"].values())
             assert ok, f"EP{world} rank {rank} {key}: {r}"

@@ -32,7 +32,14 @@ ROWWISE = dataclasses.replace(
 MXFP8 = dataclasses.replace(
     Float8ExpertsConfig.from_recipe_name("mxfp8"), wgrad_operands="dequantized"
 )
-CONFIGS = {"rowwise": ROWWISE, "mxfp8": MXFP8, "rowwise_hp_wgrad": None, "hp": None}
+CONFIGS = {
+    "rowwise": ROWWISE,
+    "mxfp8": MXFP8,
+    # the weight-gradient gemm in hp, of the dequantized rows the float8 dispatch delivers
+    "mxfp8_wgrad_with_hp": dataclasses.replace(MXFP8, wgrad_with_hp=True),
+    "rowwise_hp_wgrad": None,
+    "hp": None,
+}
 
 
 def moe(seed: int = 0):
@@ -158,6 +165,7 @@ def _worker_ep(rank: int, world: int, tmp: str) -> dict:
             ("rowwise", "float8", torch.float32),
             ("rowwise", "float8", torch.bfloat16),
             ("mxfp8", "float8", torch.bfloat16),
+            ("mxfp8_wgrad_with_hp", "float8", torch.bfloat16),
             ("rowwise_hp_wgrad", "hp", torch.bfloat16),
             ("hp", "hp", torch.bfloat16),
         ]:
