@@ -19,14 +19,28 @@ FLOAT8_MODES = [
     "delayed",
     "blockwise",
     "mxfp8",
+    "mxfp8_wgrad_with_hp",
     "nvfp4",
     # the nvfp4 recipe less one of its parts (ablations: what each part buys)
     "nvfp4_no_rht",
     "nvfp4_no_sr",
     "nvfp4_no_tail",
 ]
+# --float8 modes that differ from a named recipe in the MoE experts only: that recipe's linears
+# (mxfp8_wgrad_with_hp: MXFP8 experts with the weight-gradient gemm in hp, torchao's
+# mxfp8_rceil_wgrad_with_hp)
+EXPERT_MODES = {"mxfp8_wgrad_with_hp": "mxfp8"}
 # --float8 modes that are a named recipe (Float8LinearConfig.from_recipe_name)
-RECIPE_MODES = [m for m in FLOAT8_MODES if m != "none" and "_no_" not in m]
+RECIPE_MODES = [
+    m for m in FLOAT8_MODES if m != "none" and "_no_" not in m and m not in EXPERT_MODES
+]
+
+
+def linear_recipe(mode: str) -> str:
+    """The named recipe of a --float8 mode's Linears (nvfp4 for its ablations)."""
+    return EXPERT_MODES.get(mode, mode.split("_no_")[0])
+
+
 HP_DTYPES = ["auto", "bfloat16", "float32"]
 DESCRIPTION = (
     "Train a small Llama-style byte-level model in high precision (bf16 or fp32), or with "

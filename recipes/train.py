@@ -69,7 +69,15 @@ from pathlib import Path
 # Run from a checkout without `pip install`: float8kit sits next to recipes/.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli import FLOAT8_MODES, PRESET_DEFAULTS, RECIPE_MODES, build_parser, parse_args  # noqa: E402, F401
+from cli import (  # noqa: E402, F401
+    EXPERT_MODES,
+    FLOAT8_MODES,
+    PRESET_DEFAULTS,
+    RECIPE_MODES,
+    build_parser,
+    linear_recipe,
+    parse_args,
+)
 
 if __name__ == "__main__":
     # --help and usage errors answer before torch is imported (seconds, tens of them on a
@@ -128,6 +136,12 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
         except ValueError as e:
             raise UsageError(str(e).removeprefix("float8kit: ")) from None
     n_experts = ModelArgs.from_name(args.preset).n_experts
+    if args.float8 in EXPERT_MODES and not n_experts:
+        raise UsageError(
+            f"--float8 {args.float8} differs from {EXPERT_MODES[args.float8]} in the MoE "
+            f"experts only, and {args.preset!r} has none: use --float8 "
+            f"{EXPERT_MODES[args.float8]} (or a MoE preset: moe-tiny)"
+        )
     if args.ep > 1:
         if not n_experts:
             raise UsageError(
@@ -212,9 +226,7 @@ def linear_config(mode: str) -> float8kit.Float8LinearConfig:
         return float8kit.nvfp4_config(hadamard=False)
     if mode == "nvfp4_no_sr":
         return float8kit.nvfp4_config(stochastic_rounding=False)
-    if mode == "nvfp4_no_tail":
-        return float8kit.Float8LinearConfig.from_recipe_name("nvfp4")
-    return float8kit.Float8LinearConfig.from_recipe_name(mode)
+    return float8kit.Float8LinearConfig.from_recipe_name(linear_recipe(mode))
 
 
 def layer_filter(args: argparse.Namespace, config, tokens: int | None = None, model=None):
@@ -226,7 +238,9 @@ def layer_filter(args: argparse.Namespace, config, tokens: int | None = None, mo
     auto = None
     if getattr(args, "filter", "default") == "auto":
         auto = float8kit.auto_module_filter(
-            args.float8, device=args.filter_device, tokens=tokens or args.batch_size * args.seq_len
+            linear_recipe(args.float8),
+            device=args.filter_device,
+            tokens=tokens or args.batch_size * args.seq_len,
         )
 
     def keep_float8(mod: torch.nn.Module, fqn: str) -> bool:
@@ -241,14 +255,17 @@ def layer_filter(args: argparse.Namespace, config, tokens: int | None = None, mo
     return keep_float8
 
 
-def experts_config(recipe: str, ep: int = 1) -> float8kit.Float8ExpertsConfig:
-    """The MoE experts' grouped-gemm config for --float8: MX blocks for mxfp8, rowwise (the
-    float8 grouped kernel's scales, Float8ExpertsConfig's default) for every other recipe.
-    Under --ep the tokens reach their experts as float8 rows, with no hp copy: the
-    weight-gradient gemm then casts the dequantized rows (exact: power-of-two scales)."""
-    config = float8kit.Float8ExpertsConfig.from_recipe_name(
-        "mxfp8" if recipe == "mxfp8" else "rowwise"
-    )
+def experts_config(mode: str, ep: int = 1) -> float8kit.Float8ExpertsConfig:
+    """The MoE experts' grouped-gemm config for --float8: MX blocks for mxfp8 (and
+    mxfp8_wgrad_with_hp, its weight-gradient gemm in hp), rowwise (the float8 grouped kernel's
+    scales, Float8ExpertsConfig's default) for every other recipe, rowwise_with_gw_hp's with
+    the weight-gradient gemm in hp as its Linears'. Under --ep the tokens reach their experts
+    as float8 rows, with no hp copy: the weight-gradient gemm then takes the dequantized rows
+    (exact: power-of-two scales)."""
+    name = mode if mode.startswith("mxfp8") else "rowwise"
+    config = float8kit.Float8ExpertsConfig.from_recipe_name(name)
+    if mode == "rowwise_with_gw_hp":
+        config = replace(config, wgrad_with_hp=True)
     return replace(config, wgrad_operands="dequantized") if ep > 1 else config
 
 

@@ -433,9 +433,10 @@ def moe_hf() -> None:
 
 
 def moe_tiny() -> None:
-    """The moe-tiny preset (8 routed experts, top-2): bf16 vs rowwise, mxfp8 and nvfp4 (its
-    experts rowwise), 40 steps."""
-    compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8,nvfp4"])
+    """The moe-tiny preset (8 routed experts, top-2): bf16 vs rowwise, mxfp8,
+    mxfp8_wgrad_with_hp and nvfp4 (its experts rowwise), 40 steps."""
+    modes = "none,rowwise,mxfp8,mxfp8_wgrad_with_hp,nvfp4"
+    compare_runs("moe_tiny", ["--preset", "moe-tiny", "--modes", modes])
 
 
 EP_COMPARE = ["--preset", "moe-tiny", "--modes", "none,rowwise,mxfp8", "--nproc", "2"]
