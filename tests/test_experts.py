@@ -498,6 +498,29 @@ def _mx_grouped(x, w, offs, config=MX_CONFIG):
     return out, x, w
 
 
+def _torchao_mx_grouped(x, w, offs, go, rounding="rceil", **kwargs):
+    """torchao 0.18's MXFP8 grouped gemm, emulated (bf16 out), of x (M, K) and w (G, K, N),
+    which it wants column-major per expert; backward of ``go``. Returns out, grad_input and
+    grad_weight (G, K, N)."""
+    mx = pytest.importorskip("torchao.prototype.moe_training.mxfp8_grouped_mm")
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.quantization.quantize_.common import KernelPreference
+
+    x_ao = x.clone().requires_grad_()
+    w_ao = w.transpose(-2, -1).contiguous().requires_grad_()  # (G, N, K): torchao's layout
+    out = mx._to_mxfp8_then_scaled_grouped_mm(
+        x_ao,
+        w_ao.transpose(-2, -1),
+        offs,
+        out_dtype=torch.bfloat16,
+        kernel_preference=KernelPreference.EMULATED,
+        scale_calculation_mode=getattr(ScaleCalculationMode, rounding.upper()),
+        **kwargs,
+    )
+    out.backward(go)
+    return out, x_ao.grad, w_ao.grad.transpose(-2, -1)
+
+
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("counts", MX_COUNTS)
@@ -505,28 +528,15 @@ def test_mx_experts_match_torchao_emulated_bitwise(counts, dtype, rounding):
     # torchao 0.18's MXFP8 grouped gemm, emulated on CPU (bf16 out; it wants the weight
     # (G, K, N) column-major per expert, and pad_token_groups_for_grouped_mm=True for group
     # sizes off multiples of 32): output, grad_input and grad_weight bitwise, fp32 and bf16
-    mx = pytest.importorskip("torchao.prototype.moe_training.mxfp8_grouped_mm")
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common import KernelPreference
-
     torch.manual_seed(0)
     groups, k, n = 4, 64, 96
     offs = torch.tensor(MX_COUNTS[counts]).cumsum(0).to(torch.int32)
     x = torch.randn(int(offs[-1]), k, dtype=dtype)
     w = (torch.randn(groups, k, n) / 8).to(dtype)
     go = torch.randn(x.size(0), n).to(torch.bfloat16)
-    x_ao = x.clone().requires_grad_()
-    w_ao = w.transpose(-2, -1).contiguous().requires_grad_()  # (G, N, K): torchao's layout
-    want = mx._to_mxfp8_then_scaled_grouped_mm(
-        x_ao,
-        w_ao.transpose(-2, -1),
-        offs,
-        out_dtype=torch.bfloat16,
-        kernel_preference=KernelPreference.EMULATED,
-        scale_calculation_mode=getattr(ScaleCalculationMode, rounding.upper()),
-        pad_token_groups_for_grouped_mm=True,
+    want, want_dx, want_dw = _torchao_mx_grouped(
+        x, w, offs, go, rounding, pad_token_groups_for_grouped_mm=True
     )
-    want.backward(go)
     cast_config = dataclasses.replace(
         MX_CONFIG.cast_config, scaling_granularity=MXGranularity(rounding)
     )
@@ -536,8 +546,8 @@ def test_mx_experts_match_torchao_emulated_bitwise(counts, dtype, rounding):
     assert got.dtype == dtype and x8.grad.dtype == dtype and w8.grad.dtype == dtype
     for what, a, b in (
         ("output", want, got),
-        ("grad_input", x_ao.grad, x8.grad),
-        ("grad_weight", w_ao.grad.transpose(-2, -1), w8.grad),
+        ("grad_input", want_dx, x8.grad),
+        ("grad_weight", want_dw, w8.grad),
     ):
         assert torch.equal(a.float(), b.float()), (what, sqnr(a.float(), b.float()))
     empty = [g for g, c in enumerate(MX_COUNTS[counts]) if c == 0]
@@ -554,10 +564,7 @@ def test_mx_wgrad_with_hp_matches_torchao_emulated_bitwise(counts, pad):
     # takes one dtype for both operands), with and without its token-group padding: output,
     # grad_input and the bf16 grouped weight gradient bitwise; torchao's grouped gemms take
     # no bias (a model adds it outside, so the bias gradient is autograd's either way)
-    mx = pytest.importorskip("torchao.prototype.moe_training.mxfp8_grouped_mm")
-    from torchao.prototype.moe_training.config import MXFP8TrainingRecipe
-    from torchao.prototype.mx_formats.config import ScaleCalculationMode
-    from torchao.quantization.quantize_.common import KernelPreference
+    ao_config = pytest.importorskip("torchao.prototype.moe_training.config")
 
     torch.manual_seed(0)
     groups, k, n = 4, 64, 96
@@ -565,30 +572,22 @@ def test_mx_wgrad_with_hp_matches_torchao_emulated_bitwise(counts, pad):
     x = torch.randn(int(offs[-1]), k, dtype=torch.bfloat16)
     w = (torch.randn(groups, k, n) / 8).to(torch.bfloat16)
     go = torch.randn(x.size(0), n).to(torch.bfloat16)
-    x_ao = x.clone().requires_grad_()
-    w_ao = w.transpose(-2, -1).contiguous().requires_grad_()
-    want = mx._to_mxfp8_then_scaled_grouped_mm(
-        x_ao,
-        w_ao.transpose(-2, -1),
-        offs,
-        out_dtype=torch.bfloat16,
-        kernel_preference=KernelPreference.EMULATED,
-        wgrad_with_hp=True,
-        scale_calculation_mode=ScaleCalculationMode.RCEIL,
-        pad_token_groups_for_grouped_mm=pad,
+    want, want_dx, want_dw = _torchao_mx_grouped(
+        x, w, offs, go, wgrad_with_hp=True, pad_token_groups_for_grouped_mm=pad
     )
-    want.backward(go)
     # torchao's recipe enum, by value, names the same config
     assert (
-        Float8ExpertsConfig.from_recipe_name(MXFP8TrainingRecipe.MXFP8_RCEIL_WGRAD_WITH_HP)
+        Float8ExpertsConfig.from_recipe_name(
+            ao_config.MXFP8TrainingRecipe.MXFP8_RCEIL_WGRAD_WITH_HP
+        )
         == WGRAD_HP_CONFIG
     )
     got, x8, w8 = _mx_grouped(x, w, offs, WGRAD_HP_CONFIG)
     got.backward(go)
     for what, a, b in (
         ("output", want, got),
-        ("grad_input", x_ao.grad, x8.grad),
-        ("grad_weight", w_ao.grad.transpose(-2, -1), w8.grad),
+        ("grad_input", want_dx, x8.grad),
+        ("grad_weight", want_dw, w8.grad),
     ):
         assert a.dtype == b.dtype == torch.bfloat16, what
         assert torch.equal(a, b), (what, sqnr(a.float(), b.float()))
