@@ -30,6 +30,8 @@ FLOAT8_MODES = [
 # (mxfp8_wgrad_with_hp: MXFP8 experts with the weight-gradient gemm in hp, torchao's
 # mxfp8_rceil_wgrad_with_hp)
 EXPERT_MODES = {"mxfp8_wgrad_with_hp": "mxfp8"}
+# --optim: torch's AdamW, or float8kit.optim's block-quantized ones
+OPTIMIZERS = ["adamw", "adamw8bit", "adamw4bit"]
 # --float8 modes that are a named recipe (Float8LinearConfig.from_recipe_name)
 RECIPE_MODES = [
     m for m in FLOAT8_MODES if m != "none" and "_no_" not in m and m not in EXPERT_MODES
@@ -119,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, help=f"peak learning rate ({_preset_default('lr')})")
     p.add_argument("--warmup", type=int, help="linear warmup steps (default: 10%% of --steps)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay")
+    p.add_argument(
+        "--optim",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="torch's AdamW (fp32 states), or float8kit.optim's AdamW8bit / AdamW4bit "
+        "(block-quantized states, docs/optim.md) (default adamw)",
+    )
     p.add_argument("--grad-clip", type=float, default=1.0, help="max global grad norm")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument(

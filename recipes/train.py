@@ -98,6 +98,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 
 import float8kit  # noqa: E402  # float8
+from float8kit.optim import AdamW4bit, AdamW8bit  # noqa: E402
 from float8kit.versions import CPU_HP_DTYPE_ENV, cpu_hp_dtype  # noqa: E402
 
 VAL_SEED = 1234  # the validation windows are the same for every run, whatever --seed says
@@ -490,6 +491,7 @@ RESUME_KEYS = (
     "lr",
     "warmup",
     "weight_decay",
+    "optim",
     "grad_clip",
     "seed",
 )
@@ -776,7 +778,8 @@ def train(args: argparse.Namespace) -> list[dict]:
         print0(f"float8 ({args.float8}): {describe_coverage(coverage)}")
     # Decay matrices only: norms' gains (and nothing else here) are left alone, as in nanoGPT.
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
+    optimizers = {"adamw": torch.optim.AdamW, "adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}
+    optimizer = optimizers[args.optim](
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

@@ -278,6 +278,22 @@ def test_resume_is_bitwise(tmp_path, mode):
         assert torch.equal(sa[k], sb[k]), k
 
 
+def test_low_bit_optimizer_resumes_bitwise_and_is_a_resume_flag(tmp_path, capsys):
+    """--optim adamw4bit: its uint8 codes and fp32 scales go through the DCP checkpoint and
+    the resumed run is the straight one's; resuming with another --optim is refused."""
+    flags = ["--optim", "adamw4bit", "--steps", "8", "--checkpoint-every", "4"]
+    straight = run_train(tmp_path / "a", *flags)
+    ckpt = tmp_path / "a" / "checkpoints" / "step_000004"
+    resumed = run_train(tmp_path / "b", *flags, "--resume", str(ckpt))
+    assert [(r["loss"], r["lr"]) for r in straight[4:]] == [(r["loss"], r["lr"]) for r in resumed]
+    saved = dict(flat(load_dcp(ckpt, tmp_path / "a")))
+    codes = [v for k, v in saved.items() if k.endswith(".exp_avg") and v.dtype == torch.uint8]
+    assert codes, "no block-quantized state in the checkpoint"
+    with pytest.raises(SystemExit):
+        run_train(tmp_path / "c", "--steps", "8", "--resume", str(ckpt))
+    assert "checkpoint has optim='adamw4bit', this run 'adamw'" in capsys.readouterr().err
+
+
 def test_resume_refuses_other_flags(tmp_path, capsys):
     run_train(tmp_path / "a", "--steps", "2", "--checkpoint-every", "2")
     with pytest.raises(SystemExit) as e:

@@ -41,6 +41,7 @@ DOCS = [
     "docs/moe.md",
     "docs/memory.md",
     "docs/monitor.md",
+    "docs/optim.md",
     "docs/performance.md",
     "docs/torchao.md",
     "docs/limitations.md",
@@ -870,6 +871,71 @@ def outliers_table() -> str:
     gemms = list(dict.fromkeys(r["gemm"] for r in d["rows"]))
     rows = [[g, *(f(db[r, g]) for r in recipes)] for g in gemms]
     return caption("outliers") + "\n\n" + table(["gemm output", *recipes], rows)
+
+
+def optim_table() -> str:
+    """float8kit.optim beside fp32 AdamW and torchao.optim (docs/optim.md)."""
+    if missing := not_measured("optim"):
+        return missing
+    d = load("optim")["data"]
+    cols = [
+        f"{lib}_{name}" for name in ("adamw8bit", "adamw4bit") for lib in ("float8kit", "torchao")
+    ]
+
+    def mesh(r: dict) -> str:
+        if r["error"]:
+            return f"fails ({r['error'].split(':')[0]})"
+        return "**bitwise**" if r["bitwise"] else f"no (max diff {sci(r['max_abs_diff'])})"
+
+    rows = [
+        ["state bytes / parameter", f(d["fp32_bytes_per_param"]),
+         *(f(d[c]["bytes_per_param"]) for c in cols)],
+        ["loss gap, mean of 3 seeds", "0", *(gap(1 + d[c]["train_gap_mean"], 1) for c in cols)],
+        ["loss gap, largest", "0", *(f"{100 * d[c]['train_gap_max_abs']:.2f}%" for c in cols)],
+        ["update SQNR after 20 steps (dB)", "inf",
+         *(f(d[c]["update_sqnr_db"], ".1f") for c in cols)],
+        ["step time / fp32 AdamW's", "1",
+         *(f(d[c]["step_ms"] / d[c]["adamw_step_ms"]) + "x" for c in cols)],
+        ["FSDP2, 2 ranks = one device", "-", *(mesh(d[c]["mesh2"]) for c in cols)],
+        ["FSDP2, 3 ranks = one device", "-", *(mesh(d[c]["mesh3"]) for c in cols)],
+    ]  # fmt: skip
+    header = ["", "fp32 AdamW", *(c.replace("_adamw", " AdamW") for c in cols)]
+    return caption("optim") + "\n\n" + table(header, rows)
+
+
+OPTIM_SMALL = {"adamw": "demo", "adamw8bit": "optim_small_adamw8bit",
+               "adamw4bit": "optim_small_adamw4bit"}  # fmt: skip
+
+
+def optim_small_table() -> str:
+    """The small preset's validation loss per --optim (make demo's runs: torch's AdamW), each
+    mode over the same seeds: the gap to AdamW against the seed noise (compare.verdicts)."""
+    import compare  # recipes/compare.py: the verdict's own rule
+
+    for name in OPTIM_SMALL.values():
+        if missing := not_measured(name):
+            return missing
+    data = {opt: load(name)["data"] for opt, name in OPTIM_SMALL.items()}
+    same = {json.dumps([d["train_args"], d["seeds"], d["hp_dtype"]]) for d in data.values()}
+    if len(same) != 1:
+        names = ", ".join(OPTIM_SMALL.values())
+        raise ValueError(f"{names}: the runs differ in more than --optim: re-measure them")
+    rows = []
+    for mode in ("none", "tensorwise"):
+        stats = {opt: d["stats"][mode] for opt, d in data.items()}
+        v = compare.verdicts(stats, len(data["adamw"]["seeds"]), ref="adamw")
+        for opt, st in stats.items():
+            val = st["val_loss"]
+            cells = [mode, opt, f"{val['mean']:.4f} ± {val['sd']:.4f}"]
+            if opt in v:
+                g = v[opt]["val_loss"]
+                cells += [f"{g['gap_pct']:+.2f}% ± {g['noise_pct']:.2f}%", g["verdict"]]
+            else:
+                cells += ["-", "-"]
+            rows.append(cells)
+    captions = "; ".join(f"{opt}: {caption(name)}" for opt, name in OPTIM_SMALL.items())
+    header = ["--float8", "--optim", "val loss", "gap to adamw ± seed noise", "verdict"]
+    return captions + "\n\n" + table(header, rows)
 
 
 # ---------------------------------------------------------------------------- FSDP2
@@ -2001,6 +2067,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "numerics": numerics_table,
     "scaling": scaling_table,
     "outliers": outliers_table,
+    "optim": optim_table,
+    "optim_small": optim_small_table,
     "mx_numerics": mx_numerics_table,
     "nvfp4_numerics": nvfp4_numerics_table,
     "fsdp_nvfp4": fsdp_nvfp4_table,
@@ -2132,6 +2200,12 @@ def _nvfp4_db(fn) -> Callable[[], str]:
 
 
 INLINE: dict[str, Callable[[], str]] = {
+    "optim.float8_all_gather_gap.adamw8bit": lambda: gap(
+        1 + load("optim")["data"]["float8_all_gather_gap"]["adamw8bit"], 1
+    ),
+    "optim.float8_all_gather_gap.adamw4bit": lambda: gap(
+        1 + load("optim")["data"]["float8_all_gather_gap"]["adamw4bit"], 1
+    ),
     "nvfp4.weight_block_cost": _nvfp4_db(lambda r, _: r["torchao_cast_output"] - r["output"]),
     "nvfp4.sr_cost": _nvfp4_db(lambda r, rtn: rtn["grad_weight"] - r["grad_weight"]),
     "nvfp4.averaging_gain": _nvfp4_db(lambda r, _: r["grad_weight_averaged"] - r["grad_weight"]),

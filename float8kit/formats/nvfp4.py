@@ -343,7 +343,7 @@ class NVFP4(WholeBlocks, Format):
 
     def all_gathered(self, outputs, metadata, config):
         (data,), (scale, rows, packed) = outputs, metadata
-        codes = _unpack(data[:rows]) if packed else data[:rows]
+        codes = unpack(data[:rows]) if packed else data[:rows]
         # FSDP2 frees these after the pass and re-allocates them before the next gather
         return codes, scale.clone(), FSDP_WEIGHT, ((data, codes) if packed else (data,))
 
@@ -352,7 +352,7 @@ class NVFP4(WholeBlocks, Format):
         refill_scale(weight, scale)
         if packed:  # the codes alike, in place without a version bump (see refill_scale)
             with torch.autograd._unsafe_preserve_version_counter(weight._data):
-                weight._data.copy_(_unpack(data[:rows]))
+                weight._data.copy_(unpack(data[:rows]))
 
     def precomputes(self, where, world):
         return where.n_slots == 1  # (the hook refuses multi-dim meshes)
@@ -467,9 +467,10 @@ def packs(rows: int, world: int) -> bool:
     return rows % world == 0
 
 
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
+def unpack(packed: torch.Tensor) -> torch.Tensor:
     """Codes two per byte (``pack``) back to one per byte."""
-    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    rows, cols = packed.shape
+    return torch.stack([packed & 15, packed >> 4], dim=-1).reshape(rows, 2 * cols)
 
 
 def _cast_rows(shard: torch.Tensor, start: int, scale: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,244 @@
+"""AdamW with block-quantized states (float8kit.optim.states): ``AdamW8bit``, ``AdamW4bit``.
+
+Drop-in for ``torch.optim.AdamW`` (same arguments and defaults; amsgrad and the foreach,
+fused, capturable and differentiable implementations refused by name). Each step decodes a
+parameter's m and sqrt(v) to fp32, updates them and the parameter in fp32 (AdamW's decoupled
+weight decay, bias corrections), and encodes the new states; the parameter is written back in
+its own dtype.
+
+Which parameters keep fp32 states instead (``exp_avg`` and ``exp_avg_sq``, as torch's AdamW):
+those with fewer than 2 dims (biases, norms: under FSDP2 their dim-0 shards would cut blocks)
+and those with fewer than ``min_quantized_numel`` elements. Both are decided on the global
+shape, so a parameter keeps the same kind of state on any mesh.
+
+Under FSDP2 a parameter is a DTensor and so is each of its states (same mesh and placements,
+rows along dim 0), so ``get_state_dict``/``set_state_dict`` and torch.distributed.checkpoint
+save and reshard them like any optimizer state. A parameter may be sharded along dim 0 only
+(FSDP2's default, HSDP, TP's colwise weights): blocks run along the trailing dims.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import float8kit.optim.states as states
+from float8kit.optim.states import Codec
+
+# the quantized state's keys: m, and the root of v (not v: see states.py)
+_QUANTIZED = ("exp_avg", "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_root_scale")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(param: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local`` (this rank's rows of a state of global ``shape``) as ``param`` holds its own:
+    a DTensor on the parameter's mesh and placements, or itself."""
+    if not isinstance(param, DTensor):
+        return local
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride
+    )
+
+
+class _LowBitAdamW(torch.optim.Optimizer):
+    """AdamW whose m and sqrt(v) are kept in ``codecs`` = (m's, sqrt(v)'s) per block."""
+
+    codecs: tuple[Codec, Codec]
+
+    def __init__(
+        self,
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        block_size: int = 128,
+        min_quantized_numel: int = 4096,
+    ):
+        name = type(self).__name__
+        if amsgrad:
+            raise ValueError(
+                f"{name}: amsgrad=True is not supported (its running max of v would be a "
+                "third state to quantize); use torch.optim.AdamW(amsgrad=True)"
+            )
+        for field, value in [
+            ("foreach", foreach),
+            ("capturable", capturable),
+            ("differentiable", differentiable),
+            ("fused", fused),
+        ]:
+            if value:
+                raise ValueError(
+                    f"{name}: {field}={value!r} is not supported: it has one implementation "
+                    f"(per parameter, states decoded and encoded per block); leave {field} unset"
+                )
+        if not 0.0 <= float(lr):
+            raise ValueError(f"{name}: lr must be >= 0, got {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"{name}: betas[{i}] must be in [0, 1), got {beta}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+        if not (isinstance(block_size, int) and block_size > 0):
+            raise ValueError(f"{name}: block_size must be a positive int, got {block_size!r}")
+        if not (isinstance(min_quantized_numel, int) and min_quantized_numel >= 0):
+            raise ValueError(
+                f"{name}: min_quantized_numel must be an int >= 0, got {min_quantized_numel!r}"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            maximize=maximize,
+            block_size=block_size,
+            min_quantized_numel=min_quantized_numel,
+        )
+        super().__init__(params, defaults)
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                where = f"{name}: parameter {i} of param group {g}"
+                if not p.is_floating_point() or p.is_complex():
+                    raise TypeError(
+                        f"{where} is {p.dtype}: only real floating-point parameters have "
+                        "AdamW states (keep integer buffers out of the optimizer; split a "
+                        "complex parameter into real and imaginary parts)"
+                    )
+                if self._quantized(p, group) and isinstance(p, DTensor):
+                    cut = [pl for pl in p.placements if not isinstance(pl, (Replicate, Shard))]
+                    cut += [pl for pl in p.placements if isinstance(pl, Shard) and pl.dim != 0]
+                    if cut:
+                        raise ValueError(
+                            f"{where} {tuple(p.shape)} is placed {p.placements}: its states' "
+                            "blocks run along the dims after dim 0, so a shard may cut only "
+                            f"dim 0 (FSDP2's default); {cut} would cut blocks between ranks. "
+                            "Shard it along dim 0, or give it fp32 states by raising "
+                            "min_quantized_numel above its size"
+                        )
+
+    @staticmethod
+    def _quantized(p: torch.Tensor, group: dict) -> bool:
+        """Whether ``p`` keeps block-quantized states (on its global shape: any mesh agrees)."""
+        return p.dim() >= 2 and p.numel() >= group["min_quantized_numel"]
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> None:
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0)
+        local = _local(p)
+        if not self._quantized(p, group):
+            for key in ("exp_avg", "exp_avg_sq"):
+                zero = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+                state[key] = _like(p, zero, tuple(p.shape))
+            return
+        rows, cols, block = p.shape[0], math.prod(p.shape[1:]), group["block_size"]
+        for key, codec in zip(_QUANTIZED[::2], self.codecs, strict=True):
+            codes, scale = states.zeros(local.shape[0], cols, codec, block, local.device)
+            state[key] = _like(p, codes, (rows, states.code_cols(codec, cols)))
+            state[f"{key}_scale"] = _like(p, scale, (rows, states.scale_cols(cols, block)))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One AdamW step for every parameter with a gradient; returns ``closure()``'s loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(
+                        f"{type(self).__name__} does not take sparse gradients (an "
+                        "nn.Embedding(sparse=True)?): use dense gradients, or "
+                        "torch.optim.SparseAdam for that parameter"
+                    )
+                if not self.state[p]:
+                    self._init_state(p, group)
+                self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        """One step of ``p``, in fp32 on this rank's rows. Only correctly rounded elementwise
+        operations (no fused multiply-add, no lerp), so an element's result does not depend
+        on the length of the shard it sits in."""
+        state = self.state[p]
+        beta1, beta2 = group["betas"]
+        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+        state["step"] += 1
+        step = state["step"].item()
+        param = _local(p)
+        shape = param.shape
+        quantized = "exp_avg_scale" in state
+        if quantized:
+            rows, cols, block = shape[0], math.prod(shape[1:]), group["block_size"]
+            (m_codec, root_codec), keys = self.codecs, [_local(state[k]) for k in _QUANTIZED]
+            m = states.dequantize(keys[0], keys[1], m_codec, block, cols)
+            v = states.dequantize(keys[2], keys[3], root_codec, block, cols) ** 2
+        else:
+            rows, cols = (shape[0], math.prod(shape[1:])) if param.dim() else (1, 1)
+            m, v = (_local(state[k]).reshape(rows, cols) for k in ("exp_avg", "exp_avg_sq"))
+        grad = _local(p.grad).reshape(rows, cols).to(torch.float32)
+        if group["maximize"]:
+            grad = -grad
+        m = m * beta1 + grad * (1 - beta1)
+        v = v * beta2 + (grad * grad) * (1 - beta2)
+        root = torch.sqrt(v)
+        x = param.reshape(rows, cols).to(torch.float32)
+        if wd:
+            x = x * (1 - lr * wd)
+        denom = root / math.sqrt(1 - beta2**step) + eps
+        x = x - (m / denom) * (lr / (1 - beta1**step))
+        param.copy_(x.reshape(shape))
+        if quantized:
+            for i, (value, codec) in enumerate(zip((m, root), self.codecs, strict=True)):
+                codes, scale = states.quantize(value, codec, block)
+                keys[2 * i].copy_(codes)
+                keys[2 * i + 1].copy_(scale)
+        else:
+            _local(state["exp_avg"]).copy_(m.reshape(shape))
+            _local(state["exp_avg_sq"]).copy_(v.reshape(shape))
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then each state back in the dtype it was saved in: torch casts every
+        floating-point state to its parameter's dtype (the fp32 scales and states of a bf16
+        parameter would lose bits; the codes would become floats)."""
+        super().load_state_dict(state_dict)
+        saved_groups = state_dict["param_groups"]
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for p, key in zip(group["params"], saved["params"], strict=True):
+                for name, value in state_dict["state"].get(key, {}).items():
+                    if name != "step" and isinstance(value, torch.Tensor):
+                        self.state[p][name] = value.to(device=_local(p).device)
+
+
+class AdamW8bit(_LowBitAdamW):
+    """AdamW with m and sqrt(v) in e4m3 per block of ``block_size`` (default 128) elements
+    along each row: per state, 1 byte per element + an fp32 scale per block (fp32 AdamW
+    keeps 4 bytes per element per state). See float8kit.optim.adamw for which parameters
+    keep fp32 states and how FSDP2 shards them."""
+
+    codecs = (states.E4M3_CODEC, states.E4M3_ROOT)
+
+
+class AdamW4bit(_LowBitAdamW):
+    """AdamW with m in e2m1 and sqrt(v) as powers of sqrt(2), per block of ``block_size``
+    (default 128) elements along each row: per state, two codes per byte + an fp32 scale per
+    block."""
+
+    codecs = (states.E2M1_CODEC, states.ROOT4)
