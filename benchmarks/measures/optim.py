@@ -250,28 +250,16 @@ def float8_worker(rank: int, world: int, tmp: str) -> dict:
     ``precompute_scales`` after each step) on ``world`` FSDP2 ranks, per optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from benchmarks.measures.gloo import FP8_AG, _data, _net, _shard
-    from float8kit import precompute_scales
+    from benchmarks.measures.gloo import FP8_AG, _data, _net, _shard, _train_continue
 
-    steps = int(os.environ.get("FLOAT8KIT_OPTIM_STEPS", "30"))
-    xs, ys = _data(steps, 16 * world, 64, 16)
+    xs, ys = _data(30, 16 * world, 64, 16)
     local = slice(16 * rank, 16 * (rank + 1))
     out = {}
     for name in OPTIMIZERS:
         model = _net(FP8_AG)
         _shard(model, init_device_mesh("cpu", (world,)), model.layers)
         opt = OPTIMIZERS[name](model.parameters(), lr=1e-3)
-        losses = []
-        for step in range(steps):
-            loss = F.mse_loss(model(xs[step, local]), ys[step, local])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            precompute_scales(model)
-            loss = loss.detach()
-            dist.all_reduce(loss)
-            losses.append(loss.item() / world)
-        out[name] = losses
+        out[name], _ = _train_continue(model, opt, xs[:, local], ys[:, local])
     return out
 
 
