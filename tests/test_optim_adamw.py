@@ -167,6 +167,39 @@ def test_non_real_parameters_are_refused(param, match):
         AdamW8bit([param])
 
 
+def test_a_group_added_later_is_checked_too():
+    opt = AdamW8bit([nn.Parameter(torch.zeros(4, 4))])
+    with pytest.raises(ValueError, match="AdamW8bit: param group 1: lr must be >= 0"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))], "lr": -1.0})
+    bad = nn.Parameter(torch.zeros(4, dtype=torch.int32), requires_grad=False)
+    with pytest.raises(TypeError, match="parameter 0 of param group 2 is torch.int32"):
+        opt.add_param_group({"params": [bad]})
+
+
+@pytest.mark.parametrize("cls", LOW_BIT)
+def test_a_large_parameter_is_updated_in_row_chunks_bitwise(cls, monkeypatch):
+    """The quantized step decodes CHUNK_ELEMENTS at a time (whole rows): any chunk size gives
+    the same bits, so the fp32 temporaries stay small for a large embedding."""
+    from float8kit.optim import adamw
+
+    def run():
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(37, 300))
+        opt = cls([w], lr=1e-2)
+        for step in range(3):
+            w.grad = torch.randn(37, 300, generator=torch.Generator().manual_seed(step))
+            opt.step()
+        return w.detach(), opt.state[w]
+
+    whole = run()
+    for chunk in (1500, 36 * 300 + 1, 7):  # 5 rows, 36 rows and a remainder, one row
+        monkeypatch.setattr(adamw, "CHUNK_ELEMENTS", chunk)
+        chunked = run()
+        assert torch.equal(chunked[0], whole[0])
+        for k, v in whole[1].items():
+            assert torch.equal(chunked[1][k], v), k
+
+
 def test_sparse_gradient_is_refused():
     emb = nn.Embedding(4096, 8, sparse=True)
     opt = AdamW8bit(emb.parameters())

@@ -46,6 +46,31 @@ def _like(param: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> t
     )
 
 
+# Rows a quantized parameter's step decodes at a time: its fp32 temporaries (m, v, the root,
+# the update, the gradient) stay near this many elements each, about 64 MB.
+CHUNK_ELEMENTS = 2**24
+
+
+def _adamw(param, grad, m, v, group: dict, step: float) -> tuple[torch.Tensor, ...]:
+    """AdamW's step in fp32: the new (parameter, m, v, sqrt(v)) from ``param``, ``grad`` and
+    the decoded ``m``, ``v`` (same shapes). Only correctly rounded elementwise operations (no
+    fused multiply-add, no lerp), so an element's result does not depend on the length of
+    the shard it sits in."""
+    beta1, beta2 = group["betas"]
+    lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
+    grad = grad.to(torch.float32)
+    if group["maximize"]:
+        grad = -grad
+    m = m * beta1 + grad * (1 - beta1)
+    v = v * beta2 + (grad * grad) * (1 - beta2)
+    root = torch.sqrt(v)
+    x = param.to(torch.float32)
+    if wd:
+        x = x * (1 - lr * wd)
+    denom = root / math.sqrt(1 - beta2**step) + eps
+    return x - (m / denom) * (lr / (1 - beta1**step)), m, v, root
+
+
 class _LowBitAdamW(torch.optim.Optimizer):
     """AdamW whose m and sqrt(v) are kept in ``codecs`` = (m's, sqrt(v)'s) per block."""
 
@@ -85,21 +110,6 @@ class _LowBitAdamW(torch.optim.Optimizer):
                     f"{name}: {field}={value!r} is not supported: it has one implementation "
                     f"(per parameter, states decoded and encoded per block); leave {field} unset"
                 )
-        if not 0.0 <= float(lr):
-            raise ValueError(f"{name}: lr must be >= 0, got {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"{name}: eps must be >= 0, got {eps}")
-        for i, beta in enumerate(betas):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"{name}: betas[{i}] must be in [0, 1), got {beta}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
-        if not (isinstance(block_size, int) and block_size > 0):
-            raise ValueError(f"{name}: block_size must be a positive int, got {block_size!r}")
-        if not (isinstance(min_quantized_numel, int) and min_quantized_numel >= 0):
-            raise ValueError(
-                f"{name}: min_quantized_numel must be an int >= 0, got {min_quantized_numel!r}"
-            )
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -110,26 +120,47 @@ class _LowBitAdamW(torch.optim.Optimizer):
             min_quantized_numel=min_quantized_numel,
         )
         super().__init__(params, defaults)
-        for g, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                where = f"{name}: parameter {i} of param group {g}"
-                if not p.is_floating_point() or p.is_complex():
-                    raise TypeError(
-                        f"{where} is {p.dtype}: only real floating-point parameters have "
-                        "AdamW states (keep integer buffers out of the optimizer; split a "
-                        "complex parameter into real and imaginary parts)"
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, then the group checked: its settings (a group may override any of them)
+        and its parameters (real floating point; a quantized one sharded along dim 0 only)."""
+        super().add_param_group(param_group)
+        group, g, name = self.param_groups[-1], len(self.param_groups) - 1, type(self).__name__
+        where = f"{name}: param group {g}:" if g else f"{name}:"
+        lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+        block, smallest = group["block_size"], group["min_quantized_numel"]
+        if not 0.0 <= float(lr):
+            raise ValueError(f"{where} lr must be >= 0, got {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"{where} eps must be >= 0, got {eps}")
+        for i, beta in enumerate(group["betas"]):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"{where} betas[{i}] must be in [0, 1), got {beta}")
+        if not 0.0 <= wd:
+            raise ValueError(f"{where} weight_decay must be >= 0, got {wd}")
+        if not (isinstance(block, int) and block > 0):
+            raise ValueError(f"{where} block_size must be a positive int, got {block!r}")
+        if not (isinstance(smallest, int) and smallest >= 0):
+            raise ValueError(f"{where} min_quantized_numel must be an int >= 0, got {smallest!r}")
+        for i, p in enumerate(group["params"]):
+            at = f"{name}: parameter {i} of param group {g}"
+            if not p.is_floating_point() or p.is_complex():
+                raise TypeError(
+                    f"{at} is {p.dtype}: only real floating-point parameters have AdamW "
+                    "states (keep integer buffers out of the optimizer; split a complex "
+                    "parameter into real and imaginary parts)"
+                )
+            if self._quantized(p, group) and isinstance(p, DTensor):
+                cut = [pl for pl in p.placements if not isinstance(pl, (Replicate, Shard))]
+                cut += [pl for pl in p.placements if isinstance(pl, Shard) and pl.dim != 0]
+                if cut:
+                    raise ValueError(
+                        f"{at} {tuple(p.shape)} is placed {p.placements}: its states' blocks "
+                        "run along the dims after dim 0, so a shard may cut only dim 0 "
+                        f"(FSDP2's default); {cut} would cut blocks between ranks. Shard it "
+                        "along dim 0, or give it fp32 states by raising min_quantized_numel "
+                        "above its size"
                     )
-                if self._quantized(p, group) and isinstance(p, DTensor):
-                    cut = [pl for pl in p.placements if not isinstance(pl, (Replicate, Shard))]
-                    cut += [pl for pl in p.placements if isinstance(pl, Shard) and pl.dim != 0]
-                    if cut:
-                        raise ValueError(
-                            f"{where} {tuple(p.shape)} is placed {p.placements}: its states' "
-                            "blocks run along the dims after dim 0, so a shard may cut only "
-                            f"dim 0 (FSDP2's default); {cut} would cut blocks between ranks. "
-                            "Shard it along dim 0, or give it fp32 states by raising "
-                            "min_quantized_numel above its size"
-                        )
 
     @staticmethod
     def _quantized(p: torch.Tensor, group: dict) -> bool:
@@ -174,45 +205,36 @@ class _LowBitAdamW(torch.optim.Optimizer):
         return loss
 
     def _update(self, p: torch.Tensor, group: dict) -> None:
-        """One step of ``p``, in fp32 on this rank's rows. Only correctly rounded elementwise
-        operations (no fused multiply-add, no lerp), so an element's result does not depend
-        on the length of the shard it sits in."""
+        """One step of ``p`` on this rank's rows; quantized states ``CHUNK_ELEMENTS`` at a
+        time (whole rows: a row's blocks never split), so the fp32 temporaries stay small
+        whatever the parameter's size."""
         state = self.state[p]
-        beta1, beta2 = group["betas"]
-        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
         state["step"] += 1
         step = state["step"].item()
-        param = _local(p)
-        shape = param.shape
-        quantized = "exp_avg_scale" in state
-        if quantized:
-            rows, cols, block = shape[0], math.prod(shape[1:]), group["block_size"]
-            (m_codec, root_codec), keys = self.codecs, [_local(state[k]) for k in _QUANTIZED]
-            m = states.dequantize(keys[0], keys[1], m_codec, block, cols)
-            v = states.dequantize(keys[2], keys[3], root_codec, block, cols) ** 2
-        else:
-            rows, cols = (shape[0], math.prod(shape[1:])) if param.dim() else (1, 1)
-            m, v = (_local(state[k]).reshape(rows, cols) for k in ("exp_avg", "exp_avg_sq"))
-        grad = _local(p.grad).reshape(rows, cols).to(torch.float32)
-        if group["maximize"]:
-            grad = -grad
-        m = m * beta1 + grad * (1 - beta1)
-        v = v * beta2 + (grad * grad) * (1 - beta2)
-        root = torch.sqrt(v)
-        x = param.reshape(rows, cols).to(torch.float32)
-        if wd:
-            x = x * (1 - lr * wd)
-        denom = root / math.sqrt(1 - beta2**step) + eps
-        x = x - (m / denom) * (lr / (1 - beta1**step))
-        param.copy_(x.reshape(shape))
-        if quantized:
+        param, grad = _local(p), _local(p.grad)
+        if "exp_avg_scale" not in state:  # fp32 states, in the parameter's shape
+            m, v = (_local(state[k]) for k in ("exp_avg", "exp_avg_sq"))
+            x, m_new, v_new, _ = _adamw(param, grad, m, v, group, step)
+            param.copy_(x)
+            m.copy_(m_new)
+            v.copy_(v_new)
+            return
+        rows, cols, block = param.shape[0], math.prod(param.shape[1:]), group["block_size"]
+        (m_codec, root_codec), keys = self.codecs, [_local(state[k]) for k in _QUANTIZED]
+        param_rows, grad_rows = param.reshape(rows, cols), grad.reshape(rows, cols)
+        out = torch.empty((rows, cols), dtype=param.dtype, device=param.device)
+        chunk = max(1, CHUNK_ELEMENTS // max(cols, 1))
+        for r in range(0, rows, chunk):
+            at = slice(r, r + chunk)
+            m = states.dequantize(keys[0][at], keys[1][at], m_codec, block, cols)
+            v = states.dequantize(keys[2][at], keys[3][at], root_codec, block, cols) ** 2
+            x, m, _, root = _adamw(param_rows[at], grad_rows[at], m, v, group, step)
+            out[at] = x
             for i, (value, codec) in enumerate(zip((m, root), self.codecs, strict=True)):
                 codes, scale = states.quantize(value, codec, block)
-                keys[2 * i].copy_(codes)
-                keys[2 * i + 1].copy_(scale)
-        else:
-            _local(state["exp_avg"]).copy_(m.reshape(shape))
-            _local(state["exp_avg_sq"]).copy_(v.reshape(shape))
+                keys[2 * i][at] = codes
+                keys[2 * i + 1][at] = scale
+        param.copy_(out.reshape(param.shape))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, then each state back in the dtype it was saved in: torch casts every
