@@ -8,7 +8,7 @@ The autograd engine needs a real device, so the autograd Functions' ``forward`` 
 gemms at awkward shapes (M = 0, 1, 37, 998; K, N at and off multiples of 16 and 128; fp32
 and bf16 weights; autocast-style bf16 input with an fp32 weight), ``pad_inner_dim``, the
 MoE grouped gemms with token counts and groups off multiples of 16 and an empty expert,
-and the FSDP2 float8 all-gather hooks on fake shards. ``CALL_SITES`` lists the CUDA call
+the FSDP2 float8 all-gather hooks on fake shards, and the low-bit optimizers' step. ``CALL_SITES`` lists the CUDA call
 sites; the last test asserts that each was reached. The mxfp8 recipe's gemms are checked
 against torch's rules for MX scales (e8m0, cuBLAS's blocked layout) and, on real CPU bytes,
 against the cuBLAS docs' layout formula.
@@ -530,3 +530,31 @@ def test_one_pass_cast_kernel_in_tritons_interpreter():
         timeout=600,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_bit_optimizers_step_on_fake_cuda(monkeypatch, dtype):
+    """AdamW8bit / AdamW4bit's step on CUDA parameters: quantized states (a partial block,
+    row chunks of 5 rows and a remainder) and fp32 ones (the bias); every state on the
+    parameter's device in its own dtype, the step count on the host."""
+    from float8kit.optim import AdamW4bit, AdamW8bit, adamw
+
+    monkeypatch.setattr(adamw, "CHUNK_ELEMENTS", 5 * 300)
+    for cls, code_cols in ((AdamW8bit, 300), (AdamW4bit, 150)):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            w = torch.nn.Parameter(torch.randn(37, 300, device="cuda", dtype=dtype))
+            b = torch.nn.Parameter(torch.randn(37, device="cuda", dtype=dtype))
+            opt = cls([w, b], min_quantized_numel=0)
+            for _ in range(2):
+                w.grad, b.grad = torch.randn_like(w), torch.randn_like(b)
+                opt.step()
+        layout = {k: (tuple(v.shape), v.dtype, v.device.type) for k, v in opt.state[w].items()}
+        assert layout == {
+            "step": ((), torch.float32, "cpu"),
+            "exp_avg": ((37, code_cols), torch.uint8, "cuda"),
+            "exp_avg_scale": ((37, 3), torch.float32, "cuda"),
+            "exp_avg_sq_root": ((37, code_cols), torch.uint8, "cuda"),
+            "exp_avg_sq_root_scale": ((37, 3), torch.float32, "cuda"),
+        }, cls
+        assert opt.state[b]["exp_avg_sq"].dtype == torch.float32
+        assert w.dtype == dtype and w.device.type == "cuda"
