@@ -261,3 +261,21 @@ def test_cuda_one_pass_cast_kernel_is_bitwise_the_reference(fp8, guard, hp_dtype
     finite = x.float().nan_to_num(0.0, 0.0, 0.0)
     _, _, amax = torch.ops.float8kit.cast_tensorwise(finite, scale, fp8, guard, False, False, True)
     assert amax.item() == finite.abs().max().item()
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_low_bit_optimizer_on_cuda_is_the_cpu_step_bitwise(name):
+    """Correctly rounded elementwise operations on both devices: 3 steps on the mesh test's
+    parameters (partial blocks, fp32-state biases) give the CPU's bits on CUDA."""
+    from benchmarks.measures import optim as measure
+
+    cpu = measure.one_device(name)
+    model = measure._Params(0).cuda()
+    opt = measure._opt(name, model)
+    for step in range(measure.MESH_STEPS):
+        grads = measure.global_grads(step)
+        for n, p in model.named_parameters():
+            p.grad = grads[n].cuda()
+        opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach().cpu(), cpu[n]), n
