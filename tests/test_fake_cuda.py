@@ -8,10 +8,10 @@ The autograd engine needs a real device, so the autograd Functions' ``forward`` 
 gemms at awkward shapes (M = 0, 1, 37, 998; K, N at and off multiples of 16 and 128; fp32
 and bf16 weights; autocast-style bf16 input with an fp32 weight), ``pad_inner_dim``, the
 MoE grouped gemms with token counts and groups off multiples of 16 and an empty expert,
-the FSDP2 float8 all-gather hooks on fake shards, and the low-bit optimizers' step. ``CALL_SITES`` lists the CUDA call
-sites; the last test asserts that each was reached. The mxfp8 recipe's gemms are checked
-against torch's rules for MX scales (e8m0, cuBLAS's blocked layout) and, on real CPU bytes,
-against the cuBLAS docs' layout formula.
+the FSDP2 float8 all-gather hooks on fake shards, and the low-bit optimizers' step.
+``CALL_SITES`` lists the CUDA call sites; the last test asserts that each was reached. The
+mxfp8 recipe's gemms are checked against torch's rules for MX scales (e8m0, cuBLAS's blocked
+layout) and, on real CPU bytes, against the cuBLAS docs' layout formula.
 
 Not traceable here: ``precompute_scales``' pinned-memory copy and CUDA event (a real device
 only; ``pytest -m gpu``), and device-side rules that no meta function checks (grouped-gemm
