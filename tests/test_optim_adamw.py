@@ -127,6 +127,24 @@ def test_nonfinite_gradient_stays_visible(cls, bad):
     assert not torch.isfinite(model.weight[3]).all()
 
 
+@pytest.mark.parametrize("cls", LOW_BIT)
+def test_a_compiled_step_is_the_eager_step(cls):
+    """torch.compile(opt.step) runs the step eagerly (it is compiler-disabled), the same bits:
+    traced by dynamo, torch 2.13 fed one parameter's gradient to another's update."""
+    results = []
+    for compiled in (False, True):
+        model = measure.mlp_1m()
+        opt = cls(model.parameters(), lr=1e-3)
+        step = torch.compile(opt.step) if compiled else opt.step
+        for s in range(2):
+            for p, g in zip(model.parameters(), measure._mlp_grads(model, s), strict=True):
+                p.grad = g
+            step()
+        results.append([p.detach() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_maximize_ascends():
     w = nn.Parameter(torch.zeros(64, 64))
     opt = AdamW8bit([w], lr=0.1, weight_decay=0.0, maximize=True)

@@ -182,6 +182,10 @@ class _LowBitAdamW(torch.optim.Optimizer):
             state[key] = _like(p, codes, (rows, states.code_cols(codec, cols)))
             state[f"{key}_scale"] = _like(p, scale, (rows, states.scale_cols(cols, block)))
 
+    # Eager even inside torch.compile (a compiled training step breaks its graph here): dynamo
+    # traces the per-parameter loop wrongly (torch 2.13 mixes parameters across its resume
+    # frames; tests/test_optim_adamw.py), and the step is elementwise work per parameter.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step for every parameter with a gradient; returns ``closure()``'s loss."""
