@@ -19,8 +19,9 @@ DIM, HIDDEN, OUT = 64, 128, 16
 
 
 class Regressor(L.LightningModule):
-    def __init__(self, shard: bool = False):
+    def __init__(self, shard: bool = False, optimizer=torch.optim.AdamW):
         super().__init__()
+        self.optimizer = optimizer
         torch.manual_seed(0)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM))
@@ -51,7 +52,7 @@ class Regressor(L.LightningModule):
         return loss
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return self.optimizer(self.parameters(), lr=1e-3)
 
 
 def data(n: int = 512) -> torch.utils.data.TensorDataset:

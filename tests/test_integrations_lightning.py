@@ -45,6 +45,22 @@ def test_float8_trains_like_bf16_one_process():
     assert gap < 0.02, gap
 
 
+def test_a_low_bit_optimizer_from_configure_optimizers():
+    """AdamW8bit returned by configure_optimizers (after the callback converted): 30 float8
+    steps, the last 10 losses within 2% of torch's AdamW; precompute follows its steps."""
+    from float8kit.optim import AdamW8bit
+
+    runs = {}
+    for name, optimizer in (("adamw", None), ("adamw8bit", AdamW8bit)):
+        model = lm.Regressor(**({"optimizer": optimizer} if optimizer else {}))
+        cb = Float8LightningCallback(module_filter_fn=lm.filter_head)
+        trainer = lm.fit(model, 30, [cb], devices=1)
+        runs[name] = model.losses
+    ref, got = _mean(runs["adamw"][-10:]), _mean(runs["adamw8bit"][-10:])
+    assert abs(got - ref) / ref < 0.02, (ref, got)
+    assert isinstance(trainer.optimizers[0], AdamW8bit) and cb.precompute_calls == 30
+
+
 @pytest.mark.slow
 def test_model_parallel_strategy_two_ranks_float8_all_gather(tmp_path):
     r = subprocess.run(
