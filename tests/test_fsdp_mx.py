@@ -52,26 +52,23 @@ def test_each_pass_gathers_the_copy_its_gemm_needs_bitwise_the_one_device_cast(m
         assert r["backward_bitwise"] == [True] * len(LAYERS)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
-def test_copies_bitwise_for_bf16_fp16_weights_near_their_max_and_floor_rounding(mx_ranks):
-    # 17 rows near the dtype's max across a cut block (3 ranks): the byte the cut block's
-    # padding row carries must be a value the dtype holds (fp8_max * 2 ** (byte - 127) is
-    # beyond bf16's and fp16's max there)
-    _, results = mx_ranks
-    for r in results:
-        for name in ("bfloat16", "float16", "floor_bfloat16"):
-            assert r[f"{name}_bitwise"] == [True] * (2 * len(LAYERS)), name
+# Half-precision weights at the edges of their range, across a cut block (3 ranks): the value
+# a cut block's padding row carries must keep its byte in the weight's dtype. Near the max
+# (17 rows): fp8_max * 2 ** (byte - 127) is beyond bf16's and fp16's max there. Subnormal
+# fp16 (near 1e-7): rounded to nearest, it went up a byte.
+EDGES = {
+    "near_max": ("bfloat16", "float16", "floor_bfloat16"),
+    "subnormal": ("float16_tiny", "floor_float16_tiny"),
+}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mx_ranks", [2, 3], indirect=True)
-def test_copies_bitwise_for_fp16_weights_in_the_subnormal_range(mx_ranks):
-    # weights near 1e-7 in fp16 (subnormal): the value a cut block's padding row carries must
-    # keep its byte in fp16 (rounded to nearest, fp8_max * 2 ** (byte - 127) went up a byte)
+@pytest.mark.parametrize("edge", EDGES)
+def test_copies_bitwise_for_half_precision_weights_at_the_edges_of_their_range(mx_ranks, edge):
     _, results = mx_ranks
     for r in results:
-        for name in ("float16_tiny", "floor_float16_tiny"):
+        for name in EDGES[edge]:
             assert r[f"{name}_bitwise"] == [True] * (2 * len(LAYERS)), name
 
 
