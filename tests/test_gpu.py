@@ -279,3 +279,40 @@ def test_low_bit_optimizer_on_cuda_is_the_cpu_step_bitwise(name):
         opt.step()
     for n, p in model.named_parameters():
         assert torch.equal(p.detach().cpu(), cpu[n]), n
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_low_bit_optimizer_step_copies_nothing_from_the_host(name):
+    """After the first step (the lookup tables reach the GPU once), a step reads nothing
+    from the host: a copy from pageable host memory would wait for the GPU's queued work."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from benchmarks.measures import optim as measure
+
+    class HostCopies(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.copies = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            out = func(*args, **kwargs)
+            if any(t.device.type == "cpu" and t.numel() > 1 for t in tensors) and any(
+                isinstance(o, torch.Tensor) and o.is_cuda for o in [out] if o is not None
+            ):
+                self.copies.append(str(func))
+            return out
+
+    model = measure._Params(0).cuda()
+    opt = measure._opt(name, model)
+    for step in range(2):
+        grads = measure.global_grads(step)
+        for n, p in model.named_parameters():
+            p.grad = grads[n].cuda()
+        if step == 1:
+            with HostCopies() as mode:
+                opt.step()
+        else:
+            opt.step()
+    assert mode.copies == []

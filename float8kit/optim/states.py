@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from float8kit import scaling
 from float8kit.config import E4M3
@@ -46,6 +47,24 @@ _ROOT4_VALUES = torch.tensor([2.0 ** (-k / 2) for k in range(16)], dtype=torch.f
 _ROOT4_MIDPOINTS = torch.tensor([2.0 ** (-(k + 0.5) / 2) for k in range(15)][::-1])
 
 
+# lookup tables copied to a device once: a copy from pageable host memory in every step would
+# wait for the GPU to finish its queued work (torch synchronizes such a copy)
+_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` (a module constant) on ``device``, copied there once per process."""
+    if device.type == "cpu":
+        return table
+    key = (id(table), device)
+    if key not in _ON_DEVICE:
+        copy = table.to(device)
+        if isinstance(copy, FakeTensor):  # traced (fake CUDA): nothing real to keep
+            return copy
+        _ON_DEVICE[key] = copy
+    return _ON_DEVICE[key]
+
+
 def _e4m3(q: torch.Tensor) -> torch.Tensor:
     return q.to(E4M3).view(torch.uint8)
 
@@ -56,7 +75,7 @@ def _e4m3_root(q: torch.Tensor) -> torch.Tensor:
 
 
 def _root4(q: torch.Tensor) -> torch.Tensor:
-    below = torch.bucketize(q, _ROOT4_MIDPOINTS.to(q.device), right=True)
+    below = torch.bucketize(q, _on(_ROOT4_MIDPOINTS, q.device), right=True)
     return (15 - below).to(torch.uint8)
 
 
@@ -107,7 +126,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, codec: Codec, block: in
     """The fp32 (rows, ``cols``) values of ``quantize``'s codes and scales."""
     if codec.bits == 4:
         codes = nvfp4.unpack(codes)[:, :cols]
-    values = codec.values.to(codes.device)[codes.long()]
+    values = _on(codec.values, codes.device)[codes.long()]
     return values * scaling.expand_block_scale(scale, (1, block), values.shape)
 
 
