@@ -9,6 +9,8 @@ the device, from ``offs``, without a host sync (``token_group_padding``).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,13 @@ def hp_grad_weight(x: torch.Tensor, grad_output: torch.Tensor, offs: torch.Tenso
     a, b = grad_output.t(), x
     if a.dtype == b.dtype == torch.bfloat16:
         return torch._grouped_mm(a, b, offs=offs).transpose(-2, -1)
+    if a.is_cuda:
+        warnings.warn(
+            f"float8kit: the experts' hp weight gradient in {x.dtype} on CUDA runs one matmul "
+            "per expert after a host sync (torch's grouped kernel takes bf16 only): train "
+            "under torch.autocast(dtype=torch.bfloat16), or with bf16 expert weights",
+            stacklevel=2,
+        )
     out = _grouped_mm_fp32(a.float(), b.float(), offs).transpose(-2, -1)
     return out.to(torch.promote_types(x.dtype, grad_output.dtype))
 

@@ -558,3 +558,18 @@ def test_low_bit_optimizers_step_on_fake_cuda(monkeypatch, dtype):
         }, cls
         assert opt.state[b]["exp_avg_sq"].dtype == torch.float32
         assert w.dtype == dtype and w.device.type == "cuda"
+
+
+def test_experts_hp_weight_gradient_outside_bf16_warns_on_cuda():
+    """The hp weight gradient of MoE experts (wgrad_with_hp): bf16 is torch's grouped
+    kernel; fp32 on CUDA takes one matmul per expert after a host sync, which it says."""
+    from float8kit.grouped_gemm import hp_grad_weight
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        offs = torch.tensor([16, 48, 64], device="cuda", dtype=torch.int32)
+        x, go = torch.randn(64, 32, device="cuda"), torch.randn(64, 48, device="cuda")
+        with pytest.warns(UserWarning, match=r"float32 on CUDA .* torch.autocast"):
+            out = hp_grad_weight(x, go, offs)
+        assert out.shape == (3, 32, 48) and out.dtype == torch.float32
+        bf16 = hp_grad_weight(x.bfloat16(), go.bfloat16(), offs)  # the kernel: no warning
+        assert bf16.shape == (3, 32, 48) and bf16.dtype == torch.bfloat16
