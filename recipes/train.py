@@ -779,6 +779,12 @@ def train(args: argparse.Namespace) -> list[dict]:
     # Decay matrices only: norms' gains (and nothing else here) are left alone, as in nanoGPT.
     params = [p for p in model.parameters() if p.requires_grad]
     optimizers = {"adamw": torch.optim.AdamW, "adamw8bit": AdamW8bit, "adamw4bit": AdamW4bit}
+    low_bit = {}
+    if args.optim != "adamw" and args.tp > 1:
+        # tensor parallel rowwise weights whose shards are not whole state blocks: fp32 states
+        low_bit = {"cut_blocks": "fp32"}
+        print0(f"--optim {args.optim} with --tp: rowwise-parallel weights whose shards cut its "
+               "128-element blocks keep fp32 states")  # fmt: skip
     optimizer = optimizers[args.optim](
         [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
@@ -787,6 +793,7 @@ def train(args: argparse.Namespace) -> list[dict]:
         lr=args.lr,
         betas=(0.9, 0.95),
         eps=1e-8,
+        **low_bit,
     )
     gen = torch.Generator().manual_seed(args.seed)  # the whole data state of a run
     # Not world_size: batches are drawn globally, so a run may resume on more or fewer ranks.

@@ -289,7 +289,7 @@ def test_format_branch_sites_only_go_down():
 def test_library_lines_only_go_down():
     """0.5's bar is a library of <= 10,800 lines (11,560 at 0.4), docstrings kept. This
     ceiling is the count today; lower it as the formats take over what the library repeats.
-    Raised six times: 11,936 -> 12,052, config names a format (three validated settings
+    Raised seven times: 11,936 -> 12,052, config names a format (three validated settings
     values replacing four CastConfig fields, their config checks, and the load of a 0.4
     pickle); 12,052 -> 12,081, the eager call path (the reshape inside the autograd
     Function, shared casts in a plain dict, eager casts that allocate no placeholders: about
@@ -302,9 +302,11 @@ def test_library_lines_only_go_down():
     gemm); 12,432 -> 12,854, low-bit optimizer states (float8kit.optim: AdamW8bit and
     AdamW4bit with their block codecs and a row-chunked step, a new package that asks no
     format anything); 12,854 -> 12,863, the experts' hp weight gradient outside bf16 on CUDA
-    says what it costs."""
+    says what it costs; 12,863 -> 12,909, the low-bit optimizers under tensor parallelism
+    (rowwise shards of whole blocks, cut_blocks, gradients redistributed to the weight's
+    placement)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_863, f"float8kit has {lines} lines"
+    assert lines <= 12_909, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

@@ -268,11 +268,69 @@ def test_float8_all_gather_training_within_5_percent_of_fp32_adamw(tmp_path):
 
 
 def test_a_shard_that_cuts_blocks_is_refused(one_rank_group):
-    """A placement other than dim 0 would cut a row's blocks between ranks (a one-rank mesh:
-    the check is on the placements, not on their sizes)."""
+    """Shards of a dim after dim 0 of a 3-D parameter would cut its rows' blocks (a one-rank
+    mesh: the check is on the placements)."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    w = nn.Parameter(distribute_tensor(torch.zeros(64, 128), one_rank_group, [Shard(1)]))
-    with pytest.raises(ValueError, match=r"Shard\(dim=1\).*would cut blocks"):
+    w = nn.Parameter(distribute_tensor(torch.zeros(4, 64, 128), one_rank_group, [Shard(1)]))
+    with pytest.raises(ValueError, match=r"Shard\(dim=1\) would cut a row's blocks"):
         AdamW8bit([w])
+    assert "exp_avg_sq" in _one_step(AdamW8bit([w], cut_blocks="fp32"), w)  # fp32 states
     AdamW8bit([w], min_quantized_numel=10**9)  # fp32 states: any placement
+    with pytest.raises(ValueError, match="cut_blocks must be 'error' or 'fp32'"):
+        AdamW8bit([w], cut_blocks="skip")
+
+
+def _one_step(opt, w):
+    w.grad = torch.ones_like(w)
+    opt.step()
+    return opt.state[w]
+
+
+def _tp_worker(rank: int, world: int, tmp: str) -> dict:
+    """Tensor parallel rowwise weights (Shard(1)) on ``world`` ranks: 512 columns (whole
+    blocks of 128 per rank) after 3 steps, and what a 384-column one (192 per rank) gives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for cls in LOW_BIT:
+        torch.manual_seed(0)
+        full = torch.randn(64, 512)
+        w = nn.Parameter(distribute_tensor(full, mesh, [Shard(1)]))
+        opt = cls([w], lr=1e-2)
+        for step in range(3):
+            g = torch.randn(64, 512, generator=torch.Generator().manual_seed(step))
+            # step 1: a replicated gradient (tensor parallel gives some), redistributed
+            w.grad = distribute_tensor(g, mesh, [Replicate() if step == 1 else Shard(1)])
+            opt.step()
+        out[cls.__name__] = {
+            "param": w.full_tensor(),
+            "states": {k: v.full_tensor() for k, v in opt.state[w].items() if k != "step"},
+        }
+        cut = nn.Parameter(distribute_tensor(torch.randn(64, 384), mesh, [Shard(1)]))
+        try:
+            cls([cut])
+            out[cls.__name__]["cut"] = None
+        except ValueError as e:
+            out[cls.__name__]["cut"] = str(e)
+        kept = cls([cut], cut_blocks="fp32")
+        out[cls.__name__]["cut_fp32_states"] = sorted(_one_step(kept, cut))
+    return out
+
+
+@pytest.mark.parametrize("cls", LOW_BIT)
+def test_tensor_parallel_rowwise_weights_with_whole_blocks_are_bitwise_one_device(tmp_path, cls):
+    got = spawn("tests.test_optim_adamw:_tp_worker", 2, tmp_path)[0][cls.__name__]
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64, 512))
+    opt = cls([w], lr=1e-2)
+    for step in range(3):
+        w.grad = torch.randn(64, 512, generator=torch.Generator().manual_seed(step))
+        opt.step()
+    assert torch.equal(got["param"], w.detach())
+    for k, v in got["states"].items():
+        assert torch.equal(v, opt.state[w][k]), k
+    assert "384 columns over 2 ranks are not whole blocks of 128" in got["cut"]
+    assert got["cut_fp32_states"] == ["exp_avg", "exp_avg_sq", "step"]

@@ -13,8 +13,10 @@ shape, so a parameter keeps the same kind of state on any mesh.
 
 Under FSDP2 a parameter is a DTensor and so is each of its states (same mesh and placements,
 rows along dim 0), so ``get_state_dict``/``set_state_dict`` and torch.distributed.checkpoint
-save and reshard them like any optimizer state. A parameter may be sharded along dim 0 only
-(FSDP2's default, HSDP, TP's colwise weights): blocks run along the trailing dims.
+save and reshard them like any optimizer state. Blocks run along the trailing dims, so shards
+of dim 0 (FSDP2's, HSDP's, tensor parallel colwise weights) never cut one; a 2-D weight's
+dim-1 shards (tensor parallel rowwise) must hold whole blocks, or ``cut_blocks='fp32'`` keeps
+fp32 states for it (refused by default: its numbers would depend on the mesh).
 """
 
 from __future__ import annotations
@@ -44,6 +46,30 @@ def _like(param: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> t
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride
     )
+
+
+def _cut_blocks(p: torch.Tensor, block: int, bits: int) -> str | None:
+    """Why ``p``'s placements would cut a state block between ranks, or None. Shards of dim 0
+    never do (blocks run along a row). A 2-D parameter's dim-1 shards (tensor parallel
+    rowwise weights) do not when every shard holds whole blocks (two-code bytes too)."""
+    if not isinstance(p, DTensor):
+        return None
+    shards = 1
+    for placement, size in zip(p.placements, p.device_mesh.shape, strict=True):
+        if isinstance(placement, Replicate) or (
+            isinstance(placement, Shard) and placement.dim == 0
+        ):
+            continue
+        if type(placement) is Shard and placement.dim == 1 and p.dim() == 2:
+            shards *= size
+            continue
+        return f"{placement!r} would cut a row's blocks between ranks"
+    cols = p.shape[-1]
+    if shards > 1 and (cols % shards or (cols // shards) % block or (cols // shards) % (8 // bits)):
+        return (
+            f"its {cols} columns over {shards} ranks are not whole blocks of {block} on every rank"
+        )
+    return None
 
 
 # Rows a quantized parameter's step decodes at a time: its fp32 temporaries (m, v, the root,
@@ -92,6 +118,7 @@ class _LowBitAdamW(torch.optim.Optimizer):
         fused: bool | None = None,
         block_size: int = 128,
         min_quantized_numel: int = 4096,
+        cut_blocks: str = "error",
     ):
         name = type(self).__name__
         if amsgrad:
@@ -118,12 +145,14 @@ class _LowBitAdamW(torch.optim.Optimizer):
             maximize=maximize,
             block_size=block_size,
             min_quantized_numel=min_quantized_numel,
+            cut_blocks=cut_blocks,
         )
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, then the group checked: its settings (a group may override any of them)
-        and its parameters (real floating point; a quantized one sharded along dim 0 only)."""
+        and its parameters (real floating point; a quantized one's shards hold whole
+        blocks)."""
         super().add_param_group(param_group)
         group, g, name = self.param_groups[-1], len(self.param_groups) - 1, type(self).__name__
         where = f"{name}: param group {g}:" if g else f"{name}:"
@@ -142,6 +171,10 @@ class _LowBitAdamW(torch.optim.Optimizer):
             raise ValueError(f"{where} block_size must be a positive int, got {block!r}")
         if not (isinstance(smallest, int) and smallest >= 0):
             raise ValueError(f"{where} min_quantized_numel must be an int >= 0, got {smallest!r}")
+        if group["cut_blocks"] not in ("error", "fp32"):
+            raise ValueError(
+                f"{where} cut_blocks must be 'error' or 'fp32', got {group['cut_blocks']!r}"
+            )
         for i, p in enumerate(group["params"]):
             at = f"{name}: parameter {i} of param group {g}"
             if not p.is_floating_point() or p.is_complex():
@@ -150,22 +183,30 @@ class _LowBitAdamW(torch.optim.Optimizer):
                     "states (keep integer buffers out of the optimizer; split a complex "
                     "parameter into real and imaginary parts)"
                 )
-            if self._quantized(p, group) and isinstance(p, DTensor):
-                cut = [pl for pl in p.placements if not isinstance(pl, (Replicate, Shard))]
-                cut += [pl for pl in p.placements if isinstance(pl, Shard) and pl.dim != 0]
-                if cut:
-                    raise ValueError(
-                        f"{at} {tuple(p.shape)} is placed {p.placements}: its states' blocks "
-                        "run along the dims after dim 0, so a shard may cut only dim 0 "
-                        f"(FSDP2's default); {cut} would cut blocks between ranks. Shard it "
-                        "along dim 0, or give it fp32 states by raising min_quantized_numel "
-                        "above its size"
-                    )
+            cut = _cut_blocks(p, block, self.codecs[0].bits)
+            if cut and group["cut_blocks"] == "error" and self._large(p, group):
+                raise ValueError(
+                    f"{at} {tuple(p.shape)} is placed {p.placements}: {cut}. A state block "
+                    "runs along a row; shards of dim 0 (FSDP2's) never cut one, a 2-D "
+                    "weight's dim-1 shards (tensor parallel rowwise) must hold whole blocks. "
+                    "Shard it so, pick a block_size that divides its shards, or pass "
+                    "cut_blocks='fp32' to keep fp32 states for such parameters (their "
+                    "numbers then depend on the mesh)"
+                )
 
     @staticmethod
-    def _quantized(p: torch.Tensor, group: dict) -> bool:
-        """Whether ``p`` keeps block-quantized states (on its global shape: any mesh agrees)."""
+    def _large(p: torch.Tensor, group: dict) -> bool:
+        """Whether ``p`` is large enough for block-quantized states (its global shape)."""
         return p.dim() >= 2 and p.numel() >= group["min_quantized_numel"]
+
+    def _quantized(self, p: torch.Tensor, group: dict) -> bool:
+        """Whether ``p`` keeps block-quantized states: decided on its global shape (any mesh
+        agrees), unless ``cut_blocks='fp32'`` gives fp32 states to a parameter whose shards
+        would cut blocks."""
+        return (
+            self._large(p, group)
+            and _cut_blocks(p, group["block_size"], self.codecs[0].bits) is None
+        )
 
     def _init_state(self, p: torch.Tensor, group: dict) -> None:
         state = self.state[p]
@@ -177,8 +218,9 @@ class _LowBitAdamW(torch.optim.Optimizer):
                 state[key] = _like(p, zero, tuple(p.shape))
             return
         rows, cols, block = p.shape[0], math.prod(p.shape[1:]), group["block_size"]
+        local_cols = math.prod(local.shape[1:])  # cols / the dim-1 shards (whole blocks)
         for key, codec in zip(_QUANTIZED[::2], self.codecs, strict=True):
-            codes, scale = states.zeros(local.shape[0], cols, codec, block, local.device)
+            codes, scale = states.zeros(local.shape[0], local_cols, codec, block, local.device)
             state[key] = _like(p, codes, (rows, states.code_cols(codec, cols)))
             state[f"{key}_scale"] = _like(p, scale, (rows, states.scale_cols(cols, block)))
 
@@ -215,7 +257,11 @@ class _LowBitAdamW(torch.optim.Optimizer):
         state = self.state[p]
         state["step"] += 1
         step = state["step"].item()
-        param, grad = _local(p), _local(p.grad)
+        grad = p.grad
+        if isinstance(grad, DTensor) and grad.placements != p.placements:
+            # tensor parallel: a replicated or partial gradient of a sharded weight
+            grad = grad.redistribute(p.device_mesh, p.placements)
+        param, grad = _local(p), _local(grad)
         if "exp_avg_scale" not in state:  # fp32 states, in the parameter's shape
             m, v = (_local(state[k]) for k in ("exp_avg", "exp_avg_sq"))
             x, m_new, v_new, _ = _adamw(param, grad, m, v, group, step)
