@@ -27,6 +27,7 @@ def test_dry_run_checks_every_step(tmp_path):
         (2, "linear_more"),
         (2, "memory"),
         (2, "precompute"),
+        (2, "optim"),
         (2, "train_rowwise"),
     ]
     assert all(s["exit"] == 0 for s in steps), steps

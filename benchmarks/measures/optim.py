@@ -67,43 +67,60 @@ def bytes_per_param(name: str, lib: str = "float8kit") -> float:
 
 def _mlp_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
     """Step ``step``'s synthetic gradients of ``model``: rows of very different magnitudes,
-    the same for every optimizer (so the updates compare directly)."""
+    the same for every optimizer (so the updates compare directly), made on the CPU (the
+    same on any device) and moved to each parameter's."""
     g = torch.Generator().manual_seed(10_000 + step)
     out = []
     for p in model.parameters():
         rows = torch.exp(torch.randn(p.shape[0], *[1] * (p.dim() - 1), generator=g))
-        out.append(torch.randn(p.shape, generator=g) * rows * 1e-2)
+        out.append((torch.randn(p.shape, generator=g) * rows * 1e-2).to(p.device))
     return out
 
 
 def update_vs_fp32(
-    name: str, lib: str = "float8kit", steps: int = 20, warmup: int = 3
+    name: str,
+    lib: str = "float8kit",
+    steps: int = 20,
+    warmup: int = 3,
+    model_fn=mlp_1m,
+    device: str = "cpu",
 ) -> dict[str, float]:
-    """``mlp_1m`` after ``steps`` steps of optimizer ``name`` (``lib``'s) on synthetic
-    gradients: the SQNR (dB) of its total update against fp32 AdamW's (torch's), and its
-    median step time in ms over the steps after ``warmup`` (torchao compiles in its first)."""
+    """``model_fn()`` (on ``device``) after ``steps`` steps of optimizer ``name`` (``lib``'s)
+    on synthetic gradients: the SQNR (dB) of its total update against fp32 AdamW's (torch's
+    default implementation on that device), and the median step time in ms over the steps
+    after ``warmup`` (torchao compiles in its first), synchronized around each step."""
     import statistics
     import time
 
+    from benchmarks.common import sync
     from benchmarks.measures.refs import sqnr
 
+    dev = torch.device(device)
+
     def run(opt_cls):
-        model = mlp_1m()
-        start = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        model = model_fn().to(dev)
+        start = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
         opt = opt_cls(model.parameters(), lr=1e-3, weight_decay=0.01)
         times = []
         for step in range(steps):
             for p, g in zip(model.parameters(), _mlp_grads(model, step), strict=True):
                 p.grad = g
+            sync(dev)
             t0 = time.perf_counter()
             opt.step()
+            sync(dev)
             times.append(time.perf_counter() - t0)
-        end = torch.cat([p.detach().flatten() for p in model.parameters()])
-        return end - start, 1000 * statistics.median(times[warmup:])
+        end = torch.cat([p.detach().flatten().cpu() for p in model.parameters()])
+        return end - start, 1000 * statistics.median(times[warmup:]), model, opt
 
-    ref, ref_ms = run(torch.optim.AdamW)
-    update, ms = run(_optimizer(name, lib))
-    return {"update_sqnr_db": float(sqnr(ref, update)), "step_ms": ms, "adamw_step_ms": ref_ms}
+    ref, ref_ms, _, _ = run(torch.optim.AdamW)
+    update, ms, model, opt = run(_optimizer(name, lib))
+    return {
+        "update_sqnr_db": float(sqnr(ref, update)),
+        "step_ms": ms,
+        "adamw_step_ms": ref_ms,
+        "bytes_per_param": state_bytes(opt) / sum(p.numel() for p in model.parameters()),
+    }
 
 
 def train_task(
