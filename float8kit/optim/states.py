@@ -20,9 +20,10 @@ What is kept, and why:
   scale (a tie goes up).
 
 Rounding is to nearest everywhere (deterministic: every rank and every resumed run agrees).
-Encoding and decoding are elementwise IEEE operations, comparisons and table lookups only
-(no transcendental function, whose vectorized and scalar implementations may differ in the
-last bit), so an element's codes do not depend on where it sits in a shard.
+Encoding and decoding are elementwise IEEE operations, conversions, comparisons and table
+lookups only (the one exp2, e2m1's decode, of whole numbers: exact; no other transcendental
+function, whose vectorized and scalar implementations may differ in the last bit), so an
+element's codes do not depend on where it sits in a shard.
 """
 
 from __future__ import annotations
@@ -38,9 +39,6 @@ from float8kit import scaling
 from float8kit.config import E4M3
 from float8kit.formats import nvfp4
 
-# e4m3's codes 0..255 as values (NaN codes decode to NaN); the smallest positive code is 1
-_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
-_E2M1_VALUES = nvfp4.decode(torch.arange(16, dtype=torch.uint8))
 # the 4-bit roots: code k is 2**(-k/2); a value r in [0, 1] gets the nearest in log scale,
 # k = the number of midpoints 2**(-(k + 1/2)/2) above r (ties go up: to the larger value)
 _ROOT4_VALUES = torch.tensor([2.0 ** (-k / 2) for k in range(16)], dtype=torch.float32)
@@ -74,6 +72,14 @@ def _e4m3_root(q: torch.Tensor) -> torch.Tensor:
     return torch.where((codes == 0) & (q > 0), 1, codes).to(torch.uint8)
 
 
+def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
+    return codes.view(E4M3).to(torch.float32)  # exact; NaN codes decode to NaN
+
+
+def _root4_values(codes: torch.Tensor) -> torch.Tensor:
+    return _on(_ROOT4_VALUES, codes.device)[codes.long()]
+
+
 def _root4(q: torch.Tensor) -> torch.Tensor:
     below = torch.bucketize(q, _on(_ROOT4_MIDPOINTS, q.device), right=True)
     return (15 - below).to(torch.uint8)
@@ -82,20 +88,20 @@ def _root4(q: torch.Tensor) -> torch.Tensor:
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """How one state's elements become codes: ``encode`` takes fp32 values already divided
-    by their block's scale (``|q| <= largest``) to uint8 codes; ``values[code]`` reads one
-    back. ``bits`` 4 keeps two codes per byte."""
+    by their block's scale (``|q| <= largest``) to uint8 codes; ``decode`` reads them back
+    (fp32). ``bits`` 4 keeps two codes per byte."""
 
     name: str
     bits: int
     largest: float
-    values: torch.Tensor
+    decode: Callable[[torch.Tensor], torch.Tensor]
     encode: Callable[[torch.Tensor], torch.Tensor]
 
 
-E4M3_CODEC = Codec("e4m3", 8, 448.0, _E4M3_VALUES, _e4m3)
-E4M3_ROOT = Codec("e4m3 root", 8, 448.0, _E4M3_VALUES, _e4m3_root)
-E2M1_CODEC = Codec("e2m1", 4, nvfp4.E2M1_MAX, _E2M1_VALUES, nvfp4.round_nearest)
-ROOT4 = Codec("sqrt(2) powers", 4, 1.0, _ROOT4_VALUES, _root4)
+E4M3_CODEC = Codec("e4m3", 8, 448.0, _e4m3_values, _e4m3)
+E4M3_ROOT = Codec("e4m3 root", 8, 448.0, _e4m3_values, _e4m3_root)
+E2M1_CODEC = Codec("e2m1", 4, nvfp4.E2M1_MAX, nvfp4.decode, nvfp4.round_nearest)
+ROOT4 = Codec("sqrt(2) powers", 4, 1.0, _root4_values, _root4)
 
 
 def code_cols(codec: Codec, cols: int) -> int:
@@ -126,7 +132,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, codec: Codec, block: in
     """The fp32 (rows, ``cols``) values of ``quantize``'s codes and scales."""
     if codec.bits == 4:
         codes = nvfp4.unpack(codes)[:, :cols]
-    values = _on(codec.values, codes.device)[codes.long()]
+    values = codec.decode(codes)
     return values * scaling.expand_block_scale(scale, (1, block), values.shape)
 
 
