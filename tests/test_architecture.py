@@ -302,11 +302,11 @@ def test_library_lines_only_go_down():
     gemm); 12,432 -> 12,854, low-bit optimizer states (float8kit.optim: AdamW8bit and
     AdamW4bit with their block codecs and a row-chunked step, a new package that asks no
     format anything); 12,854 -> 12,863, the experts' hp weight gradient outside bf16 on CUDA
-    says what it costs; 12,863 -> 12,909, the low-bit optimizers under tensor parallelism
+    says what it costs; 12,863 -> 12,910, the low-bit optimizers under tensor parallelism
     (rowwise shards of whole blocks, cut_blocks, gradients redistributed to the weight's
     placement)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_909, f"float8kit has {lines} lines"
+    assert lines <= 12_910, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

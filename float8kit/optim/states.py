@@ -140,8 +140,3 @@ def zeros(rows: int, cols: int, codec: Codec, block: int, device) -> tuple[torch
     """The codes and scales of a (rows, cols) state of zeros (every scale 0)."""
     codes = torch.zeros((rows, code_cols(codec, cols)), dtype=torch.uint8, device=device)
     return codes, torch.zeros((rows, scale_cols(cols, block)), device=device)
-
-
-def bytes_per_element(codec: Codec, block: int) -> float:
-    """A long row's state bytes per element: the code and its share of the fp32 scale."""
-    return codec.bits / 8 + 4 / block
