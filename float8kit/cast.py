@@ -132,7 +132,7 @@ def fused_cast_applies(
     hp: torch.Tensor,
     gran: Format,
     fp8_dtype: torch.dtype,
-    kind: ScalingType = ScalingType.STATIC,
+    kind: ScalingType,
 ) -> bool:
     """Whether ``cast_tensorwise`` casts ``hp``: a plain 2-D tensor (not a DTensor or other
     subclass), tensorwise, to e4m3fn or e5m2; while compiling, not a DYNAMIC cast.

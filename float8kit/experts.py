@@ -57,6 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.utils.checkpoint import CheckpointFunction
 
 from float8kit import cast, formats
 from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole, config_name
@@ -201,6 +202,11 @@ class _GroupedMM(torch.autograd.Function):
                 operands = gemms.grad_weight(x, go_rows.wgrad(), offs, w_saved[0].shape[0], c)
                 grad_weight = gemms.mm(*operands, out_dtype=ctx.w_dtype, emulate=c.emulate)
         return grad_input, grad_weight, None, None
+
+
+def made_by_expert_gemm(t: torch.Tensor) -> bool:
+    """``t`` is a float8 expert gemm's output (or a reentrant checkpoint's that reruns it)."""
+    return getattr(t.grad_fn, "_forward_cls", None) in (_GroupedMM, CheckpointFunction)
 
 
 def _cast(t: torch.Tensor, dim: int, config: Float8ExpertsConfig):

@@ -304,9 +304,10 @@ def test_library_lines_only_go_down():
     format anything); 12,854 -> 12,863, the experts' hp weight gradient outside bf16 on CUDA
     says what it costs; 12,863 -> 12,910, the low-bit optimizers under tensor parallelism
     (rowwise shards of whole blocks, cut_blocks, gradients redistributed to the weight's
-    placement)."""
+    placement); 12,910 -> 12,897, the 4-bit root codec from exponent bits (no table copied to
+    a device)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_910, f"float8kit has {lines} lines"
+    assert lines <= 12_897, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,19 @@ def test_root4_is_the_nearest_power_of_sqrt2_in_log_scale():
     assert (back > 0).all()  # zero-free: the smallest code is 2**-7.5 of the block's amax
 
 
+def test_root4_codes_at_the_midpoints_go_up():
+    # the rule on fp32: code k = 15 - (midpoints 2**(-(j + 1/2)/2), in fp32, at or below r);
+    # every midpoint, the fp32 numbers either side, the codes, zero, NaN and subnormals
+    mids = torch.tensor([2.0 ** (-(j + 0.5) / 2) for j in range(15)][::-1])
+    r = torch.cat([
+        mids, torch.nextafter(mids, torch.tensor(0.0)), torch.nextafter(mids, torch.tensor(1.0)),
+        torch.tensor([2.0 ** (-k / 2) for k in range(16)]), torch.rand(100_000) ** 16,
+        torch.tensor([0.0, -0.0, 1.0, 1e-45, 1e-39, float("nan")]),
+    ])  # fmt: skip
+    want = 15 - torch.bucketize(r, mids, right=True)
+    assert torch.equal(states.ROOT4.encode(r), want.to(torch.uint8))
+
+
 @pytest.mark.parametrize(
     "codec, floor",
     [(states.E4M3_CODEC, 30.0), (states.E4M3_ROOT, 30.0), (states.E2M1_CODEC, 15.0),

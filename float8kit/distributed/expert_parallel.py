@@ -46,11 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.checkpoint import CheckpointFunction
 from torch.utils.weak import WeakIdKeyDictionary
 
 from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole
-from float8kit.experts import _GroupedMM
+from float8kit.experts import made_by_expert_gemm
 from float8kit.quantized_rows import dispatched_rows, quantize_rows, rows_format
 from float8kit.tensor import Float8TrainingTensor
 
@@ -313,9 +312,6 @@ def dispatch(
     return _Dispatch.apply(x, token, plan, config, ep)
 
 
-_EXPERT_GEMM_OUTPUT = (_GroupedMM, CheckpointFunction)
-
-
 def combine(
     ys: torch.Tensor, plan: EPPlan, config: Float8ExpertsConfig | None, ep: EPConfig = EPConfig()
 ) -> torch.Tensor:
@@ -328,9 +324,7 @@ def combine(
             f"float8kit: combine takes the {plan.num_received} rows this rank received, got "
             f"{tuple(ys.shape)}"
         )
-    # (or a reentrant activation checkpoint of the expert gemms, whose backward reruns them)
-    made_by = getattr(ys.grad_fn, "_forward_cls", None)
-    if ep.comm == "float8" and ys.requires_grad and made_by not in _EXPERT_GEMM_OUTPUT:
+    if ep.comm == "float8" and ys.requires_grad and not made_by_expert_gemm(ys):
         fix = (
             "a compiled graph's backward takes no float8 gradient rows: leave the expert "
             'gemms eager or use EPConfig(comm="hp")'

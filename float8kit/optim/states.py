@@ -33,34 +33,17 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import FakeTensor
 
 from float8kit import scaling
 from float8kit.config import E4M3
 from float8kit.formats import nvfp4
 
 # the 4-bit roots: code k is 2**(-k/2); a value r in [0, 1] gets the nearest in log scale,
-# k = the number of midpoints 2**(-(k + 1/2)/2) above r (ties go up: to the larger value)
-_ROOT4_VALUES = torch.tensor([2.0 ** (-k / 2) for k in range(16)], dtype=torch.float32)
-_ROOT4_MIDPOINTS = torch.tensor([2.0 ** (-(k + 0.5) / 2) for k in range(15)][::-1])
-
-
-# lookup tables copied to a device once: a copy from pageable host memory in every step would
-# wait for the GPU to finish its queued work (torch synchronizes such a copy)
-_ON_DEVICE: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
-def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``table`` (a module constant) on ``device``, copied there once per process."""
-    if device.type == "cpu":
-        return table
-    key = (id(table), device)
-    if key not in _ON_DEVICE:
-        copy = table.to(device)
-        if isinstance(copy, FakeTensor):  # traced (fake CUDA): nothing real to keep
-            return copy
-        _ON_DEVICE[key] = copy
-    return _ON_DEVICE[key]
+# k = the number of midpoints 2**(-(k + 1/2)/2) above r (ties go up: to the larger value),
+# which in each binade are exactly 2**e times these two (frexp's mantissa is compared).
+# Encoding and decoding build powers of two from their bits: no table reaches a device.
+_ROOT4_CUTS = (float(torch.tensor(2.0**-0.25)), float(torch.tensor(2.0**-0.75)))
+_ROOT_HALF = float(torch.tensor(2.0**-0.5))
 
 
 def _e4m3(q: torch.Tensor) -> torch.Tensor:
@@ -77,12 +60,16 @@ def _e4m3_values(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _root4_values(codes: torch.Tensor) -> torch.Tensor:
-    return _on(_ROOT4_VALUES, codes.device)[codes.long()]
+    k = codes.to(torch.int32)  # 2**(-k/2) = (1 or 2**-0.5) * 2**-(k // 2), the latter's bits:
+    power = ((127 - (k >> 1)) << 23).view(torch.float32)
+    return torch.where((k & 1) == 1, _ROOT_HALF, 1.0) * power
 
 
 def _root4(q: torch.Tensor) -> torch.Tensor:
-    below = torch.bucketize(q, _on(_ROOT4_MIDPOINTS, q.device), right=True)
-    return (15 - below).to(torch.uint8)
+    # r = m * 2**e, m in [0.5, 1): code -2e, one more per cut above m; 0 and below: code 15
+    m, e = torch.frexp(q)  # (a NaN: code 0, as its block's NaN scale decodes it anyway)
+    k = (m < _ROOT4_CUTS[0]).to(torch.int32) + (m < _ROOT4_CUTS[1]) - 2 * e
+    return torch.where(q <= 0, 15, k).clamp_(0, 15).to(torch.uint8)
 
 
 @dataclasses.dataclass(frozen=True)
