@@ -325,8 +325,7 @@ def test_delayed_layers_with_unequal_state_do_not_tie():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe):
+def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8():
     """Under torch.compile no shared-cast cache runs, and none is needed: AOTAutograd's
     common-subexpression elimination merges the identical casts of the tensor q/k/v read
     (and of the one gate/up read) into one op, and the partitioner keeps no float8
@@ -334,8 +333,9 @@ def test_compiled_block_casts_each_shared_input_once_and_keeps_no_float8(recipe)
     and the SwiGLU's, and casts again there), and no float8 weight either: a dynamic cast is
     inductor's under compile (the weight's too, cast.fused_cast_applies), and it casts the
     weight again in backward rather than keep a copy. One graph, and gradients bitwise
-    eager (torch 2.13 and newer; older torch: within float8 rounding)."""
-    block, forward, dtype = hf_block(recipe)
+    eager (torch 2.13 and newer; older torch: within float8 rounding). Tensorwise: the CSE
+    and the partitioner do not depend on the format (rowwise took 84 s more of the suite)."""
+    block, forward, dtype = hf_block("tensorwise")
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 128, DIM, generator=g, dtype=dtype)
     go = torch.randn(1, 128, DIM, generator=g, dtype=dtype)

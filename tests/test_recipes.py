@@ -755,9 +755,11 @@ def metrics(out: Path) -> list[dict]:
 @pytest.mark.parametrize(
     "recipe, nproc",
     [
-        ("rowwise", 2),  # --ep 2 = world: each rank holds 4 experts whole, outside FSDP2
+        # (float8 rows at --ep 2 = world, each rank holding 4 experts whole outside FSDP2:
+        # test_compare_runs_each_mode_under_torchrun_with_expert_parallelism runs it, and
+        # tests/test_expert_parallel.py checks its numbers bitwise one rank's)
         ("rowwise", 4),  # a 2 x 2 (dp, ep) mesh: FSDP2 shards each half of the experts over dp
-        ("none", 2),  # bf16: the tokens travel in hp (EPConfig(comm="hp"))
+        ("none", 2),  # bf16 at --ep 2 = world: the tokens travel in hp (EPConfig(comm="hp"))
     ],
 )
 def test_torchrun_expert_parallel_matches_no_ep(tmp_path, recipe, nproc):
