@@ -159,14 +159,6 @@ def setup_distributed(args: argparse.Namespace) -> tuple[int, int, torch.device]
             raise UsageError(
                 f"--ep {args.ep} must divide the {n_experts} experts of --preset {args.preset}"
             )
-        if args.checkpoint_every or args.resume:
-            # each rank's experts are plain local tensors (or FSDP2 shards over its dp ranks)
-            # under the same names on every expert-parallel rank: dcp would keep one rank's
-            # experts and drop the others'. Resharding experts in checkpoints is not built yet.
-            raise UsageError(
-                f"--ep {args.ep} does not support --checkpoint-every or --resume yet (dcp "
-                "cannot tell the expert-parallel ranks' experts apart)"
-            )
     if args.tp > 1 and n_experts:
         # model.tp_plan shards dense feed-forwards; experts would need expert parallelism
         raise UsageError(f"--tp > 1 is not supported with the MoE preset {args.preset!r}")

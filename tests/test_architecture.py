@@ -305,9 +305,10 @@ def test_library_lines_only_go_down():
     says what it costs; 12,863 -> 12,910, the low-bit optimizers under tensor parallelism
     (rowwise shards of whole blocks, cut_blocks, gradients redistributed to the weight's
     placement); 12,910 -> 12,897, the 4-bit root codec from exponent bits (no table copied to
-    a device)."""
+    a device); 12,897 -> 12,967, checkpoints of experts that EP cuts and FSDP2 shards too (an
+    (ep, dp) mesh from the two groups; their state_dict raised before)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_897, f"float8kit has {lines} lines"
+    assert lines <= 12_967, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

@@ -158,6 +158,33 @@ def test_checkpoint_resumes_bitwise_on_another_expert_parallel_degree(tmp_path, 
 
 
 @pytest.mark.slow
+def test_checkpoint_of_experts_fsdp2_also_shards_resumes_bitwise(tmp_path, monkeypatch):
+    """(dp, ep) = (2, 2), FSDP2 sharding each EP rank's experts (float8 all-gather): the
+    state_dicts show each expert weight and AdamW state whole, a DTensor over the (ep, dp)
+    mesh; through DCP and through each rank's torch.save the run resumes bitwise, and DCP's
+    checkpoint loads into EP 2 without FSDP2 as the same experts and states (before, the
+    state_dict of such experts raised)."""
+    saved = spawn("benchmarks.measures.ep_compose:_worker_ep_fsdp_save", 4, tmp_path)
+    assert saved[0]["keys"]["w1"] == ("DTensor", (8, DIM, HIDDEN))
+    assert saved[0]["optim_keys"]["exp_avg"] == ("DTensor", (8, DIM, HIDDEN))
+    load = tmp_path / "load_2x2"
+    load.mkdir()
+    resumed = spawn("benchmarks.measures.ep_compose:_worker_ep_fsdp_load", 4, load)
+    for rank, (want, got) in enumerate(zip(saved, resumed, strict=True)):
+        for how, run in got.items():
+            assert all(map(torch.equal, want["outs"], run["outs"])), (rank, how)
+            for key, value in want["final"].items():
+                assert torch.equal(value, run["final"][key]), (rank, how, key)
+    monkeypatch.setenv("EP_LOAD", "dcp")
+    load = tmp_path / "load_ep2"
+    load.mkdir()
+    got = spawn("benchmarks.measures.expert_parallel:_worker_ep_load", 2, load)
+    for key, value in saved[0]["saved"].items():
+        loaded = torch.cat([r["as_loaded"][key] for r in got])
+        assert torch.equal(value, loaded), f"(2, 2) -> EP 2: {key}"
+
+
+@pytest.mark.slow
 def test_activation_checkpointing_of_the_experts_sends_nothing_again(tmp_path):
     results = spawn("benchmarks.measures.expert_parallel:_worker_ep_ac", 2, tmp_path)
     for res in results:
@@ -223,6 +250,21 @@ def test_plan_dispatch_refuses_rows_not_sorted_by_expert(one_rank_group):
     order = experts.flatten().argsort(stable=True)
     plan = ep.plan_dispatch(experts.flatten()[order], 4)
     assert plan.send_sizes == [6] and plan.offs.tolist() == [2, 3, 5, 6]
+
+
+def test_checkpoints_of_experts_fsdp2_shards_along_another_dim_are_refused(one_rank_group):
+    # the (ep, dp) checkpoint layout cuts each EP rank's experts along dim 0, as FSDP2's
+    # default does; FSDP2 along dim 1 is refused when a state_dict is taken, naming the fix
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    from benchmarks.measures.expert_parallel import moe
+
+    m = moe()
+    m.shard_experts(one_rank_group.get_group(), ep.EPConfig())
+    fully_shard(m, mesh=one_rank_group, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    with pytest.raises(ValueError, match=r"fully_shard on a 1-D mesh along dim 0.*Shard\(dim=2\)"):
+        m.state_dict()
 
 
 def test_combine_refuses_an_op_after_the_last_expert_gemm(one_rank_group):

@@ -14,7 +14,17 @@ import dataclasses
 
 import torch
 
-from benchmarks.measures.expert_parallel import CONFIGS, ROWWISE, convert, fwd_bwd, moe, routing
+from benchmarks.measures.expert_parallel import (
+    CONFIGS,
+    RESUME_STEPS,
+    ROWWISE,
+    _resume_optimizer,
+    _resume_steps,
+    convert,
+    fwd_bwd,
+    moe,
+    routing,
+)
 from benchmarks.measures.gloo import _Count
 from float8kit import convert_experts_to_float8_training
 from float8kit.distributed import expert_parallel as ep
@@ -78,4 +88,97 @@ def _worker_ep_nonfinite(rank: int, world: int, tmp: str) -> dict:
         cat = [torch.cat([d[i] for d in data]) for i in range(4)]
         want = fwd_bwd(convert(moe(), config), *cat, torch.bfloat16)
         res[name] = {"got": got, "want": want}
+    return res
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def _ep_fsdp_resume_model(mesh):
+    """``expert_parallel``'s resume model on a (dp, ep) mesh: experts cut over ep, then
+    FSDP2-sharded over dp and all-gathered in float8."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    m = moe()
+    m.shard_experts(mesh["ep"].get_group(), ep.EPConfig())
+    config = dataclasses.replace(
+        ROWWISE, enable_fsdp_float8_all_gather=True, weight_layout="in_out"
+    )
+    convert_experts_to_float8_training(m, config=config)
+    fully_shard(m, mesh=mesh["dp"])
+    register_fsdp_forward_method(m, "routed")
+    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return m
+
+
+def _global_experts_and_state(m, opt, mesh) -> dict:
+    """The whole (8, ...) expert weights and AdamW states, gathered by hand: each EP rank's
+    experts from FSDP2's shards (``full_tensor`` over dp), then the EP ranks' in order."""
+    import torch.distributed as dist
+
+    def whole(t):
+        mine = t.full_tensor().detach().clone()
+        parts = [torch.empty_like(mine) for _ in range(mesh["ep"].size())]
+        dist.all_gather(parts, mine, group=mesh["ep"].get_group())
+        return torch.cat(parts)
+
+    names = ("w1", "w2", "w3")
+    return {
+        **{n: whole(getattr(m, n)) for n in names},
+        **{
+            f"{n}.{k}": whole(opt.state[getattr(m, n)][k])
+            for n in names
+            for k in ("exp_avg", "exp_avg_sq")
+        },
+    }
+
+
+def _worker_ep_fsdp_save(rank: int, world: int, tmp: str) -> dict:
+    """(dp, ep) = (2, 2): train, save with DCP (``get_state_dict``) and per-rank
+    ``torch.save``, train on (the uninterrupted run); the keys the state_dicts show."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+    m = _ep_fsdp_resume_model(mesh)
+    opt = _resume_optimizer(m)
+    _resume_steps(m, opt, rank, world, 0, RESUME_STEPS)
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/ckpt")
+    torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, f"{tmp}/ckpt_rank{rank}.pt")
+    keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in msd.items()}
+    optim_keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in osd["state"]["w1"].items()}
+    saved = _global_experts_and_state(m, opt, mesh)
+    outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
+    final = _global_experts_and_state(m, opt, mesh)
+    return {"outs": outs, "saved": saved, "final": final, "keys": keys, "optim_keys": optim_keys}
+
+
+def _worker_ep_fsdp_load(rank: int, world: int, tmp: str) -> dict:
+    """(dp, ep) = (2, 2) again: the checkpoint in ``tmp``'s parent folder loaded through DCP,
+    and each rank's ``torch.save`` into another fresh model; both train on (their outputs,
+    and their experts and states at the end)."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+
+    saved = os.path.dirname(tmp)
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+    res = {}
+    for how in ("dcp", "torch.save"):
+        m = _ep_fsdp_resume_model(mesh)
+        opt = _resume_optimizer(m)
+        if how == "dcp":
+            msd, osd = get_state_dict(m, opt)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{saved}/ckpt")
+            set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+        else:
+            sd = torch.load(f"{saved}/ckpt_rank{rank}.pt", weights_only=False)
+            m.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+        outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
+        res[how] = {"outs": outs, "final": _global_experts_and_state(m, opt, mesh)}
     return res

@@ -262,8 +262,9 @@ def _worker_ep_load(rank: int, world: int, tmp: str) -> dict:
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{saved}/ckpt")
         set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
     loaded = _experts_and_state(m, opt)
+    as_loaded = {k: v.clone() for k, v in loaded.items()}  # (the weights train on in place)
     outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
-    return {"outs": outs, "saved": loaded}
+    return {"outs": outs, "saved": loaded, "as_loaded": as_loaded}
 
 
 # ---------------------------------------------------------------------------- checkpointing

@@ -384,13 +384,23 @@ class _Sharding:
     ep: int
 
     def to_global(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's experts ``t`` as the global (E, ...) tensor: ``Shard(0)`` over the EP
+        group, and, where FSDP2 shards them too (a DTensor over its dp mesh), ``Shard(0)``
+        over the (ep, dp) mesh: each EP rank's experts cut again, as FSDP2 cuts them."""
         from torch.distributed.tensor import DTensor, Shard
 
-        return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+        if not isinstance(t, DTensor):
+            return DTensor.from_local(t, self.mesh, [Shard(0)], run_check=False)
+        shape = (self.local * self.ep, *t.shape[1:])
+        return DTensor.from_local(
+            t._local_tensor, _ep_by_dp(self.mesh, _dp_mesh(t)), [Shard(0), Shard(0)],
+            run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride(),
+        )  # fmt: skip
 
-    def to_local(self, value):
-        """This rank's experts of a checkpoint's ``value``: a DTensor of the global tensor
-        (any placement), or a plain tensor of all experts (a checkpoint without expert
+    def to_local(self, value, like: torch.Tensor):
+        """This rank's experts of a checkpoint's ``value``, shaped as ``like`` (the parameter,
+        or its optimizer state: plain, or FSDP2's DTensor over dp): a DTensor of the global
+        tensor (any placement), or a plain tensor of all experts (a checkpoint without expert
         parallelism); anything else as is."""
         from torch.distributed.tensor import DTensor, Shard
 
@@ -399,13 +409,70 @@ class _Sharding:
             # sharded as here (this process's, or this rank's own torch.save: its mesh is
             # the saving process's, read for nothing)
             mine = value._local_tensor
-            if value.placements == (Shard(0),) and value.size(0) == whole:
-                if mine.size(0) == self.local:
-                    return mine
+            fsdp = isinstance(like, DTensor)
+            if value.placements == (Shard(0),) * (1 + fsdp) and value.size(0) == whole:
+                if mine.shape == (like._local_tensor if fsdp else like).shape:
+                    return _like(mine, like)
             value = value.full_tensor()
         if isinstance(value, torch.Tensor) and value.dim() and value.size(0) == whole:
-            return value[self.rank * self.local : (self.rank + 1) * self.local]
+            mine = value[self.rank * self.local : (self.rank + 1) * self.local]
+            if isinstance(like, DTensor):  # FSDP2's cut of them: torch.chunk's
+                dp = like.device_mesh
+                step = -(-self.local // dp.size())
+                start = min(dp.get_local_rank() * step, self.local)
+                mine = mine[start : start + step]
+            return _like(mine, like)
         return value
+
+
+def _like(mine: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's ``mine`` as ``like`` holds it (FSDP2's DTensor over dp, or plain)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(like, DTensor):
+        return mine
+    return DTensor.from_local(
+        mine, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+        stride=like.stride(),
+    )  # fmt: skip
+
+
+def _dp_mesh(t) -> object:
+    """The 1-D mesh FSDP2 shards experts ``t`` over, along dim 0 (what checkpoints support)."""
+    from torch.distributed.tensor import Shard
+
+    if t.device_mesh.ndim != 1 or t.placements != (Shard(0),):
+        raise ValueError(
+            "float8kit: checkpoints of expert-parallel experts that FSDP2 also shards need "
+            f"fully_shard on a 1-D mesh along dim 0; got placements {t.placements} on "
+            f"{t.device_mesh}: use fully_shard(..., mesh=mesh['dp']) with the default "
+            "shard_placement_fn"
+        )
+    return t.device_mesh
+
+
+# (EP mesh, dp mesh) -> their (ep, dp) mesh
+_EP_BY_DP: dict = {}
+
+
+def _ep_by_dp(ep_mesh, dp_mesh):
+    """The (ep, dp) mesh of experts cut by EP and then FSDP2: rank (e, d) holds FSDP2's
+    shard d of EP rank e's experts. Built once from the two groups (no new process group);
+    its layout, each dp rank's EP ranks, gathered over dp (collective over the dp group, as
+    the checkpoint that first asks for it is)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = (ep_mesh, dp_mesh)
+    if key not in _EP_BY_DP:
+        rows = [None] * dp_mesh.size()
+        mine = (dp_mesh.get_local_rank(), ep_mesh.mesh.tolist())
+        dist.all_gather_object(rows, mine, group=dp_mesh.get_group())
+        layout = torch.tensor([ranks for _, ranks in sorted(rows)]).t()  # [e][d]
+        _EP_BY_DP[key] = DeviceMesh.from_group(
+            [ep_mesh.get_group(), dp_mesh.get_group()], dp_mesh.device_type, mesh=layout,
+            mesh_dim_names=("ep", "dp"),
+        )  # fmt: skip
+    return _EP_BY_DP[key]
 
 
 # module -> (names, _Sharding) of the experts parameters cut by shard_experts /
@@ -442,7 +509,8 @@ def checkpoint_as_global(module: nn.Module, names: Sequence[str], group, local: 
     def to_local(mod, state_dict, prefix, *args):
         for name in names:
             if prefix + name in state_dict:
-                state_dict[prefix + name] = sharding.to_local(state_dict[prefix + name])
+                value = state_dict[prefix + name]
+                state_dict[prefix + name] = sharding.to_local(value, getattr(mod, name))
 
     module.register_state_dict_post_hook(to_global)
     module.register_load_state_dict_pre_hook(to_local)
@@ -464,18 +532,20 @@ def _optimizer_states(optimizer, state_dict, convert) -> None:
     keys = (k for group in state_dict["param_groups"] for k in group["params"])
     params = (p for group in optimizer.param_groups for p in group["params"])
     sharded = _sharded_parameters()
-    of_key = {k: sharded.get(p) for k, p in zip(keys, params, strict=False)}
+    of_key = {k: p for k, p in zip(keys, params, strict=False) if p in sharded}
     states = dict(state_dict["state"])
     for key, values in states.items():
-        sharding = of_key.get(key)
-        if sharding is not None:
-            states[key] = {name: convert(sharding, value) for name, value in values.items()}
+        if key in of_key:
+            param = of_key[key]
+            states[key] = {k: convert(sharded[param], v, param) for k, v in values.items()}
     state_dict["state"] = states
 
 
 def _state_to_global(optimizer, state_dict):
-    def convert(sharding, value):
-        plain = isinstance(value, torch.Tensor) and type(value) is torch.Tensor
+    from torch.distributed.tensor import DTensor
+
+    def convert(sharding, value, param):
+        plain = isinstance(value, torch.Tensor) and type(value) in (torch.Tensor, DTensor)
         return sharding.to_global(value) if plain and value.dim() else value
 
     _optimizer_states(optimizer, state_dict, convert)
@@ -498,7 +568,7 @@ def _hook_optimizer(optimizer, args, kwargs) -> None:
         for param, state in optimizer.state.items():
             if param in sharded:
                 for key, value in state.items():
-                    state[key] = sharded[param].to_local(value)
+                    state[key] = sharded[param].to_local(value, param)
         optimizer.register_state_dict_post_hook(_state_to_global)
         optimizer.register_load_state_dict_pre_hook(_state_to_local)
 
