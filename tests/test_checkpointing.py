@@ -194,32 +194,37 @@ def test_policy_saves_only_float8_work_and_extra_ops():
 @pytest.mark.slow
 @inductor_config.patch(emulate_precision_casts=True)
 def test_compiled_checkpointing_is_bitwise_eager_without_checkpointing():
-    # One model, one compile: a layer per recipe under full checkpointing and, for the ones
-    # with state or two casts of the input, under the selective policy too; compiled as a
-    # whole (dynamo traces checkpoint_wrapper into a checkpointed region that the partitioner
-    # recomputes in the backward graph). Grads and float8 state must equal eager's without
+    # A layer per recipe under full checkpointing and, for the ones with state or two casts
+    # of the input, under the selective policy too; each model compiled as a whole (dynamo
+    # traces checkpoint_wrapper into a checkpointed region that the partitioner recomputes
+    # in the backward graph). Grads and float8 state must equal eager's without
     # checkpointing, step by step (DELAYED recompiles once, when precompute_scales first sets
     # its scales). fp32 and no biases: compiled and eager then agree bitwise without
     # checkpointing too (a bias grad is a sum whose order inductor may change), and
     # inductor's vectorized CPU code for a bf16 DELAYED backward is wrong in torch 2.13 (NaN
     # amax records after the first precompute_scales, checkpointing or not; simdlen=1 is
-    # right): see the README's Limitations.
-    torch._dynamo.reset()
-    layout = [(r, "full") for r in [*RECIPES, "mxfp8"]]
-    layout += [("delayed", "selective"), ("rowwise", "selective"), ("mxfp8", "selective")]
-    ref = nn.Sequential(
-        *[
-            convert_to_float8_training(nn.Linear(64, 64, bias=False), config=config(r))
-            for r, _ in layout
-        ]
-    )
-    model = copy.deepcopy(ref)
-    for i, (_, ac) in enumerate(layout):
-        model[i] = AC[ac](model[i])
-    xs = [x.float() for x in inputs()]
-    want = train(ref, ref, xs)
-    got = train(model, torch.compile(model, fullgraph=True), xs)
-    assert_bitwise(got, want)
+    # right): see the README's Limitations. DELAYED's layers in a model of their own, so
+    # that its recompile compiles two layers again, not every recipe's.
+    layouts = [
+        [(r, "full") for r in [*RECIPES, "mxfp8"] if r != "delayed"]
+        + [("rowwise", "selective"), ("mxfp8", "selective")],
+        [("delayed", "full"), ("delayed", "selective")],
+    ]
+    for layout in layouts:
+        torch._dynamo.reset()
+        ref = nn.Sequential(
+            *[
+                convert_to_float8_training(nn.Linear(64, 64, bias=False), config=config(r))
+                for r, _ in layout
+            ]
+        )
+        model = copy.deepcopy(ref)
+        for i, (_, ac) in enumerate(layout):
+            model[i] = AC[ac](model[i])
+        xs = [x.float() for x in inputs()]
+        want = train(ref, ref, xs)
+        got = train(model, torch.compile(model, fullgraph=True), xs)
+        assert_bitwise(got, want)
 
 
 class NormSwiGLU(nn.Module):
@@ -240,19 +245,23 @@ class NormSwiGLU(nn.Module):
 
 @pytest.mark.slow
 @inductor_config.patch(emulate_precision_casts=True)
-def test_compiled_full_checkpointing_of_nvfp4_and_mx_blocks_casts_alike_in_bf16():
-    # Compiled under bf16 autocast, full checkpointing around each block gives the float8
+def test_compiled_full_checkpointing_of_an_nvfp4_block_casts_alike_in_bf16():
+    # Compiled under bf16 autocast, full checkpointing around the block gives the float8
     # results of the same compiled model without it: the output and every float8 Linear's
     # weight gradient bitwise (nvfp4's stochastic rounding draws the same numbers: the same
     # seed before each run). What may differ is hp fp32 math that the checkpointed graph
-    # recomputes in other kernels (the norms' backward: the input and norm-weight gradients,
+    # recomputes in other kernels (the norm's backward: the input and norm-weight gradients,
     # seen ~150 dB apart, fp32 rounding; a recomputed cast that moved a float8 value would
     # cost tens of dB). With emulate_precision_casts, the setting compiled float8 needs to
     # reproduce eager (docs/performance.md): without it inductor keeps a bf16 norm or SiLU
     # output in fp32 inside whichever kernel it fuses it into, and a checkpointed graph fuses
-    # differently (seen: every recipe, tensorwise included, 30-57 dB off).
+    # differently (seen: every recipe, tensorwise included, 30-57 dB off). One nvfp4 block:
+    # the cause is inductor's fusion, not a format, and nvfp4 adds what the others lack
+    # (random draws the recomputation must repeat); an mxfp8 block passed alike in bf16 (a
+    # cold compile of each costs ~90 s) and mxfp8 under compiled full checkpointing stays
+    # bitwise in test_compiled_checkpointing_is_bitwise_eager_without_checkpointing.
     torch.manual_seed(0)
-    ref = nn.Sequential(NormSwiGLU("nvfp4"), NormSwiGLU("mxfp8"))
+    ref = nn.Sequential(NormSwiGLU("nvfp4"))
     model = copy.deepcopy(ref)
     for i in range(len(model)):
         model[i] = checkpoint_wrapper(model[i])
@@ -272,7 +281,7 @@ def test_compiled_full_checkpointing_of_nvfp4_and_mx_blocks_casts_alike_in_bf16(
 
     (want, want_dx, want_grads), (got, got_dx, got_grads) = run(ref), run(model)
     assert torch.equal(want, got)
-    assert want_grads.keys() == got_grads.keys() and len(got_grads) == 6
+    assert want_grads.keys() == got_grads.keys() and len(got_grads) == 3
     for name, g in got_grads.items():
         if name.endswith("norm.weight"):
             assert sqnr(want_grads[name], g) > 120, name

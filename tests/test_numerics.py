@@ -65,10 +65,11 @@ def test_bitwise_torchao(recipe, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bitwise_torchao_compiled(dtype):
-    # inductor may rewrite a division (fp8_max / amax): the scales must stay correctly rounded
-    assert_bitwise_peer(run_both("tensorwise", dtype=dtype, compiled=True), f"compiled {dtype}")
+def test_bitwise_torchao_compiled():
+    # inductor may rewrite a division (fp8_max / amax): the scales must stay correctly rounded.
+    # bf16, as users train (an fp32 run compiles the same scale math: ~25 s more from a cold
+    # cache); eager tensorwise is bitwise torchao in both dtypes (test_bitwise_torchao)
+    assert_bitwise_peer(run_both("tensorwise", dtype=torch.bfloat16, compiled=True), "compiled")
 
 
 def llama_layer_grads(recipe: str, lib) -> tuple[torch.Tensor, ...]:
