@@ -20,6 +20,7 @@ from benchmarks.measures.expert_parallel import (
     ROWWISE,
     _resume_optimizer,
     _resume_steps,
+    _save_then_train_on,
     convert,
     fwd_bwd,
     moe,
@@ -134,25 +135,17 @@ def _global_experts_and_state(m, opt, mesh) -> dict:
 
 
 def _worker_ep_fsdp_save(rank: int, world: int, tmp: str) -> dict:
-    """(dp, ep) = (2, 2): train, save with DCP (``get_state_dict``) and per-rank
-    ``torch.save``, train on (the uninterrupted run); the keys the state_dicts show."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """(dp, ep) = (2, 2): the run a resume must reproduce (its experts and states gathered
+    whole)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
     m = _ep_fsdp_resume_model(mesh)
-    opt = _resume_optimizer(m)
-    _resume_steps(m, opt, rank, world, 0, RESUME_STEPS)
-    msd, osd = get_state_dict(m, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/ckpt")
-    torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, f"{tmp}/ckpt_rank{rank}.pt")
-    keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in msd.items()}
-    optim_keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in osd["state"]["w1"].items()}
-    saved = _global_experts_and_state(m, opt, mesh)
-    outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
-    final = _global_experts_and_state(m, opt, mesh)
-    return {"outs": outs, "saved": saved, "final": final, "keys": keys, "optim_keys": optim_keys}
+
+    def state(m, opt):
+        return _global_experts_and_state(m, opt, mesh)
+
+    return _save_then_train_on(m, _resume_optimizer(m), rank, world, tmp, state)
 
 
 def _worker_ep_fsdp_load(rank: int, world: int, tmp: str) -> dict:

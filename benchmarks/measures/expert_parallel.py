@@ -224,24 +224,30 @@ def _experts_and_state(m, opt) -> dict:
     }
 
 
-def _worker_ep_save(rank: int, world: int, tmp: str) -> dict:
+def _save_then_train_on(m, opt, rank: int, world: int, tmp: str, state) -> dict:
     """Train, save with torch.distributed.checkpoint (model and AdamW state, through
     ``get_state_dict``) and with a per-rank ``torch.save``, train on: the reference to
-    resume."""
+    resume. ``state(m, opt)``: the experts and AdamW states, after the save ("saved") and at
+    the end ("final"); "keys": what the state_dicts show."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    m = _resume_model(dist.group.WORLD)
-    opt = _resume_optimizer(m)
     _resume_steps(m, opt, rank, world, 0, RESUME_STEPS)
     msd, osd = get_state_dict(m, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{tmp}/ckpt")
     torch.save({"model": m.state_dict(), "optim": opt.state_dict()}, f"{tmp}/ckpt_rank{rank}.pt")
     keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in msd.items()}
     optim_keys = {k: (type(v).__name__, tuple(v.shape)) for k, v in osd["state"]["w1"].items()}
-    saved = _experts_and_state(m, opt)
+    saved = state(m, opt)
     outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
-    return {"outs": outs, "saved": saved, "keys": keys, "optim_keys": optim_keys}
+    final = state(m, opt)
+    return {"outs": outs, "saved": saved, "final": final, "keys": keys, "optim_keys": optim_keys}
+
+
+def _worker_ep_save(rank: int, world: int, tmp: str) -> dict:
+    """Expert parallelism over every rank: the run a resume must reproduce."""
+    m = _resume_model(dist.group.WORLD)
+    return _save_then_train_on(m, _resume_optimizer(m), rank, world, tmp, _experts_and_state)
 
 
 def _worker_ep_load(rank: int, world: int, tmp: str) -> dict:
