@@ -27,14 +27,19 @@ from float8kit import (
     precompute_scales,
 )
 from float8kit.cast import kept_cast
-from tests.helpers import count_scaled_mm, sqnr
+from tests.helpers import COMPILE_IS_BITWISE, count_scaled_mm, sqnr
 
 STEPS = 3  # the first step scales DELAYED casts from their own amax, the later from history
 
 
+DIM = 128  # blockwise converts layers whose dims are multiples of 128 only
+
+
 def block(recipe: str) -> nn.Module:
-    b = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64))
-    return convert_to_float8_training(b, config=config(recipe))
+    b = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.ReLU(), nn.Linear(2 * DIM, DIM))
+    b = convert_to_float8_training(b, config=config(recipe))
+    assert isinstance(b[0], Float8Linear) and isinstance(b[2], Float8Linear), recipe
+    return b
 
 
 def sac(module: nn.Module, **kwargs) -> nn.Module:
@@ -93,7 +98,7 @@ def assert_bitwise(got: list, want: list) -> None:
 
 
 def inputs(n=STEPS):
-    return [torch.randn(2, 16, 64, dtype=torch.bfloat16) * (1 + i) for i in range(n)]
+    return [torch.randn(2, 16, DIM, dtype=torch.bfloat16) * (1 + i) for i in range(n)]
 
 
 @pytest.mark.parametrize("ac", list(AC))
@@ -140,7 +145,7 @@ def test_selective_policy_keeps_float8_gemm_outputs(recipe):
     # backward gemms and its grad_output casts. Full checkpointing adds the forward again
     # (one gemm and the input/weight casts per layer); the policy adds no gemm and no cast.
     ref = nn.Sequential(block(recipe), block(recipe)).bfloat16()
-    x = torch.randn(32, 64, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(32, DIM, dtype=torch.bfloat16, requires_grad=True)
     counts, grads = {}, {}
     for ac in ("none", "full", "selective", "selective_casts"):
         model = copy.deepcopy(ref)
@@ -214,10 +219,11 @@ def test_compiled_checkpointing_is_bitwise_eager_without_checkpointing():
         torch._dynamo.reset()
         ref = nn.Sequential(
             *[
-                convert_to_float8_training(nn.Linear(64, 64, bias=False), config=config(r))
+                convert_to_float8_training(nn.Linear(DIM, DIM, bias=False), config=config(r))
                 for r, _ in layout
             ]
         )
+        assert all(isinstance(layer, Float8Linear) for layer in ref)
         model = copy.deepcopy(ref)
         for i, (_, ac) in enumerate(layout):
             model[i] = AC[ac](model[i])
@@ -244,6 +250,11 @@ class NormSwiGLU(nn.Module):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not COMPILE_IS_BITWISE,
+    reason="torch < 2.13's CPU inductor moves an MX/NVFP4 weight gradient under compiled "
+    "full checkpointing in bf16 (docs/limitations.md)",
+)
 @inductor_config.patch(emulate_precision_casts=True)
 def test_compiled_full_checkpointing_of_an_nvfp4_block_casts_alike_in_bf16():
     # Compiled under bf16 autocast, full checkpointing around the block gives the float8
