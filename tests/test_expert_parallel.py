@@ -180,7 +180,7 @@ def test_checkpoint_of_experts_fsdp2_also_shards_resumes_bitwise(tmp_path, monke
     load.mkdir()
     got = spawn("benchmarks.measures.expert_parallel:_worker_ep_load", 2, load)
     for key, value in saved[0]["saved"].items():
-        loaded = torch.cat([r["as_loaded"][key] for r in got])
+        loaded = torch.cat([r["saved"][key] for r in got])
         assert torch.equal(value, loaded), f"(2, 2) -> EP 2: {key}"
 
 

@@ -206,7 +206,7 @@ def _resume_steps(m, opt, rank, world, first_step, steps) -> list[torch.Tensor]:
 
 
 def _experts_and_state(m, opt) -> dict:
-    """This rank's expert weights and their AdamW state (a state loaded by a plain
+    """A copy of this rank's expert weights and their AdamW state (a state loaded by a plain
     ``load_state_dict`` before any step is still the checkpoint's DTensor: its local part,
     which the optimizer's first step takes)."""
     from torch.distributed.tensor import DTensor
@@ -215,7 +215,7 @@ def _experts_and_state(m, opt) -> dict:
         return t._local_tensor if isinstance(t, DTensor) else t
 
     return {
-        **{n: getattr(m, n).detach() for n in ("w1", "w2", "w3")},
+        **{n: getattr(m, n).detach().clone() for n in ("w1", "w2", "w3")},
         **{
             f"{n}.{k}": local(opt.state[getattr(m, n)][k]).clone()
             for n in ("w1", "w2", "w3")
@@ -268,9 +268,8 @@ def _worker_ep_load(rank: int, world: int, tmp: str) -> dict:
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=f"{saved}/ckpt")
         set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
     loaded = _experts_and_state(m, opt)
-    as_loaded = {k: v.clone() for k, v in loaded.items()}  # (the weights train on in place)
     outs = _resume_steps(m, opt, rank, world, RESUME_STEPS, RESUME_STEPS)
-    return {"outs": outs, "saved": loaded, "as_loaded": as_loaded}
+    return {"outs": outs, "saved": loaded}
 
 
 # ---------------------------------------------------------------------------- checkpointing
