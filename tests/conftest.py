@@ -1,9 +1,31 @@
+import gc
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from float8kit import versions
+
+# Under pytest-xdist with two or more workers (make test), each worker runs one torch thread
+# unless OMP_NUM_THREADS says otherwise, and so does every process a test starts: the
+# workers already fill the cores, and a second OpenMP thread per worker only spins against
+# the other worker and the ranks and compilers the tests start.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# What importing torch and float8kit left behind lives until the process ends: out of the
+# garbage collector's reach, no full collection scans it again (inductor's code generation
+# collects often while a compile test runs).
+gc.collect()
+gc.freeze()
+
+
+def pytest_unconfigure(config):
+    gc.unfreeze()  # the interpreter's teardown collects it all, as without the freeze
 
 
 def pytest_collection_modifyitems(config, items):
