@@ -15,10 +15,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 # make test's pytest workers (pytest-xdist), each test file whole on one (its module fixtures
-# start their gloo groups once): one worker per core still leaves a core idle while a test
-# waits on its ranks, g++ or a subprocess starting (two workers kept the two cores ~82% busy
-# on compile tests), so one more than the CI machine's two cores. WORKERS=0: one process.
-WORKERS ?= 3
+# start their gloo groups once): one worker leaves a core idle while dynamo traces, inductor
+# compiles a kernel or a test waits on its ranks. WORKERS=0: one process, as before.
+WORKERS ?= 2
 
 .PHONY: setup demo test lint numbers clean test-torch test-fake-cuda
 
