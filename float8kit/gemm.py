@@ -83,9 +83,12 @@ def _operand_scales(a: Float8TrainingTensor, b: Float8TrainingTensor, rowwise: b
         m, n = a.shape[0], b.shape[1]
         inv_a = inv_a.reshape(-1, 1).expand(m, 1).contiguous()
         inv_b = inv_b.reshape(1, -1).expand(1, n).contiguous()
-    else:
-        # A 0-d scale is left as is: reshape(()) of a 0-d DTensor fails sharding propagation.
-        inv_a, inv_b = (s if s.dim() == 0 else s.reshape(()) for s in (inv_a, inv_b))
+        return inv_a, inv_b
+    # A 0-d scale is left as is: reshape(()) of a 0-d DTensor fails sharding propagation.
+    if inv_a.dim():
+        inv_a = inv_a.reshape(())
+    if inv_b.dim():
+        inv_b = inv_b.reshape(())
     return inv_a, inv_b
 
 
@@ -335,13 +338,13 @@ def _empty(a: Float8TrainingTensor, b: Float8TrainingTensor, out_dtype: torch.dt
 
 def _tensor_or_row_scaled_mm(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
     """The ``scaled`` family: tensorwise and axiswise operands, ``torch._scaled_mm``."""
-    rowwise = a._axiswise_dim is not None or b._axiswise_dim is not None
+    rowwise = a._gran.axiswise_dim is not None or b._gran.axiswise_dim is not None
     if rowwise:
         _check_axes(a, b)
-    if (zeros := _empty(a, b, out_dtype)) is not None:
-        return zeros
     a_data, b_data = a._data, b._data
-    k, n = a.shape[1], b.shape[1]
+    (m, k), n = a_data.shape, b_data.shape[1]
+    if m == 0 or k == 0 or n == 0:  # (as _empty)
+        return torch.zeros((m, n), dtype=out_dtype, device=a_data.device)
     inv_a, inv_b = _operand_scales(a, b, rowwise)
 
     if gemm.emulate:

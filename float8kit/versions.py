@@ -167,9 +167,16 @@ def require_mx_kernels(
 _COMPILED_TRACE: list[bool] = [False]
 
 
+# Inside an eager pass of such a Function (``compiled_trace(False)``), ``eager_direct`` as
+# decided once at its start: nothing a pass runs changes it, and a pass asks about ten times.
+_DIRECT: list[bool | None] = [None]
+
+
 def compiling() -> bool:
     """``torch.compiler.is_compiling()``, also inside an allow_in_graph Function traced for
     a compiled graph (see ``compiled_trace``)."""
+    if _DIRECT[0]:  # an eager pass that runs ops directly is not compiling
+        return False
     return torch.compiler.is_compiling() or _COMPILED_TRACE[0]
 
 
@@ -180,6 +187,9 @@ def eager_direct() -> bool:
     tensors, a flop counter: each sees every op as it always does) and no profiler running
     (a profile shows float8kit's ops as their own events). The same function runs either
     way: only the host time differs."""
+    decided = _DIRECT[0]
+    if decided is not None:
+        return decided
     return (
         not compiling()
         and torch._C._len_torch_dispatch_stack() == 0
@@ -189,9 +199,23 @@ def eager_direct() -> bool:
 
 def compiled_trace(compiled: bool):
     """Runs the body as part of a compiled graph's trace when ``compiled`` (decided by the
-    caller while dynamo traces it): ``compiling()`` is True inside. Nothing otherwise (an
-    eager call's per-call cost)."""
-    return _traced() if compiled else contextlib.nullcontext()
+    caller while dynamo traces it): ``compiling()`` is True inside. Otherwise an eager pass,
+    which decides ``eager_direct`` once for the body."""
+    return _traced() if compiled else _EagerPass()
+
+
+class _EagerPass:
+    """``eager_direct`` fixed for the body (a class, not a generator: an eager call's cost)."""
+
+    __slots__ = ("before",)
+
+    def __enter__(self):
+        self.before = _DIRECT[0]
+        _DIRECT[0] = None  # an enclosing pass's decision is not this one's
+        _DIRECT[0] = eager_direct()
+
+    def __exit__(self, *exc):
+        _DIRECT[0] = self.before
 
 
 @contextlib.contextmanager
