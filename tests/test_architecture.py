@@ -306,9 +306,11 @@ def test_library_lines_only_go_down():
     (rowwise shards of whole blocks, cut_blocks, gradients redistributed to the weight's
     placement); 12,910 -> 12,897, the 4-bit root codec from exponent bits (no table copied to
     a device); 12,897 -> 12,967, checkpoints of experts that EP cuts and FSDP2 shards too (an
-    (ep, dp) mesh from the two groups; their state_dict raised before)."""
+    (ep, dp) mesh from the two groups; their state_dict raised before); 12,967 -> 12,994, an
+    eager pass of the layer's Function decides ``versions.eager_direct`` once instead of at
+    each of its ten or so asks (about 3% less host time per eager tensorwise call)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_967, f"float8kit has {lines} lines"
+    assert lines <= 12_994, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(
