@@ -128,6 +128,16 @@ def _cast_tensorwise_op(hp: torch.Tensor):
     return _cast_tensorwise
 
 
+def tensorwise_data(
+    hp: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, row: bool, col: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An unguarded (DYNAMIC-scale) tensorwise cast of a plain 2-D ``hp`` in eager
+    (``versions.eager_direct``), unwrapped: ``(row-major float8 data, its transpose's
+    row-major data)``, None for a layout not asked; the op ``cast_tensorwise`` runs."""
+    data, data_t, _ = _cast_tensorwise_op(hp)(hp, scale, fp8_dtype, False, row, col, False)
+    return (data if row else None), (data_t if col else None)
+
+
 def fused_cast_applies(
     hp: torch.Tensor,
     gran: Format,
@@ -147,7 +157,13 @@ def fused_cast_applies(
     and then has eager's bits."""
     if versions.compiling() and kind is ScalingType.DYNAMIC:
         return False
-    return gran is TENSORWISE and hp.dim() == 2 and fp8_dtype in (E4M3, E5M2) and type(hp) in _PLAIN
+    return one_pass_format(gran, fp8_dtype) and hp.dim() == 2 and type(hp) in _PLAIN
+
+
+def one_pass_format(gran: Format, fp8_dtype: torch.dtype) -> bool:
+    """Whether ``cast_tensorwise`` writes this format and float8 dtype: tensorwise e4m3fn or
+    e5m2 (what ``fused_cast_applies`` asks of the tensor besides)."""
+    return gran is TENSORWISE and fp8_dtype in (E4M3, E5M2)
 
 
 # A plain tensor, or what stands for one in a trace: AOTAutograd traces an allow_in_graph

@@ -189,10 +189,7 @@ def _kernel_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b, gemm) -> to
     (m, k), n = a_data.shape, b_data.shape[1]
     plan = block_kernel_plan(m, k, n, block_a, block_b, gemm)
     inv_a, inv_b = cuda_block_scales(inv_a, inv_b, plan)
-    if not _is_row_major(a_data):
-        a_data = a_data.contiguous()
-    if not _is_col_major(b_data):
-        b_data = b_data.t().contiguous().t()
+    a_data, b_data = _kernel_layouts(a_data, b_data)
     a_data = _pad_to(_pad_to(a_data, 1, 128), 0, 4)
     b_data = _pad_to(b_data.t(), 1, 128).t()
     out = F.scaled_mm(
@@ -352,10 +349,7 @@ def _tensor_or_row_scaled_mm(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
         return out.to(out_dtype)
 
     plan = kernel_plan(k, n, out_dtype, a_data.is_cuda, rowwise, gemm)
-    if not _is_row_major(a_data):
-        a_data = a_data.contiguous()
-    if not _is_col_major(b_data):
-        b_data = b_data.t().contiguous().t()
+    a_data, b_data = _kernel_layouts(a_data, b_data)
     if plan.pad_inner:
         a_data = _pad_to(a_data, 1, _CUDA_ALIGN)
         b_data = _pad_to(b_data.t(), 1, _CUDA_ALIGN).t()
@@ -371,6 +365,31 @@ def _tensor_or_row_scaled_mm(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
     if plan.pad_out:
         out = out[:, :n]
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def _kernel_layouts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row-major and B column-major, as the kernels take them (a copy only where not)."""
+    if not _is_row_major(a):
+        a = a.contiguous()
+    if not _is_col_major(b):
+        b = b.t().contiguous().t()
+    return a, b
+
+
+def tensorwise_data_mm(a, b, inv_a, inv_b, out_dtype: torch.dtype, use_fast_accum: bool):
+    """``a @ b`` of tensorwise float8 data (2-D, any layouts, 0-d reciprocal scales) in eager
+    (``versions.eager_direct``): the scaled family's kernel call for such operands where no
+    dim needs padding (``direct_dims``)."""
+    a, b = _kernel_layouts(a, b)
+    kernel = _kernel if a.is_cuda else _cpu_scaled_mm
+    return kernel(a, b, inv_a, inv_b, out_dtype, use_fast_accum)
+
+
+def direct_dims(m: int, k: int, n: int, cuda: bool) -> bool:
+    """Whether a layer's three tensorwise gemms on (M, K) tokens and an (N, K) weight run
+    without padding (``kernel_plan``): always on CPU; on CUDA when M, K and N are multiples
+    of 16 (else the scaled family pads the grad_weight gemm's K or raises)."""
+    return not cuda or (m % _CUDA_ALIGN == 0 and k % _CUDA_ALIGN == 0 and n % _CUDA_ALIGN == 0)
 
 
 def _block_family(gemm_of):

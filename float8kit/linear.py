@@ -26,8 +26,10 @@ from float8kit.cast import (
     cast_to_float8,
     is_recomputing,
     kept_cast,
+    one_pass_format,
     recast_with_scale,
     record_amax,
+    tensorwise_data,
 )
 from float8kit.config import (
     GEMM_ROLES,
@@ -37,7 +39,7 @@ from float8kit.config import (
     GemmRole,
     ScalingType,
 )
-from float8kit.gemm import GemmPlan, gemm_plan
+from float8kit.gemm import GemmPlan, direct_dims, gemm_plan, tensorwise_data_mm
 from float8kit.hp_weight import store_plain_weight
 from float8kit.tensor import Float8TrainingTensor, dequantize, is_float8, local
 
@@ -82,6 +84,8 @@ class LayerPlan:
     second_records: tuple[bool, bool, bool]
     # each gemm's name and kernel settings, by name (``config.GEMMS``)
     gemms: dict[str, GemmPlan]
+    # an eager call may run the layer's ops on float8 data directly (``_direct_forward``)
+    direct: bool = False
 
 
 _PLANS: list[LayerPlan] = []
@@ -95,16 +99,16 @@ def plan_of(config: Float8LinearConfig) -> LayerPlan:
         return _PLANS[index]
     c = config
     reuse_input = _reusable(c.cast_config_input, c.cast_config_input_for_grad_weight)
+    reuse_weight = _reusable(c.cast_config_weight, c.cast_config_weight_for_grad_input, True)
+    reuse_grad_output = _reusable(
+        c.cast_config_grad_output, c.cast_config_grad_output_for_grad_weight
+    )
     plan = LayerPlan(
         config=c,
         index=len(_PLANS),
         reuse_input=reuse_input,
-        reuse_weight=_reusable(
-            c.cast_config_weight, c.cast_config_weight_for_grad_input, weight=True
-        ),
-        reuse_grad_output=_reusable(
-            c.cast_config_grad_output, c.cast_config_grad_output_for_grad_weight
-        ),
+        reuse_weight=reuse_weight,
+        reuse_grad_output=reuse_grad_output,
         weight_format=formats.weight(c.cast_config_weight),
         stateful=any(c.stateful_cast(r) for r in GEMM_ROLES),
         delayed_warn_after=c.stale_delayed_warn_after if state.has_delayed(c) else None,
@@ -115,10 +119,23 @@ def plan_of(config: Float8LinearConfig) -> LayerPlan:
             for first, _ in (c.operand_uses()[role] for role in GEMM_ROLES)
         ),
         gemms={g.name: gemm_plan(c, g.name) for g in GEMMS},
+        direct=reuse_input and reuse_weight and reuse_grad_output and _direct_config(c),
     )
     _PLANS.append(plan)
     _PLAN_INDEX[config] = plan.index
     return plan
+
+
+def _direct_config(c: Float8LinearConfig) -> bool:
+    """Whether every operand's one cast (``_reusable``) is DYNAMIC and the one-pass tensorwise
+    cast's, with no emulation or padding: then an eager call's ops need no float8 tensor
+    around them (``_direct_forward``)."""
+    return not (c.emulate or c.pad_inner_dim) and all(
+        cast.scaling_type is ScalingType.DYNAMIC
+        and one_pass_format(formats.of(cast, role, -1, 2), cast.dtype_for(role))
+        for role, (first, _) in c.operand_uses().items()
+        for cast in (getattr(c, first),)
+    )
 
 
 def _weight_for_grad_input(
@@ -318,6 +335,9 @@ class _Float8Matmul(torch.autograd.Function):
             if ctx.empty:
                 ctx.shapes = (x_shape, weight.shape, weight.device)
                 return input_hp.new_zeros((*lead, weight.shape[0]))
+            ctx.direct = plan.direct and _direct_call(input_hp, weight)
+            if ctx.direct:
+                return _unflatten(_direct_forward(ctx, input_hp, weight, plan, share), lead)
             weight_is_fp8 = is_float8(weight)
             # An FSDP2 weight gathered one copy per pass (MX) as its backward re-gather left it
             # in a forward that activation checkpointing recomputes: the output gemm gathers its
@@ -417,9 +437,7 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.plan = plan
             ctx.w_state = (w_scale, w_amax if w_records else None, w_set)
             ctx.go_state = (go_scale, go_amax, go_set)
-            # _unsafe_view, as torch.matmul does: no view (FSDP2 warns on a module returning one)
-            shape = (*lead, output.shape[1])
-            return output if len(lead) == 1 else torch.ops.aten._unsafe_view(output, shape)
+            return _unflatten(output, lead)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -438,11 +456,14 @@ class _Float8Matmul(torch.autograd.Function):
                 return grad_input, grad_weight, *(None,) * 6
             plan = ctx.plan
             c = plan.config
-            x_saved, w_saved, w_scale_kept = ctx.saved_tensors
             lead = grad_output.shape[:-1]
             if len(lead) != 1:
                 grad_output = grad_output.reshape(-1, grad_output.shape[-1])
             grad_output = grad_output.contiguous()
+            if ctx.direct:
+                grad_input, grad_weight = _direct_backward(ctx, grad_output, plan)
+                return _unflatten(grad_input, lead), grad_weight, *(None,) * 6
+            x_saved, w_saved, w_scale_kept = ctx.saved_tensors
 
             # grad_input = grad_output @ weight, reducing N
             go_cast = c.cast_config_grad_output
@@ -485,9 +506,93 @@ class _Float8Matmul(torch.autograd.Function):
             else:
                 grad_weight = torch.mm(grad_output.t(), dequantize(x_saved).to(grad_output.dtype))
                 grad_weight = grad_weight.to(ctx.w_dtype)
-            if len(lead) != 1:
-                grad_input = grad_input.reshape(*lead, grad_input.shape[-1])
-            return grad_input, grad_weight, *(None,) * 6
+            return _unflatten(grad_input, lead), grad_weight, *(None,) * 6
+
+
+def _unflatten(out: torch.Tensor, lead: torch.Size) -> torch.Tensor:
+    """A gemm's (M, X) result with the input's leading dims ``lead`` back. _unsafe_view, as
+    torch.matmul does: no view (FSDP2 warns on a module returning one)."""
+    return out if len(lead) == 1 else torch.ops.aten._unsafe_view(out, (*lead, out.shape[1]))
+
+
+# ---------------------------------------------------------------------------- eager, direct
+#
+# A ``plan.direct`` layer (every operand cast once, DYNAMIC, by the one-pass tensorwise cast)
+# called eagerly on plain tensors runs the same ops as the path above, on the float8 data
+# itself: no Float8TrainingTensor per operand and per transpose, no per-gemm routing (the
+# host time of an eager call, numbers/bench_overhead.json). Bitwise the path above (the
+# golden hashes, tests/test_linear). Everything else takes that path: a compiled trace, a
+# torch dispatch mode or profiler (``versions.eager_direct``), autocast, saved-tensor hooks
+# (activation checkpointing), a subclass input or weight (TP, FSDP2's float8 all-gather),
+# and on CUDA dims its kernels would pad or refuse.
+
+_DIRECT_WEIGHTS = (torch.Tensor, nn.Parameter)
+
+
+def _direct_call(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this call of a ``plan.direct`` layer on the (M, K) ``x`` runs direct."""
+    return (
+        _RECAST_WEIGHT
+        and versions.eager_direct()
+        and type(x) is torch.Tensor
+        and type(weight) in _DIRECT_WEIGHTS
+        and not torch._C._is_any_autocast_enabled()
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        and weight.numel() > 0
+        and direct_dims(x.shape[0], x.shape[1], weight.shape[0], x.is_cuda)
+    )
+
+
+def _dynamic_scale(hp: torch.Tensor, fp8_dtype: torch.dtype, c: Float8LinearConfig):
+    return scaling.amax_to_scale(scaling.amax(hp), fp8_dtype, c.round_scales_to_power_of_2)
+
+
+def _direct_forward(ctx, x, weight, plan: LayerPlan, share) -> torch.Tensor:
+    """The output gemm of a direct call; saves its input's float8 transpose (the grad_weight
+    gemm's operand) and scale, the hp weight and its scale. The input's cast is shared with
+    the other layers reading ``share`` as in ``input_for_backward``."""
+    c = plan.config
+    x_cast, need_w = c.cast_config_input, ctx.needs_input_grad[1]
+    hit = shared_cast.lookup(share, x_cast, -1, c, x.dtype)
+    if hit is not None:  # the float8 copy another layer kept: (M, K), its layout
+        x_scale, x_data = hit[0]._scale, hit[0]._data
+        x_t = x_data.t() if need_w else None
+    else:
+        x_dtype = x_cast.dtype_for(GemmRole.INPUT)
+        x_scale = _dynamic_scale(x, x_dtype, c)
+        x_data, x_t = tensorwise_data(x, x_scale, x_dtype, True, need_w)
+        if need_w:
+            fmt = formats.of(x_cast, GemmRole.INPUT, -1, 2)
+            kept = Float8TrainingTensor(x_t.t(), x_scale, x.dtype, GemmRole.INPUT, fmt, c)
+            shared_cast.store(share, x_cast, -1, c, x.dtype, kept)
+    ctx.w_fp8_dtype = c.cast_config_weight.dtype_for(GemmRole.WEIGHT)
+    w_scale = _dynamic_scale(weight, ctx.w_fp8_dtype, c)
+    w_data, _ = tensorwise_data(weight, w_scale, ctx.w_fp8_dtype, True, False)
+    # what the path above keeps (its input copy holds the data and x_scale): the same bytes
+    ctx.save_for_backward(x_t, x_scale, weight, w_scale)
+    ctx.plan = plan
+    fast = plan.gemms["output"].use_fast_accum
+    inv_x, inv_w = scaling.inverse(x_scale), scaling.inverse(w_scale)
+    return tensorwise_data_mm(x_data, w_data.t(), inv_x, inv_w, x.dtype, fast)
+
+
+def _direct_backward(ctx, grad_output: torch.Tensor, plan: LayerPlan) -> tuple:
+    """The grad_input and grad_weight gemms of a direct call (grad_weight None for a frozen
+    weight); the weight re-cast with the scale forward used."""
+    x_t, x_scale, weight, w_scale = ctx.saved_tensors
+    c, gemms = plan.config, plan.gemms
+    go_dtype = c.cast_config_grad_output.dtype_for(GemmRole.GRAD_OUTPUT)
+    go_scale = _dynamic_scale(grad_output, go_dtype, c)
+    go_data, go_t = tensorwise_data(grad_output, go_scale, go_dtype, True, x_t is not None)
+    _, w_t = tensorwise_data(weight, w_scale, ctx.w_fp8_dtype, False, True)
+    inv_go, inv_w = scaling.inverse(go_scale), scaling.inverse(w_scale)
+    fast = gemms["grad_input"].use_fast_accum
+    grad_input = tensorwise_data_mm(go_data, w_t.t(), inv_go, inv_w, grad_output.dtype, fast)
+    if x_t is None:
+        return grad_input, None
+    fast = gemms["grad_weight"].use_fast_accum
+    inv_x = scaling.inverse(x_scale)
+    return grad_input, tensorwise_data_mm(go_t, x_t.t(), inv_go, inv_x, weight.dtype, fast)
 
 
 # The FSDP2 float8 all-gather: float8kit.distributed.fsdp (a layer above this module)

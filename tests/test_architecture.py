@@ -308,9 +308,11 @@ def test_library_lines_only_go_down():
     a device); 12,897 -> 12,967, checkpoints of experts that EP cuts and FSDP2 shards too (an
     (ep, dp) mesh from the two groups; their state_dict raised before); 12,967 -> 12,994, an
     eager pass of the layer's Function decides ``versions.eager_direct`` once instead of at
-    each of its ten or so asks (about 3% less host time per eager tensorwise call)."""
+    each of its ten or so asks (about 3% less host time per eager tensorwise call); 12,994
+    -> 13,134, the eager direct path: a tensorwise DYNAMIC layer's ops on the float8 data
+    itself (about a fifth less host time per eager tensorwise call)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 12_994, f"float8kit has {lines} lines"
+    assert lines <= 13_134, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

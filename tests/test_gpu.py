@@ -318,3 +318,26 @@ def test_low_bit_optimizer_step_copies_nothing_from_the_host(name):
         else:
             opt.step()
     assert mode.copies == []
+
+
+@pytest.mark.parametrize("tokens", [64, 40])
+def test_cuda_eager_direct_path_is_bitwise_the_general_one(tokens, monkeypatch):
+    # an eager tensorwise call runs its ops on the float8 data directly where no gemm pads
+    # (40 tokens: the grad_weight gemm's K is padded, so the general path runs)
+    import float8kit.linear as linear_mod
+
+    ran, forward = [], linear_mod._direct_forward
+    decide = linear_mod._direct_call
+    monkeypatch.setattr(linear_mod, "_direct_forward", lambda *a: ran.append(1) or forward(*a))
+    base = mlp().cuda().bfloat16()
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(tokens, 1024, device="cuda")
+    got = []
+    for direct in (decide, lambda *a: False):
+        monkeypatch.setattr(linear_mod, "_direct_call", direct)
+        f8 = convert_to_float8_training(copy.deepcopy(base))
+        got.append(fwd_bwd(f8, x, grad))
+    assert len(ran) == (2 if tokens % 16 == 0 else 0)
+    (out, gx, gw), (out_ref, gx_ref, gw_ref) = got
+    assert torch.equal(out, out_ref) and torch.equal(gx, gx_ref)
+    assert all(torch.equal(gw[k], gw_ref[k]) for k in gw_ref)

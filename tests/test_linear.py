@@ -2,6 +2,7 @@
 
 import contextlib
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -343,3 +344,104 @@ def test_eager_direct_calls_are_bitwise_the_dispatched_ones(recipe, autocast):
             assert mode.ops.count(torch.ops.aten.mm.default) == 3
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------- eager, direct
+
+
+def _direct_runs(monkeypatch, direct: bool) -> list:
+    """Switch the direct path (``linear._direct_call``) on as it decides, or off; returns the
+    list each direct forward appends to (so a test sees that the path it compares ran)."""
+    import float8kit.linear as linear_mod
+
+    ran, decide, forward = [], linear_mod._direct_call, linear_mod._direct_forward
+
+    def spy(ctx, *args):
+        ran.append(args[0].shape)
+        return forward(ctx, *args)
+
+    monkeypatch.setattr(linear_mod, "_direct_call", decide if direct else lambda *a: False)
+    monkeypatch.setattr(linear_mod, "_direct_forward", spy)
+    return ran
+
+
+def _three_readers(recipes_, dtype, k, n, weight_t, frozen, x_grad):
+    """Layers (one per recipe) reading one input, their outputs summed: a shared cast."""
+    torch.manual_seed(0)
+    layers = []
+    for recipe in recipes_:
+        w = torch.randn(n, k, dtype=dtype) * 0.1
+        lin = nn.Linear(k, n, bias=True).to(dtype)
+        lin.weight = nn.Parameter(w.t().contiguous().t() if not weight_t else w.t().clone().t())
+        layers.append(Float8Linear.from_float(lin, Float8LinearConfig.from_recipe_name(recipe)))
+        layers[-1].weight.requires_grad_(not frozen)
+    return layers
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["bf16-3d", "fp32-48x40", "fp16", "frozen-weight", "no-input-grad", "weight-transposed",
+     "shared-by-three", "shared-with-rowwise", "pow2", "inf", "nan", "zeros"],
+)  # fmt: skip
+def test_eager_direct_path_is_bitwise_the_general_one(case, monkeypatch):
+    # a tensorwise DYNAMIC layer called eagerly on plain tensors runs its ops on the float8
+    # data (no float8 tensor per operand): the general path's bits, and the general path
+    # runs where it must (here: every other recipe)
+    dtype = {"fp32-48x40": torch.float32, "fp16": torch.float16}.get(case, torch.bfloat16)
+    k, n = (48, 40) if case == "fp32-48x40" else (64, 32)
+    recipes_ = {"shared-by-three": ["tensorwise"] * 3}.get(case, ["tensorwise"])
+    if case == "shared-with-rowwise":
+        recipes_ = ["tensorwise", "rowwise", "tensorwise"]
+    shape = (2, 8, k) if case == "bf16-3d" else (16, k)
+    results, direct_calls = [], []
+    for direct in (True, False):
+        ran = _direct_runs(monkeypatch, direct)
+        layers = _three_readers(
+            recipes_, dtype, k, n, case == "weight-transposed", case == "frozen-weight", True
+        )
+        if case == "pow2":
+            layers = [
+                Float8Linear.from_float(
+                    nn.Linear(k, n).to(dtype),
+                    dataclasses.replace(
+                        Float8LinearConfig.from_recipe_name("tensorwise"),
+                        round_scales_to_power_of_2=True,
+                    ),
+                )
+            ]
+        torch.manual_seed(1)
+        x = torch.randn(shape, dtype=dtype) * 3
+        if case in ("inf", "nan"):
+            x[0, 3] = math.inf if case == "inf" else math.nan
+        if case == "zeros":
+            x.zero_()
+        x.requires_grad_(case != "no-input-grad")
+        out = sum(lin(x) for lin in layers)
+        out.float().square().sum().backward()
+        grads = [p.grad for lin in layers for p in lin.parameters()]
+        results.append([out, x.grad, *grads])
+        direct_calls.append(len(ran))
+    tensorwise = sum(r == "tensorwise" for r in recipes_) if case != "pow2" else 1
+    assert direct_calls == [tensorwise, 0]
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    for got, want in zip(*results, strict=True):  # bit for bit, NaNs included
+        assert (got is None and want is None) or torch.equal(
+            got.detach().view(bits[got.dtype]), want.detach().view(bits[want.dtype])
+        )
+
+
+def test_eager_direct_path_stays_off_where_the_general_one_must_run(monkeypatch):
+    # autocast, activation checkpointing's saved-tensor hooks, a torch dispatch mode (a
+    # checkpoint policy, fake tensors, the profiler) and torch.compile take the general path
+    ran = _direct_runs(monkeypatch, True)
+    _, f8 = layer("tensorwise", k=64, n=32)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    f8(x).sum().backward()
+    assert len(ran) == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        f8(x).sum().backward()
+    torch.utils.checkpoint.checkpoint(f8, x, use_reentrant=False).sum().backward()
+    with _Dispatched():
+        f8(x).sum().backward()
+    torch.compile(f8)(x).sum().backward()
+    assert len(ran) == 1
