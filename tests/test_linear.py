@@ -365,14 +365,15 @@ def _direct_runs(monkeypatch, direct: bool) -> list:
     return ran
 
 
-def _three_readers(recipes_, dtype, k, n, weight_t, frozen, x_grad):
-    """Layers (one per recipe) reading one input, their outputs summed: a shared cast."""
+def _three_readers(recipes_, dtype, k, n, weight_t, frozen):
+    """Layers (one per recipe) reading one input, their outputs summed: a shared cast.
+    ``weight_t``: weights stored transposed (``nn.Parameter(w.t())``'s strides)."""
     torch.manual_seed(0)
     layers = []
     for recipe in recipes_:
         w = torch.randn(n, k, dtype=dtype) * 0.1
         lin = nn.Linear(k, n, bias=True).to(dtype)
-        lin.weight = nn.Parameter(w.t().contiguous().t() if not weight_t else w.t().clone().t())
+        lin.weight = nn.Parameter(w.t().contiguous().t() if weight_t else w)
         layers.append(Float8Linear.from_float(lin, Float8LinearConfig.from_recipe_name(recipe)))
         layers[-1].weight.requires_grad_(not frozen)
     return layers
@@ -397,7 +398,7 @@ def test_eager_direct_path_is_bitwise_the_general_one(case, monkeypatch):
     for direct in (True, False):
         ran = _direct_runs(monkeypatch, direct)
         layers = _three_readers(
-            recipes_, dtype, k, n, case == "weight-transposed", case == "frozen-weight", True
+            recipes_, dtype, k, n, case == "weight-transposed", case == "frozen-weight"
         )
         if case == "pow2":
             layers = [
