@@ -67,13 +67,14 @@ def bytes_per_param(name: str, lib: str = "float8kit") -> float:
 
 def _mlp_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
     """Step ``step``'s synthetic gradients of ``model``: rows of very different magnitudes,
-    the same for every optimizer (so the updates compare directly), made on the CPU (the
-    same on any device) and moved to each parameter's."""
-    g = torch.Generator().manual_seed(10_000 + step)
+    the same for every optimizer (so the updates compare directly), made on the parameters'
+    device (a GPU's Llama-sized weights would wait seconds per step for the CPU's)."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device=device).manual_seed(10_000 + step)
     out = []
     for p in model.parameters():
-        rows = torch.exp(torch.randn(p.shape[0], *[1] * (p.dim() - 1), generator=g))
-        out.append((torch.randn(p.shape, generator=g) * rows * 1e-2).to(p.device))
+        rows = torch.exp(torch.randn(p.shape[0], *[1] * (p.dim() - 1), generator=g, device=device))
+        out.append(torch.randn(p.shape, generator=g, device=device) * rows * 1e-2)
     return out
 
 

@@ -80,8 +80,9 @@ CHUNK_ELEMENTS = 2**24
 def _adamw(param, grad, m, v, group: dict, step: float) -> tuple[torch.Tensor, ...]:
     """AdamW's step in fp32: the new (parameter, m, v, sqrt(v)) from ``param``, ``grad`` and
     the decoded ``m``, ``v`` (same shapes). Only correctly rounded elementwise operations (no
-    fused multiply-add, no lerp), so an element's result does not depend on the length of
-    the shard it sits in."""
+    fused multiply-add, no lerp, no division by a Python number: ``states.divide``), so an
+    element's result does not depend on the length of the shard it sits in, nor on the
+    device."""
     beta1, beta2 = group["betas"]
     lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
     grad = grad.to(torch.float32)
@@ -93,7 +94,7 @@ def _adamw(param, grad, m, v, group: dict, step: float) -> tuple[torch.Tensor, .
     x = param.to(torch.float32)
     if wd:
         x = x * (1 - lr * wd)
-    denom = root / math.sqrt(1 - beta2**step) + eps
+    denom = states.divide(root, math.sqrt(1 - beta2**step)) + eps
     return x - (m / denom) * (lr / (1 - beta1**step)), m, v, root
 
 

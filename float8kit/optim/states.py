@@ -20,7 +20,8 @@ What is kept, and why:
   scale (a tie goes up).
 
 Rounding is to nearest everywhere (deterministic: every rank and every resumed run agrees).
-Encoding and decoding are elementwise IEEE operations, conversions, comparisons and table
+Encoding and decoding are elementwise IEEE operations (a division by a constant goes through
+``divide``, correctly rounded on every device), conversions, comparisons and table
 lookups only (the one exp2, e2m1's decode, of whole numbers: exact; no other transcendental
 function, whose vectorized and scalar implementations may differ in the last bit), so an
 element's codes do not depend on where it sits in a shard.
@@ -72,6 +73,13 @@ def _root4(q: torch.Tensor) -> torch.Tensor:
     return torch.where(q <= 0, 15, k).clamp_(0, 15).to(torch.uint8)
 
 
+def divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``x / divisor`` correctly rounded on every device. CUDA divides by a Python number (a
+    CPU scalar) as a multiply by its reciprocal, which can be an ulp off the CPU's division;
+    a 0-dim divisor on ``x``'s device is divided by on both."""
+    return x / torch.full((), divisor, dtype=x.dtype, device=x.device)
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """How one state's elements become codes: ``encode`` takes fp32 values already divided
@@ -106,7 +114,7 @@ def quantize(x: torch.Tensor, codec: Codec, block: int) -> tuple[torch.Tensor, t
     (rows, cols) ``x``. A block of zeros has scale 0 (it decodes to zeros, whatever its
     codes); a NaN or inf element makes its block's scale NaN or inf, so the whole block
     decodes non-finite: never saturated away."""
-    scale = scaling.block_amax(x, (1, block)) / codec.largest
+    scale = divide(scaling.block_amax(x, (1, block)), codec.largest)
     divisor = torch.where(scale == 0, 1.0, scale)
     q = x / scaling.expand_block_scale(divisor, (1, block), x.shape)
     codes = codec.encode(q)
