@@ -310,9 +310,11 @@ def test_library_lines_only_go_down():
     eager pass of the layer's Function decides ``versions.eager_direct`` once instead of at
     each of its ten or so asks (about 3% less host time per eager tensorwise call); 12,994
     -> 13,134, the eager direct path: a tensorwise DYNAMIC layer's ops on the float8 data
-    itself (about a fifth less host time per eager tensorwise call)."""
+    itself (about a fifth less host time per eager tensorwise call); 13,134 -> 13,143, the
+    low-bit optimizers divide by constants as device tensors (CUDA's division by a Python
+    number is a multiply by its reciprocal)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 13_134, f"float8kit has {lines} lines"
+    assert lines <= 13_143, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(
