@@ -280,7 +280,52 @@ def test_low_bit_optimizer_on_cuda_is_the_cpu_step_bitwise(name):
             p.grad = grads[n].cuda()
         opt.step()
     for n, p in model.named_parameters():
-        assert torch.equal(p.detach().cpu(), cpu[n]), n
+        got = p.detach().cpu()
+        assert torch.equal(got, cpu[n]), (n, int((got != cpu[n]).sum()), got.numel())
+
+
+def test_low_bit_optimizer_stages_on_cuda_are_the_cpu_stages_bitwise():
+    """Each stage of a quantized parameter's step on the same inputs, CPU vs CUDA (fp32 bit
+    patterns, codes): a mismatch of the whole step (above) names its operation here. Every
+    stage takes the CPU's inputs, so one stage's difference does not spread to the next."""
+    from benchmarks.measures import optim as measure
+    from float8kit import scaling
+    from float8kit.optim import adamw, states
+
+    param, grad = measure._Params(0).a.detach(), measure.global_grads(0)["a"]
+    m, v = grad * 0.37, grad * grad * 0.5  # states of an earlier step
+    group = dict(betas=(0.9, 0.999), lr=1e-2, weight_decay=0.1, eps=1e-8, maximize=False)
+    root_prev = torch.sqrt(v)
+
+    def stages(device: str, cpu: dict | None) -> dict:
+        at = lambda t: t.to(device)  # noqa: E731
+        out = {
+            "divide": states.divide(at(grad), 448.0),
+            "mul scalar": at(m) * 0.9,
+            "sqrt": torch.sqrt(at(v)),
+            "div": at(m) / (at(root_prev) + 1e-8),
+            "square": at(root_prev) ** 2,
+        }
+        x, m1, v1, root = adamw._adamw(at(param), at(grad), at(m), at(v), group, 3.0)
+        out.update({"adamw x": x, "adamw m": m1, "adamw v": v1, "adamw root": root})
+        m1, root = (cpu["adamw m"], cpu["adamw root"]) if cpu else (m1, root)
+        out["block amax"] = scaling.block_amax(at(m1), (1, 128))
+        for codec in (states.E4M3_CODEC, states.E4M3_ROOT, states.E2M1_CODEC, states.ROOT4):
+            value = at(m1 if codec in (states.E4M3_CODEC, states.E2M1_CODEC) else root)
+            codes, scale = states.quantize(value, codec, 128)
+            out[f"{codec.name} codes"], out[f"{codec.name} scales"] = codes, scale
+            codes, scale = (cpu[f"{codec.name} {k}"] for k in ("codes", "scales")) if cpu else (
+                codes, scale)  # fmt: skip
+            out[f"{codec.name} decoded"] = states.dequantize(
+                at(codes), at(scale), codec, 128, value.shape[1]
+            )
+        return {k: t.cpu() for k, t in out.items()}
+
+    cpu = stages("cpu", None)
+    cuda = stages("cuda", cpu)
+    bits = lambda t: t.view(torch.int32) if t.dtype == torch.float32 else t  # noqa: E731
+    differ = {k: int((bits(cpu[k]) != bits(cuda[k])).sum()) for k in cpu}
+    assert {k: n for k, n in differ.items() if n} == {}, "elements that differ per stage"
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])

@@ -224,10 +224,15 @@ class AccRun:
 
 # 2026-11-27: both parts, then two training-step calls; the JSON names the device copy's
 # stale HEAD (222957e, "dirty": the copy kept the session's first git metadata).
-ACC_PREVIOUS = AccRun("2026-11-27-nvidia-h200", "9744355", ("train_ao.json", "train.json"))
+ACC_FIRST = AccRun("2026-11-27-nvidia-h200", "9744355", ("train_ao.json", "train.json"))
 # 2026-11-29: part 1 and the training step, then the rest of part 2; "dirty" is the
-# untracked .whl/ folder of wheels alone (acceptance/git_status.txt).
-ACC = AccRun("2026-11-29-nvidia-h200", "952f326", ("train.json", "train_rowwise.json"))
+# untracked .whl/ folder of wheels alone (acceptance/git_status.txt). Its folder also holds
+# the cast-op probe of that lease.
+ACC_PREVIOUS = AccRun("2026-11-29-nvidia-h200", "952f326", ("train.json", "train_rowwise.json"))
+# 2026-11-30: part 1, then part 2 (acceptance/calls_times.txt); the JSON names the device
+# copy's git metadata (8c3c792, "dirty": the session's first HEAD) while the tree was
+# c02bc34's (acceptance/git_status.txt lists the files it changed).
+ACC = AccRun("2026-11-30-nvidia-h200", "c02bc34", ("train.json", "train_rowwise.json"))
 SEED_SHAPE = (4096, 8192, 16384)
 
 # The GPU acceptance targets, checked against the run (the thresholds of the acceptance run)
@@ -241,13 +246,18 @@ def gpu_acc(rel: str, run: AccRun = ACC) -> dict:
     return json.loads(run.path(rel).read_text())
 
 
-def gpu_acc_caption(rel: str, run: AccRun = ACC) -> str:
+def gpu_acc_caption(rel: str, run: AccRun = ACC, tree: str | None = None) -> str:
     d = gpu_acc(rel, run)
     path = run.path(rel).relative_to(REPO)
     return (
         f"`{d['command']}`: {d['device']}; torch {d['torch']}, torchao {d['torchao']}; "
-        f"float8kit {run.tree}; {d['date'][:10]}; [{path}](/{path})"
+        f"float8kit {tree or run.tree}; {d['date'][:10]}; [{path}](/{path})"
     )
+
+
+# 2026-11-30's third call (optim/): the low-bit optimizers after the CUDA division fix, on
+# the tree of this commit's library and benchmarks (its JSON names the device copy's HEAD)
+ACC_OPTIM_TREE = "efee979"
 
 
 def _acc_linear_rows(run: AccRun) -> list[dict]:
@@ -468,14 +478,14 @@ def gpu_cast_op_probe_table() -> str:
     """The opaque weight cast on and off under compile, beside torchao (cast_op_probe/)."""
     rows = []
     for rel in ("cast_op_probe/probe_a.json", "cast_op_probe/probe_b.json"):
-        d = gpu_acc(rel)
+        d = gpu_acc(rel, ACC_PREVIOUS)
         for r in d["rows"]:
             rows.append(
                 [f"{r['M']}x{r['K']}x{r['N']}"]
                 + [_x(r[f"{v}_vs_ao_{t}"]) for t in ("b2b", "sync") for v in ("fk", "fk_noop")]
                 + ["yes" if r["noop_bitwise"] else "**no**"]
             )
-    path = ACC.path("cast_op_probe").relative_to(REPO)
+    path = ACC_PREVIOUS.path("cast_op_probe").relative_to(REPO)
     return (
         f"`probe.py` in [{path}](/{path}/README.md): {d['device']}, torch {d['torch']}; "
         "float8kit 8f85b28; compiled fwd+bwd of one Linear, tensorwise; torchao's time / "
@@ -493,6 +503,49 @@ def gpu_cast_op_probe_table() -> str:
             rows,
         )
     )
+
+
+def gpu_acc_optim_table(run: AccRun = ACC) -> str:
+    """bench_optim on the card: the low-bit optimizers' step beside fp32 AdamW and torchao."""
+    d = gpu_acc("optim/optim.json", run)
+    rows = [
+        [
+            r["optimizer"],
+            f(r["step_ms"], ".2f"),
+            f(r["adamw_step_ms"], ".2f"),
+            _x(r["over_adamw"]),
+            f(r["bytes_per_param"], ".3f"),
+            f(r["update_sqnr_db"]),
+        ]
+        for r in d["rows"]
+    ]
+    dim, hidden = d["dims"]
+    return (
+        f"{gpu_acc_caption('optim/optim.json', run, ACC_OPTIM_TREE)}; weights of a Llama "
+        f"layer ({dim}x{dim} x 2, {hidden}x{dim}, {dim}x{hidden}), median step after 3 "
+        f"warm-up of {d['steps']}\n\n"
+        + table(
+            [
+                "optimizer",
+                "step ms",
+                "fp32 AdamW step ms",
+                "over fp32 AdamW",
+                "state bytes / param",
+                f"update SQNR after {d['steps']} steps (dB)",
+            ],
+            rows,
+        )
+    )
+
+
+def _acc_optim(optimizer: str) -> Callable[[], str]:
+    """``optimizer``'s step time over fp32 AdamW's on the card."""
+
+    def get() -> str:
+        (r,) = [r for r in gpu_acc("optim/optim.json")["rows"] if r["optimizer"] == optimizer]
+        return _x(r["over_adamw"])
+
+    return get
 
 
 def _acc_pytest(log: str) -> Callable[[], str]:
@@ -2113,6 +2166,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "gpu_acc_precompute": gpu_acc_precompute_table,
     "gpu_cast_op_probe": gpu_cast_op_probe_table,
     "gpu_acc_targets_previous": lambda: gpu_acc_targets_table(ACC_PREVIOUS),
+    "gpu_acc_targets_first": lambda: gpu_acc_targets_table(ACC_FIRST),
+    "gpu_acc_optim": gpu_acc_optim_table,
 }
 
 
@@ -2231,6 +2286,11 @@ INLINE: dict[str, Callable[[], str]] = {
     ),
     "gpu_acc.gpu_tests": _acc_pytest("gpu_tests.log"),
     "gpu_acc.memory_tests": _acc_pytest("memory.log"),
+    "gpu_acc.optim_tests": _acc_pytest("../optim/optim_tests.log"),
+    "gpu_acc.adamw8bit_fk": _acc_optim("float8kit adamw8bit"),
+    "gpu_acc.adamw8bit_ao": _acc_optim("torchao adamw8bit"),
+    "gpu_acc.adamw4bit_fk": _acc_optim("float8kit adamw4bit"),
+    "gpu_acc.adamw4bit_ao": _acc_optim("torchao adamw4bit"),
     "gpu_acc.tensorwise_fk": _acc_speedup("tensorwise", "float8kit"),
     "gpu_acc.tensorwise_ao": _acc_speedup("tensorwise", "torchao"),
     "gpu_acc.tensorwise_fk_synced": _acc_speedup("tensorwise", "float8kit", synced=True),
