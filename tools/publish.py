@@ -548,13 +548,14 @@ def _acc_optim(optimizer: str) -> Callable[[], str]:
     return get
 
 
-def _acc_pytest(log: str) -> Callable[[], str]:
-    """The "N passed" (and any failures) of a committed pytest log's summary line."""
+def _acc_pytest(rel: str) -> Callable[[], str]:
+    """The "N passed" (and any failures) of a committed pytest log's summary line (``rel``
+    under the run's folder)."""
 
     def get() -> str:
-        last = ACC.path(f"acceptance/{log}").read_text().strip().splitlines()[-1]
+        last = ACC.path(rel).read_text().strip().splitlines()[-1]
         counts = re.findall(r"(\d+ (?:passed|failed|error))", last)
-        assert counts, f"{log}: no pytest summary in {last!r}"
+        assert counts, f"{rel}: no pytest summary in {last!r}"
         return ", ".join(counts)
 
     return get
@@ -2284,9 +2285,9 @@ INLINE: dict[str, Callable[[], str]] = {
     "gpu.compile_sqnr": lambda: "{:.0f} dB".format(
         gpu_result("compile_precision.json")["rows"][0]["out_sqnr_db"]
     ),
-    "gpu_acc.gpu_tests": _acc_pytest("gpu_tests.log"),
-    "gpu_acc.memory_tests": _acc_pytest("memory.log"),
-    "gpu_acc.optim_tests": _acc_pytest("../optim/optim_tests.log"),
+    "gpu_acc.gpu_tests": _acc_pytest("acceptance/gpu_tests.log"),
+    "gpu_acc.memory_tests": _acc_pytest("acceptance/memory.log"),
+    "gpu_acc.optim_tests": _acc_pytest("optim/optim_tests.log"),
     "gpu_acc.adamw8bit_fk": _acc_optim("float8kit adamw8bit"),
     "gpu_acc.adamw8bit_ao": _acc_optim("torchao adamw8bit"),
     "gpu_acc.adamw4bit_fk": _acc_optim("float8kit adamw4bit"),
