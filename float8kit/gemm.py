@@ -338,10 +338,10 @@ def _tensor_or_row_scaled_mm(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
     rowwise = a._gran.axiswise_dim is not None or b._gran.axiswise_dim is not None
     if rowwise:
         _check_axes(a, b)
+    if (zeros := _empty(a, b, out_dtype)) is not None:
+        return zeros
     a_data, b_data = a._data, b._data
-    (m, k), n = a_data.shape, b_data.shape[1]
-    if m == 0 or k == 0 or n == 0:  # (as _empty)
-        return torch.zeros((m, n), dtype=out_dtype, device=a_data.device)
+    k, n = a_data.shape[1], b_data.shape[1]
     inv_a, inv_b = _operand_scales(a, b, rowwise)
 
     if gemm.emulate:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -164,20 +165,25 @@ def require_mx_kernels(
 # (``allow_in_graph``: ``linear._Float8Matmul``, whose body dynamo then installs no guards
 # for) runs under AOTAutograd's trace instead, where torch 2.13 keeps that flag set and 2.11
 # does not. Such a Function says which it is (``compiled_trace``), for 2.11 as for 2.13.
-_COMPILED_TRACE: list[bool] = [False]
+# Per thread (autograd runs a CUDA backward on its device's thread; a pipeline may run
+# stages on threads): one thread's pass never decides another's.
+class _PassState(threading.local):
+    compiled_trace = False
+    # Inside an eager pass of such a Function (``compiled_trace(False)``), ``eager_direct``
+    # as decided once at its start: nothing a pass runs changes it; a pass asks ~ten times.
+    direct: bool | None = None
 
 
-# Inside an eager pass of such a Function (``compiled_trace(False)``), ``eager_direct`` as
-# decided once at its start: nothing a pass runs changes it, and a pass asks about ten times.
-_DIRECT: list[bool | None] = [None]
+_PASS = _PassState()
 
 
 def compiling() -> bool:
     """``torch.compiler.is_compiling()``, also inside an allow_in_graph Function traced for
     a compiled graph (see ``compiled_trace``)."""
-    if _DIRECT[0]:  # an eager pass that runs ops directly is not compiling
+    state = _PASS
+    if state.direct:  # an eager pass that runs ops directly is not compiling
         return False
-    return torch.compiler.is_compiling() or _COMPILED_TRACE[0]
+    return torch.compiler.is_compiling() or state.compiled_trace
 
 
 def eager_direct() -> bool:
@@ -187,7 +193,7 @@ def eager_direct() -> bool:
     tensors, a flop counter: each sees every op as it always does) and no profiler running
     (a profile shows float8kit's ops as their own events). The same function runs either
     way: only the host time differs."""
-    decided = _DIRECT[0]
+    decided = _PASS.direct
     if decided is not None:
         return decided
     return (
@@ -210,19 +216,21 @@ class _EagerPass:
     __slots__ = ("before",)
 
     def __enter__(self):
-        self.before = _DIRECT[0]
-        _DIRECT[0] = None  # an enclosing pass's decision is not this one's
-        _DIRECT[0] = eager_direct()
+        state = _PASS
+        self.before = state.direct
+        state.direct = None  # an enclosing pass's decision is not this one's
+        state.direct = eager_direct()
 
     def __exit__(self, *exc):
-        _DIRECT[0] = self.before
+        _PASS.direct = self.before
 
 
 @contextlib.contextmanager
 def _traced():
-    before = _COMPILED_TRACE[0]
-    _COMPILED_TRACE[0] = True
+    state = _PASS
+    before = state.compiled_trace
+    state.compiled_trace = True
     try:
         yield
     finally:
-        _COMPILED_TRACE[0] = before
+        state.compiled_trace = before

@@ -80,9 +80,9 @@ CHUNK_ELEMENTS = 2**24
 def _adamw(param, grad, m, v, group: dict, step: float) -> tuple[torch.Tensor, ...]:
     """AdamW's step in fp32: the new (parameter, m, v, sqrt(v)) from ``param``, ``grad`` and
     the decoded ``m``, ``v`` (same shapes). Only correctly rounded elementwise operations (no
-    fused multiply-add, no lerp, no division by a Python number: ``states.divide``), so an
-    element's result does not depend on the length of the shard it sits in, nor on the
-    device."""
+    fused multiply-add, no lerp, no division by a Python number, which CUDA rounds otherwise:
+    ``states.divide``), so an element's result does not depend on the length of the shard it
+    sits in. (On an H200 a CUDA step still differed from the CPU's: docs/optim.md.)"""
     beta1, beta2 = group["betas"]
     lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
     grad = grad.to(torch.float32)
