@@ -77,12 +77,18 @@ def _cut_blocks(p: torch.Tensor, block: int, bits: int) -> str | None:
 CHUNK_ELEMENTS = 2**24
 
 
+def root(v: torch.Tensor) -> torch.Tensor:
+    """sqrt(v) correctly rounded to fp32 on every device: torch's CPU fp32 sqrt is not (about
+    one element in 150 is an ulp off), CUDA's is; the fp64 root, rounded once, is on both."""
+    return torch.sqrt(v.to(torch.float64)).to(torch.float32)
+
+
 def _adamw(param, grad, m, v, group: dict, step: float) -> tuple[torch.Tensor, ...]:
     """AdamW's step in fp32: the new (parameter, m, v, sqrt(v)) from ``param``, ``grad`` and
     the decoded ``m``, ``v`` (same shapes). Only correctly rounded elementwise operations (no
     fused multiply-add, no lerp, no division by a Python number, which CUDA rounds otherwise:
-    ``states.divide``), so an element's result does not depend on the length of the shard it
-    sits in. (On an H200 a CUDA step still differed from the CPU's: docs/optim.md.)"""
+    ``states.divide``; the root from fp64: ``root``), so an element's result does not depend
+    on the length of the shard it sits in, nor, by design, on the device (tests/test_gpu.py)."""
     beta1, beta2 = group["betas"]
     lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
     grad = grad.to(torch.float32)
@@ -90,12 +96,12 @@ def _adamw(param, grad, m, v, group: dict, step: float) -> tuple[torch.Tensor, .
         grad = -grad
     m = m * beta1 + grad * (1 - beta1)
     v = v * beta2 + (grad * grad) * (1 - beta2)
-    root = torch.sqrt(v)
+    r = root(v)
     x = param.to(torch.float32)
     if wd:
         x = x * (1 - lr * wd)
-    denom = states.divide(root, math.sqrt(1 - beta2**step)) + eps
-    return x - (m / denom) * (lr / (1 - beta1**step)), m, v, root
+    denom = states.divide(r, math.sqrt(1 - beta2**step)) + eps
+    return x - (m / denom) * (lr / (1 - beta1**step)), m, v, r
 
 
 class _LowBitAdamW(torch.optim.Optimizer):
