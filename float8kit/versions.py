@@ -165,13 +165,11 @@ def require_mx_kernels(
 # (``allow_in_graph``: ``linear._Float8Matmul``, whose body dynamo then installs no guards
 # for) runs under AOTAutograd's trace instead, where torch 2.13 keeps that flag set and 2.11
 # does not. Such a Function says which it is (``compiled_trace``), for 2.11 as for 2.13.
-# Per thread (autograd runs a CUDA backward on its device's thread; a pipeline may run
-# stages on threads): one thread's pass never decides another's.
+# ``direct``: inside an eager pass of such a Function (``compiled_trace(False)``),
+# ``eager_direct`` as decided once at its start (a pass asks about ten times). Per thread:
+# autograd runs a CUDA backward on the device's thread, and one pass must not decide another's.
 class _PassState(threading.local):
-    compiled_trace = False
-    # Inside an eager pass of such a Function (``compiled_trace(False)``), ``eager_direct``
-    # as decided once at its start: nothing a pass runs changes it; a pass asks ~ten times.
-    direct: bool | None = None
+    compiled_trace, direct = False, None
 
 
 _PASS = _PassState()
@@ -180,10 +178,9 @@ _PASS = _PassState()
 def compiling() -> bool:
     """``torch.compiler.is_compiling()``, also inside an allow_in_graph Function traced for
     a compiled graph (see ``compiled_trace``)."""
-    state = _PASS
-    if state.direct:  # an eager pass that runs ops directly is not compiling
+    if _PASS.direct:  # an eager pass that runs ops directly is not compiling
         return False
-    return torch.compiler.is_compiling() or state.compiled_trace
+    return torch.compiler.is_compiling() or _PASS.compiled_trace
 
 
 def eager_direct() -> bool:
@@ -216,10 +213,8 @@ class _EagerPass:
     __slots__ = ("before",)
 
     def __enter__(self):
-        state = _PASS
-        self.before = state.direct
-        state.direct = None  # an enclosing pass's decision is not this one's
-        state.direct = eager_direct()
+        self.before, _PASS.direct = _PASS.direct, None  # not an enclosing pass's decision
+        _PASS.direct = eager_direct()
 
     def __exit__(self, *exc):
         _PASS.direct = self.before
@@ -227,10 +222,8 @@ class _EagerPass:
 
 @contextlib.contextmanager
 def _traced():
-    state = _PASS
-    before = state.compiled_trace
-    state.compiled_trace = True
+    before, _PASS.compiled_trace = _PASS.compiled_trace, True
     try:
         yield
     finally:
-        state.compiled_trace = before
+        _PASS.compiled_trace = before

@@ -312,9 +312,11 @@ def test_library_lines_only_go_down():
     -> 13,134, the eager direct path: a tensorwise DYNAMIC layer's ops on the float8 data
     itself (about a fifth less host time per eager tensorwise call); 13,134 -> 13,143, the
     low-bit optimizers divide by constants as device tensors (CUDA's division by a Python
-    number is a multiply by its reciprocal)."""
+    number is a multiply by its reciprocal); 13,143 -> 13,150, their root of v correctly
+    rounded on every device (torch's CPU fp32 sqrt is not) and the eager pass state per
+    thread."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 13_143, f"float8kit has {lines} lines"
+    assert lines <= 13_150, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(
