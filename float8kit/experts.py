@@ -59,7 +59,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.checkpoint import CheckpointFunction
 
-from float8kit import cast, formats
+from float8kit import cast, formats, versions
 from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole, config_name
 from float8kit.formats.base import local_scale_inputs, local_scale_outputs
 from float8kit.grouped_gemm import (
@@ -146,7 +146,7 @@ def _full_hp(weight) -> torch.Tensor:
     if mesh.size() == 1:
         return local
     full = local.new_empty((mesh.size() * local.size(0), *local.shape[1:]))
-    dist.all_gather_into_tensor(full, local, group=mesh.get_group())
+    getattr(dist, versions.ALL_GATHER_SINGLE)(full, local, group=mesh.get_group())
     return full
 
 

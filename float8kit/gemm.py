@@ -180,12 +180,6 @@ def block_scaled_mm(
 def _kernel_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b, gemm) -> torch.Tensor:
     """The CUDA kernel call (bf16 out); on the meta device it checks the layouts without a
     GPU (torch's meta function mirrors the kernel's checks)."""
-    if not versions.HAS_BLOCK_SCALED_MM:
-        raise RuntimeError(
-            f"blockwise float8 gemms on CUDA need torch.nn.functional.scaled_mm (torch "
-            f">= 2.10; this is {torch.__version__}): upgrade torch, or set "
-            "Float8LinearConfig.emulate=True to run their fp32 definition"
-        )
     (m, k), n = a_data.shape, b_data.shape[1]
     plan = block_kernel_plan(m, k, n, block_a, block_b, gemm)
     inv_a, inv_b = cuda_block_scales(inv_a, inv_b, plan)

@@ -15,12 +15,8 @@ import threading
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 TORCH_VERSION: tuple[int, int] = tuple(int(v) for v in torch.__version__.split(".")[:2])
-
-# the block-scaled gemm (blockwise recipe on CUDA): torch.nn.functional.scaled_mm (torch >= 2.10)
-HAS_BLOCK_SCALED_MM: bool = hasattr(F, "scaled_mm")
 
 # The single-tensor all-gather of torch.distributed: all_gather_single from torch 2.13 on
 # (which deprecates all_gather_into_tensor, with a FutureWarning per call), before it
