@@ -27,6 +27,7 @@ from float8kit.cast import (
     is_recomputing,
     kept_cast,
     one_pass_format,
+    operand_scale,
     recast_with_scale,
     record_amax,
     tensorwise_data,
@@ -543,8 +544,10 @@ def _direct_call(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def _dynamic_scale(hp: torch.Tensor, fp8_dtype: torch.dtype, c: Float8LinearConfig):
-    return scaling.amax_to_scale(scaling.amax(hp), fp8_dtype, c.round_scales_to_power_of_2)
+def _dynamic_scale(hp: torch.Tensor, cast, role: GemmRole, c: Float8LinearConfig):
+    """A direct operand's DYNAMIC scale, from its format's amax, as every operand's
+    (``operand_scale``)."""
+    return operand_scale(cast, role, c, formats.TENSORWISE.amax(hp))
 
 
 def _direct_forward(ctx, x, weight, plan: LayerPlan, share) -> torch.Tensor:
@@ -559,14 +562,14 @@ def _direct_forward(ctx, x, weight, plan: LayerPlan, share) -> torch.Tensor:
         x_t = x_data.t() if need_w else None
     else:
         x_dtype = x_cast.dtype_for(GemmRole.INPUT)
-        x_scale = _dynamic_scale(x, x_dtype, c)
+        x_scale = _dynamic_scale(x, x_cast, GemmRole.INPUT, c)
         x_data, x_t = tensorwise_data(x, x_scale, x_dtype, True, need_w)
         if need_w:
             fmt = formats.of(x_cast, GemmRole.INPUT, -1, 2)
             kept = Float8TrainingTensor(x_t.t(), x_scale, x.dtype, GemmRole.INPUT, fmt, c)
             shared_cast.store(share, x_cast, -1, c, x.dtype, kept)
     ctx.w_fp8_dtype = c.cast_config_weight.dtype_for(GemmRole.WEIGHT)
-    w_scale = _dynamic_scale(weight, ctx.w_fp8_dtype, c)
+    w_scale = _dynamic_scale(weight, c.cast_config_weight, GemmRole.WEIGHT, c)
     w_data, _ = tensorwise_data(weight, w_scale, ctx.w_fp8_dtype, True, False)
     # what the path above keeps (its input copy holds the data and x_scale): the same bytes
     ctx.save_for_backward(x_t, x_scale, weight, w_scale)
@@ -582,7 +585,7 @@ def _direct_backward(ctx, grad_output: torch.Tensor, plan: LayerPlan) -> tuple:
     x_t, x_scale, weight, w_scale = ctx.saved_tensors
     c, gemms = plan.config, plan.gemms
     go_dtype = c.cast_config_grad_output.dtype_for(GemmRole.GRAD_OUTPUT)
-    go_scale = _dynamic_scale(grad_output, go_dtype, c)
+    go_scale = _dynamic_scale(grad_output, c.cast_config_grad_output, GemmRole.GRAD_OUTPUT, c)
     go_data, go_t = tensorwise_data(grad_output, go_scale, go_dtype, True, x_t is not None)
     _, w_t = tensorwise_data(weight, w_scale, ctx.w_fp8_dtype, False, True)
     inv_go, inv_w = scaling.inverse(go_scale), scaling.inverse(w_scale)
