@@ -21,6 +21,20 @@ E5M2 = torch.float8_e5m2
 FP8_DTYPES = (E4M3, E5M2)
 
 
+def _require_bools(obj, *names: str) -> None:
+    """Raise naming the field where one of ``names`` of ``obj`` is not a bool."""
+    for name in names:
+        if not isinstance(getattr(obj, name), bool):
+            raise ValueError(f"{type(obj).__name__}.{name}={getattr(obj, name)!r} must be a bool")
+
+
+def _require_int(obj, name: str, least: int, why: str) -> None:
+    """Raise naming the field where ``obj.name`` is not an int >= ``least``."""
+    n = getattr(obj, name)
+    if isinstance(n, bool) or not isinstance(n, int) or n < least:
+        raise ValueError(f"{type(obj).__name__}.{name}={n!r} must be an int >= {least} ({why})")
+
+
 class ScalingType(enum.Enum):
     """Where an operand's scale comes from."""
 
@@ -103,12 +117,7 @@ class BlockwiseGranularity(GranularitySettings):
     block_size: int = 128
 
     def __post_init__(self):
-        b = self.block_size
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise ValueError(
-                f"BlockwiseGranularity.block_size={b!r} must be an int >= 1 (128 for the CUDA "
-                "kernel)"
-            )
+        _require_int(self, "block_size", 1, "128 for the CUDA kernel")
 
     @property
     def kernel(self) -> tuple:
@@ -157,9 +166,7 @@ class NVFP4Granularity(GranularitySettings):
     hadamard: bool = False
 
     def __post_init__(self):
-        for name in ("stochastic_rounding", "hadamard"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"NVFP4Granularity.{name}={getattr(self, name)!r} must be a bool")
+        _require_bools(self, "stochastic_rounding", "hadamard")
 
     def short(self) -> str:
         return f"nvfp4{'_sr' * self.stochastic_rounding}{'_rht' * self.hadamard}"
@@ -365,11 +372,7 @@ class CastConfig:
                 "scaling are tensorwise only; use ScalingGranularity.TENSORWISE (or DYNAMIC "
                 "scaling for axiswise and blockwise)"
             )
-        n = self.amax_history_len
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(
-                f"CastConfig.amax_history_len={n!r} must be an int >= 1 (steps of amax history)"
-            )
+        _require_int(self, "amax_history_len", 1, "steps of amax history")
         if self.delayed_scale_from not in ("max", "most_recent"):
             raise ValueError(
                 f"CastConfig.delayed_scale_from={self.delayed_scale_from!r} is not valid: use "
@@ -467,8 +470,7 @@ class GemmConfig:
     use_fast_accum: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.use_fast_accum, bool):
-            raise ValueError(f"GemmConfig.use_fast_accum={self.use_fast_accum!r} must be a bool")
+        _require_bools(self, "use_fast_accum")
 
 
 def _kernel(cast: CastConfig) -> tuple | None:
@@ -541,22 +543,9 @@ class Float8LinearConfig:
         for name in ("gemm_config_output", "gemm_config_grad_input", "gemm_config_grad_weight"):
             if not isinstance(getattr(self, name), GemmConfig):
                 raise ValueError(f"Float8LinearConfig.{name} must be a GemmConfig")
-        for name in (
-            "enable_fsdp_float8_all_gather",
-            "emulate",
-            "pad_inner_dim",
-            "round_scales_to_power_of_2",
-        ):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"Float8LinearConfig.{name}={getattr(self, name)!r} must be a bool"
-                )
-        n = self.stale_delayed_warn_after
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(
-                f"Float8LinearConfig.stale_delayed_warn_after={n!r} must be an int >= 0 "
-                "(0 disables the warning)"
-            )
+        bools = ("enable_fsdp_float8_all_gather", "emulate", "pad_inner_dim")
+        _require_bools(self, *bools, "round_scales_to_power_of_2")
+        _require_int(self, "stale_delayed_warn_after", 0, "0 disables the warning")
         # DELAYED/STATIC state is per operand (one history, one scale): both uses of an
         # operand that keep state must agree on how.
         for role, (first, second) in self.operand_uses().items():
@@ -853,11 +842,7 @@ class Float8ExpertsConfig:
                 '"out_in" (experts, out, in)'
             )
         bools = ("round_scales_to_power_of_2", "emulate", "enable_fsdp_float8_all_gather")
-        for name in (*bools, "wgrad_with_hp"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(
-                    f"Float8ExpertsConfig.{name}={getattr(self, name)!r} must be a bool"
-                )
+        _require_bools(self, *bools, "wgrad_with_hp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -901,11 +886,7 @@ class Float8ReduceScatterConfig:
                 "blocks are cast DYNAMIC BLOCKWISE; use CastConfig(scaling_granularity="
                 "BlockwiseGranularity(block_size=...), target_dtype=...)"
             )
-        if not isinstance(self.round_scales_to_power_of_2, bool):
-            raise ValueError(
-                "Float8ReduceScatterConfig.round_scales_to_power_of_2="
-                f"{self.round_scales_to_power_of_2!r} must be a bool"
-            )
+        _require_bools(self, "round_scales_to_power_of_2")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -948,19 +929,15 @@ class Float8Recipe(enum.Enum):
     NVFP4 = "nvfp4"
 
 
-def _tensorwise() -> Float8LinearConfig:
-    return Float8LinearConfig()
+def _every_operand(cast: CastConfig, **settings) -> Float8LinearConfig:
+    """A config that casts input, weight and grad_output (both uses of each) with ``cast``."""
+    operands = ("input", "weight", "grad_output")
+    return Float8LinearConfig(**{f"cast_config_{o}": cast for o in operands}, **settings)
 
 
 def _rowwise() -> Float8LinearConfig:
     axis = CastConfig(scaling_granularity=ScalingGranularity.AXISWISE, target_dtype=E4M3)
-    return Float8LinearConfig(
-        cast_config_input=axis,
-        cast_config_weight=axis,
-        cast_config_grad_output=axis,
-        gemm_config_output=GemmConfig(use_fast_accum=True),
-        round_scales_to_power_of_2=True,
-    )
+    return _every_operand(axis, round_scales_to_power_of_2=True)
 
 
 def _rowwise_with_gw_hp() -> Float8LinearConfig:
@@ -981,12 +958,7 @@ def _rowwise_with_gw_hp() -> Float8LinearConfig:
 
 
 def _delayed() -> Float8LinearConfig:
-    delayed = CastConfig(scaling_type=ScalingType.DELAYED)
-    return Float8LinearConfig(
-        cast_config_input=delayed,
-        cast_config_weight=delayed,
-        cast_config_grad_output=delayed,
-    )
+    return _every_operand(CastConfig(scaling_type=ScalingType.DELAYED))
 
 
 def _blockwise() -> Float8LinearConfig:
@@ -995,12 +967,7 @@ def _blockwise() -> Float8LinearConfig:
     # dim. Block-scaled kernels promote to fp32 every 128 products, so fast accumulation
     # has nothing to trade: all gemms run without it.
     block = CastConfig(scaling_granularity=ScalingGranularity.BLOCKWISE, target_dtype=E4M3)
-    return Float8LinearConfig(
-        cast_config_input=block,
-        cast_config_weight=block,
-        cast_config_grad_output=block,
-        gemm_config_output=GemmConfig(),
-    )
+    return _every_operand(block, gemm_config_output=GemmConfig())
 
 
 def _mxfp8() -> Float8LinearConfig:
@@ -1008,12 +975,7 @@ def _mxfp8() -> Float8LinearConfig:
     # block is not its own transpose), e4m3 everywhere, RCEIL scales. The MX kernel scales
     # every 32 products in its accumulator: there is no fast-accumulation mode to choose.
     mx = CastConfig(scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3)
-    return Float8LinearConfig(
-        cast_config_input=mx,
-        cast_config_weight=mx,
-        cast_config_grad_output=mx,
-        gemm_config_output=GemmConfig(),
-    )
+    return _every_operand(mx, gemm_config_output=GemmConfig())
 
 
 def nvfp4_config(*, hadamard: bool = True, stochastic_rounding: bool = True) -> Float8LinearConfig:
@@ -1040,14 +1002,6 @@ def nvfp4_config(*, hadamard: bool = True, stochastic_rounding: bool = True) -> 
     )
 
 
-def _nvfp4() -> Float8LinearConfig:
-    return nvfp4_config()
-
-
-def _experts_rowwise() -> Float8ExpertsConfig:
-    return Float8ExpertsConfig()
-
-
 def _experts_mxfp8(wgrad_with_hp: bool = False) -> Float8ExpertsConfig:
     # every operand of the float8 grouped gemms cast from hp along the dim its gemm reduces
     mx = CastConfig(scaling_granularity=ScalingGranularity.MX, target_dtype=E4M3)
@@ -1057,7 +1011,7 @@ def _experts_mxfp8(wgrad_with_hp: bool = False) -> Float8ExpertsConfig:
 
 
 _EXPERTS_RECIPES = {
-    "rowwise": _experts_rowwise,
+    "rowwise": Float8ExpertsConfig,
     "mxfp8": _experts_mxfp8,
     "mxfp8_wgrad_with_hp": functools.partial(_experts_mxfp8, wgrad_with_hp=True),
 }
@@ -1070,11 +1024,11 @@ _TORCHAO_EXPERTS_RECIPES = {
 
 
 _RECIPES = {
-    Float8Recipe.TENSORWISE: _tensorwise,
+    Float8Recipe.TENSORWISE: Float8LinearConfig,
     Float8Recipe.ROWWISE: _rowwise,
     Float8Recipe.ROWWISE_WITH_GW_HP: _rowwise_with_gw_hp,
     Float8Recipe.DELAYED: _delayed,
     Float8Recipe.BLOCKWISE: _blockwise,
     Float8Recipe.MXFP8: _mxfp8,
-    Float8Recipe.NVFP4: _nvfp4,
+    Float8Recipe.NVFP4: nvfp4_config,
 }

@@ -47,10 +47,9 @@ from float8kit.formats.layout import CUDA_ALIGN as _CUDA_ALIGN
 from float8kit.formats.layout import (  # noqa: F401  (KernelPlan, to_blocked: gemm's API too)
     GEMM_DIMS,
     KernelPlan,
+    kernel_layouts,
     to_blocked,
 )
-from float8kit.formats.layout import is_col_major as _is_col_major
-from float8kit.formats.layout import is_row_major as _is_row_major
 from float8kit.formats.layout import pad_to as _pad_to
 from float8kit.formats.mx import (  # noqa: F401  (mx_kernel_plan: gemm's API too)
     _mx_emulated_mm,
@@ -183,7 +182,7 @@ def _kernel_block_mm(a_data, b_data, inv_a, inv_b, block_a, block_b, gemm) -> to
     (m, k), n = a_data.shape, b_data.shape[1]
     plan = block_kernel_plan(m, k, n, block_a, block_b, gemm)
     inv_a, inv_b = cuda_block_scales(inv_a, inv_b, plan)
-    a_data, b_data = _kernel_layouts(a_data, b_data)
+    a_data, b_data = kernel_layouts(a_data, b_data)
     a_data = _pad_to(_pad_to(a_data, 1, 128), 0, 4)
     b_data = _pad_to(b_data.t(), 1, 128).t()
     out = F.scaled_mm(
@@ -343,7 +342,7 @@ def _tensor_or_row_scaled_mm(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
         return out.to(out_dtype)
 
     plan = kernel_plan(k, n, out_dtype, a_data.is_cuda, rowwise, gemm)
-    a_data, b_data = _kernel_layouts(a_data, b_data)
+    a_data, b_data = kernel_layouts(a_data, b_data)
     if plan.pad_inner:
         a_data = _pad_to(a_data, 1, _CUDA_ALIGN)
         b_data = _pad_to(b_data.t(), 1, _CUDA_ALIGN).t()
@@ -361,20 +360,11 @@ def _tensor_or_row_scaled_mm(a, b, gemm: GemmPlan, out_dtype: torch.dtype):
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def _kernel_layouts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A row-major and B column-major, as the kernels take them (a copy only where not)."""
-    if not _is_row_major(a):
-        a = a.contiguous()
-    if not _is_col_major(b):
-        b = b.t().contiguous().t()
-    return a, b
-
-
 def tensorwise_data_mm(a, b, inv_a, inv_b, out_dtype: torch.dtype, use_fast_accum: bool):
     """``a @ b`` of tensorwise float8 data (2-D, any layouts, 0-d reciprocal scales) in eager
     (``versions.eager_direct``): the scaled family's kernel call for such operands where no
     dim needs padding (``direct_dims``)."""
-    a, b = _kernel_layouts(a, b)
+    a, b = kernel_layouts(a, b)
     kernel = _kernel if a.is_cuda else _cpu_scaled_mm
     return kernel(a, b, inv_a, inv_b, out_dtype, use_fast_accum)
 

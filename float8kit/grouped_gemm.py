@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from float8kit import scaling, versions
 from float8kit.formats import MX
-from float8kit.gemm import _CUDA_ALIGN, _is_row_major, to_blocked
+from float8kit.formats.layout import is_row_major
+from float8kit.gemm import _CUDA_ALIGN, to_blocked
 
 
 @torch.library.custom_op("float8kit::grouped_mm_fp32", mutates_args=())
@@ -339,7 +340,7 @@ def _grouped_kernel(
     """The one ``torch._scaled_grouped_mm`` call (bf16 out, its only output dtype): A
     row-major, B column-major; fp32 reciprocal rowwise scales, or e8m0 MX scales in the
     kernel's blocked layouts."""
-    if not _is_row_major(a):
+    if not is_row_major(a):
         a = a.contiguous()
     if not (b.stride(-2) == 1 and b.stride(-1) >= b.size(-2)):
         b = b.transpose(-2, -1).contiguous().transpose(-2, -1)  # column-major
@@ -359,11 +360,10 @@ def _emulated_mx_grouped_mm(
     """The MX grouped kernel's numerics in fp32 (see ``mx_scaled_grouped_mm``), bf16 out; an
     opaque op to ``torch.compile`` (and one that counts as an MX expert gemm)."""
     # both dequantized to fp32 (exact): blocks along K, b's along its dim -2 (K, or tokens)
+    # (rows past offs[-1]: zeros, as _grouped_mm_fp32 writes them)
     acc = _grouped_mm_fp32(
         MX(1).dequantize(a, a_scale), MX(b.dim() - 2).dequantize(b, b_scale), offs
     )
-    if b.dim() == 3:  # rows past offs[-1]: zeros
-        acc = torch.where((token_groups(offs, a.size(0)) < offs.numel()).unsqueeze(1), acc, 0.0)
     return acc.to(torch.bfloat16)
 
 

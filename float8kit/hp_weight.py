@@ -30,6 +30,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from float8kit.tensor import wrap_local
+
 aten = torch.ops.aten
 
 _storage_less = threading.local()
@@ -179,11 +181,4 @@ def store_plain_weight(
     if isinstance(value, cls):
         state_dict[key] = value._tensor
     elif isinstance(value, DTensor) and isinstance(value._local_tensor, cls):
-        state_dict[key] = DTensor.from_local(
-            value._local_tensor._tensor,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
+        state_dict[key] = wrap_local(value._local_tensor._tensor, value)

@@ -547,7 +547,8 @@ def _direct_call(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _dynamic_scale(hp: torch.Tensor, cast, role: GemmRole, c: Float8LinearConfig):
     """A direct operand's DYNAMIC scale, from its format's amax, as every operand's
     (``operand_scale``)."""
-    return operand_scale(cast, role, c, formats.TENSORWISE.amax(hp))
+    gran = formats.TENSORWISE  # a direct operand is tensorwise DYNAMIC
+    return operand_scale(cast, role, c, gran.amax(hp))
 
 
 def _direct_forward(ctx, x, weight, plan: LayerPlan, share) -> torch.Tensor:

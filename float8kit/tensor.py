@@ -153,15 +153,13 @@ def local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def wrap_local(local: torch.Tensor, like: DTensor) -> DTensor:
-    """``local`` as the local tensor of a DTensor with ``like``'s mesh, placements, shape."""
+def wrap_local(local: torch.Tensor, like: DTensor, shape: tuple | None = None) -> DTensor:
+    """``local`` as the local tensor of a DTensor with ``like``'s mesh and placements, and
+    ``like``'s shape or the global ``shape`` given (row-major)."""
+    stride = _stride(like) if shape is None else torch.empty(shape, device="meta").stride()
+    shape = like.shape if shape is None else shape
     return DTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=_stride(like),
+        local, like.device_mesh, like.placements, run_check=False, shape=shape, stride=stride
     )
 
 

@@ -314,9 +314,10 @@ def test_library_lines_only_go_down():
     low-bit optimizers divide by constants as device tensors (CUDA's division by a Python
     number is a multiply by its reciprocal); 13,143 -> 13,150, their root of v correctly
     rounded on every device (torch's CPU fp32 sqrt is not) and the eager pass state per
-    thread."""
+    thread; 13,150 -> 13,076, bit-safe cuts (config validation through two helpers, the
+    recipes through one, ``wrap_local`` with a global shape, one ``kernel_layouts``)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 13_150, f"float8kit has {lines} lines"
+    assert lines <= 13_076, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

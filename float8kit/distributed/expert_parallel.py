@@ -51,7 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from float8kit.config import E4M3, Float8ExpertsConfig, GemmRole
 from float8kit.experts import made_by_expert_gemm
 from float8kit.quantized_rows import dispatched_rows, quantize_rows, rows_format
-from float8kit.tensor import Float8TrainingTensor
+from float8kit.tensor import Float8TrainingTensor, wrap_local
 
 COMMS = ("float8", "hp")
 SCALE_FORMATS = ("auto", "e8m0", "fp32")
@@ -429,12 +429,7 @@ def _like(mine: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's ``mine`` as ``like`` holds it (FSDP2's DTensor over dp, or plain)."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(like, DTensor):
-        return mine
-    return DTensor.from_local(
-        mine, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-        stride=like.stride(),
-    )  # fmt: skip
+    return wrap_local(mine, like) if isinstance(like, DTensor) else mine
 
 
 def _dp_mesh(t) -> object:

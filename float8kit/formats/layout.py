@@ -24,6 +24,15 @@ def is_col_major(t: torch.Tensor) -> bool:
     return t.stride(0) == 1 and t.stride(-1) >= t.size(0)
 
 
+def kernel_layouts(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row-major and B column-major, as the kernels take them (a copy only where not)."""
+    if not is_row_major(a):
+        a = a.contiguous()
+    if not is_col_major(b):
+        b = b.t().contiguous().t()
+    return a, b
+
+
 def pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     pad = -t.size(dim) % multiple
     if pad == 0:

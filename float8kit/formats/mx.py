@@ -24,9 +24,8 @@ from float8kit.formats.base import (
 )
 from float8kit.formats.layout import (
     KernelPlan,
-    is_col_major,
-    is_row_major,
     k32_plan,
+    kernel_layouts,
     pad_to,
     to_blocked,
 )
@@ -297,11 +296,7 @@ def mx_kernel_operands(
     device (the bytes are moved, never converted), so the layout is testable on CPU."""
     check_gemm(a, b)
     plan = mx_kernel_plan(a.shape[1], b.shape[1], gemm)
-    a_data, b_data = a._data, b._data
-    if not is_row_major(a_data):
-        a_data = a_data.contiguous()
-    if not is_col_major(b_data):
-        b_data = b_data.t().contiguous().t()
+    a_data, b_data = kernel_layouts(a._data, b._data)
     if plan.pad_inner:  # a partial last 32-block of K (a token count)
         a_data = pad_to(a_data, 1, 32)
         b_data = pad_to(b_data.t(), 1, 32).t()

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import float8kit.optim.states as states
 from float8kit.optim.states import Codec
+from float8kit.tensor import wrap_local
 
 # the quantized state's keys: m, and the root of v (not v: see states.py)
 _QUANTIZED = ("exp_avg", "exp_avg_scale", "exp_avg_sq_root", "exp_avg_sq_root_scale")
@@ -40,12 +41,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _like(param: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``local`` (this rank's rows of a state of global ``shape``) as ``param`` holds its own:
     a DTensor on the parameter's mesh and placements, or itself."""
-    if not isinstance(param, DTensor):
-        return local
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=shape, stride=stride
-    )
+    return wrap_local(local, param, shape) if isinstance(param, DTensor) else local
 
 
 def _cut_blocks(p: torch.Tensor, block: int, bits: int) -> str | None:
