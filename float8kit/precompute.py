@@ -10,6 +10,8 @@ ranks and writes the scales from them. ``precompute_scales`` asks every provider
 
 from __future__ import annotations
 
+import operator
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -19,7 +21,7 @@ from torch import nn
 from float8kit import scaling, state
 from float8kit.config import ScalingType
 from float8kit.distributed.fsdp import fsdp_weight_contributions, mesh_group
-from float8kit.linear import Float8Linear
+from float8kit.linear import float8_linears
 from float8kit.reports import REPORT_CALLS, SCALES_SET, report_flags
 from float8kit.tensor import local as local_tensor
 
@@ -27,93 +29,124 @@ Contribution = state.Contribution
 
 
 def _delayed_contributions(module: nn.Module) -> list[Contribution]:
-    """One contribution for every DELAYED amax record of every Float8Linear in ``module``.
+    """One contribution for every DELAYED amax record of every Float8Linear in ``module``
+    (``_DelayedPlan``: built once per module tree, rebuilt when it changes)."""
+    plan = _PLANS.get(module)
+    if plan is None or not plan.current():
+        plan = _PLANS[module] = _DelayedPlan(module)
+    return plan.contributions()
 
-    ``apply`` folds the reduced records into the amax histories and recomputes the scales
-    with a few batched ops per group of histories that share (length, dtype, max/most
-    recent, power-of-2 rounding), writes them back with ``torch._foreach_copy_``, clears the
-    records and the layers' stale-forward counts. Non-finite records are not folded in
-    (see ``scaling.update_amax_history``) and make it warn, naming the layers.
 
-    Every layer updates its own state, tied ones too (``state.Tie``: their records are
-    their own); the ties are settled after the scales are written.
+class _DelayedPlan:
+    """Where the DELAYED state of a module tree's Float8Linear layers lives, found once.
 
-    Scales not yet marked set on the host (``LayerState.scales_set``) are checked
-    (``>= 0``) and marked by ``_SCALES_SET``; once every scale is marked, nothing is read back
-    to the host at all.
+    ``precompute_scales`` runs every step, and walking the module tree, asking each layer's
+    config for its DELAYED casts and looking up their buffers was most of its host time per
+    layer. The plan keeps what that walk found; ``current`` checks it cheaply at each call:
+    the same tree (``linear.float8_linears``), and every layer's config, state and buffers
+    still the objects the plan holds (``module.to()``, ``to_empty`` and
+    ``load_state_dict(assign=True)`` replace buffers).
+
+    ``contributions`` hands ``precompute_scales`` the stacked amax records and an ``apply`` that
+    folds the reduced records into the amax histories and recomputes the scales with a few
+    batched ops per group of histories that share (length, max/most recent, power-of-2 rounding;
+    e4m3 and e5m2 rows alike, ``scaling.row_constants``), writes them back with
+    ``torch._foreach_copy_``, clears the records and the layers' stale-forward counts.
+    Non-finite records are not folded in (see ``scaling.update_amax_history``) and make it warn,
+    naming the layers. Every layer updates its own state, tied ones too (``state.Tie``: their
+    records are their own); the ties are settled after the scales are written. Scales not yet
+    marked set on the host (``LayerState.scales_set``) are checked (``>= 0``) and marked by
+    ``SCALES_SET``; once every scale is marked, nothing is read back to the host at all.
     """
-    records, counts, tied = [], [], []
-    for fqn, mod in module.named_modules():
-        if not isinstance(mod, Float8Linear):
-            continue
-        has_delayed = False
-        for role, cast in state.stateful_casts(mod.config, ScalingType.DELAYED):
-            has_delayed = True
-            key = (
-                cast.amax_history_len,
-                cast.dtype_for(role),
-                cast.delayed_scale_from == "max",
-                mod.config.round_scales_to_power_of_2,
-            )
-            # Under tensor parallelism the buffers are replicated DTensors: update their
-            # local tensors (same storage).
-            buffers = {n: local_tensor(b) for n, b in mod._buffers.items()}
-            operand = state.OPERAND_NAMES[role]
-            scale = buffers[state.scale_name(role)]
-            targets = [] if operand in mod.fp8_state.scales_set else [(mod, operand)]
-            records.append(
-                (
-                    key,
-                    f"{fqn or '<root>'}.{operand}",
-                    buffers[state.amax_name(role)],
-                    buffers[state.history_name(role)],
-                    scale,
-                    targets,
-                )
-            )
-        if has_delayed:
-            counts.append(mod.fp8_state.forward_count)
-        if mod.fp8_state.tie is not None:
-            tied.append(mod)
-    if not records:
-        return []
-    # Order the records group by group, so each group is one slice of the stacked amaxes.
-    groups: dict[tuple, list] = {}
-    for r in records:
-        groups.setdefault(r[0], []).append(r)
-    records = [r for rows in groups.values() for r in rows]
-    _, names, pending, histories, scales, targets = map(list, zip(*records, strict=True))
-    unmarked = [(i, t) for i, t in enumerate(targets) if t]
-    names = "\n".join(names)
-    local = torch.stack(pending).to(torch.float32)
 
-    @torch.no_grad()
-    def apply(reduced: torch.Tensor) -> None:
-        new_histories, new_scales = [], []
-        start = 0
-        for (_, fp8_dtype, from_max, pow2), rows in groups.items():
-            stop = start + len(rows)
-            hist = torch.stack(histories[start:stop])
-            hist = scaling.update_amax_history(hist, reduced[start:stop])
-            scale = scaling.history_to_scale(hist, fp8_dtype, from_max, pow2)
-            new_histories += hist.unbind(0)
-            new_scales += scale.unbind(0)
-            start = stop
-        torch._foreach_copy_(histories, new_histories)
-        torch._foreach_copy_(scales, new_scales)
-        unset = torch.full((), scaling.UNSET, device=reduced.device)
-        torch._foreach_copy_(pending, [unset] * len(pending))
-        if tied:  # ties whose layers' new scales are known equal stay (host bookkeeping)
-            state.settle_ties(tied)
-        torch._foreach_zero_(counts)
-        report_flags(REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", names)
-        if unmarked:
-            is_set = torch.stack([new_scales[i] for i, _ in unmarked]) >= 0
-            SCALES_SET.submit(is_set, [target for _, target in unmarked])
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+        self.tree = float8_linears(module)
+        self.layers, self.checks, records = [], [], []
+        for fqn, mod in self.tree:
+            casts = list(state.stateful_casts(mod.config, ScalingType.DELAYED))
+            if casts:
+                self.layers.append(mod)
+            names = []
+            pow2 = mod.config.round_scales_to_power_of_2
+            for role, cast in casts:
+                # rows of one group share their ops (of both float8 dtypes: row_constants)
+                key = (cast.amax_history_len, cast.delayed_scale_from == "max", pow2)
+                names += [state.amax_name(role), state.history_name(role), state.scale_name(role)]
+                # Under tensor parallelism the buffers are replicated DTensors: update their
+                # local tensors (same storage).
+                amax, history, scale = (local_tensor(mod._buffers[n]) for n in names[-3:])
+                operand = state.OPERAND_NAMES[role]
+                row = (key, f"{fqn}.{operand}", amax, history, scale, (mod, operand))
+                records.append((*row, cast.dtype_for(role)))
+            buffers = tuple(mod._buffers[n] for n in names)
+            self.checks.append((mod, mod.config, mod.fp8_state, names, buffers))
+        # Order the records group by group, so each group is one slice of the stacked amaxes.
+        groups: dict[tuple, list] = {}
+        for r in records:
+            groups.setdefault(r[0], []).append(r)
+        self.groups = []  # (rows, from_max, pow2, the rows' scaling.row_constants)
+        for (_, from_max, pow2), rows in groups.items():
+            constants = scaling.row_constants([r[6] for r in rows], rows[0][3].device)
+            self.groups.append((len(rows), from_max, pow2, constants))
+        records = [r[:6] for rows in groups.values() for r in rows]
+        columns = list(zip(*records, strict=True)) or [()] * 6
+        _, names, self.pending, self.histories, self.scales, self.owners = map(list, columns)
+        self.names = "\n".join(names)
+        self.counts = [mod.fp8_state.forward_count for mod in self.layers]
 
-    return [(local, apply)]
+    def current(self) -> bool:
+        """Whether the tree and its layers' state are as the plan found them (the class doc)."""
+        if float8_linears(self.module()) is not self.tree:
+            return False
+        for mod, config, fp8_state, names, buffers in self.checks:
+            if mod.config is not config or mod.fp8_state is not fp8_state:
+                return False
+            if not all(map(operator.is_, map(mod._buffers.get, names), buffers)):
+                return False
+        return True
+
+    def contributions(self) -> list[Contribution]:
+        if not self.pending:
+            return []
+        local = torch.stack(self.pending).to(torch.float32)
+        unmarked = [
+            (i, (mod, operand))
+            for i, (mod, operand) in enumerate(self.owners)
+            if operand not in mod.fp8_state.scales_set
+        ]
+        tied = [mod for _, mod in self.tree if mod.fp8_state.tie is not None]
+        histories, scales, pending = self.histories, self.scales, self.pending
+
+        @torch.no_grad()
+        def apply(reduced: torch.Tensor) -> None:
+            new_histories, new_scales = [], []
+            start = 0
+            for rows, from_max, pow2, constants in self.groups:
+                stop = start + rows
+                hist = torch.stack(histories[start:stop])
+                hist = scaling.update_amax_history(hist, reduced[start:stop])
+                scale = scaling.history_to_scale(hist, constants, from_max, pow2)
+                new_histories += hist.unbind(0)
+                new_scales += scale.unbind(0)
+                start = stop
+            torch._foreach_copy_(histories, new_histories)
+            torch._foreach_copy_(scales, new_scales)
+            unset = torch.full((), scaling.UNSET, device=reduced.device)
+            torch._foreach_copy_(pending, [unset] * len(pending))
+            if tied:  # ties whose layers' new scales are known equal stay (host bookkeeping)
+                state.settle_ties(tied)
+            torch._foreach_zero_(self.counts)
+            report_flags(REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", self.names)
+            if unmarked:
+                is_set = torch.stack([new_scales[i] for i, _ in unmarked]) >= 0
+                SCALES_SET.submit(is_set, [[owner] for _, owner in unmarked])
+
+        return [(local, apply)]
 
 
+# The plan of each module precompute_scales was called with (weakly: a dropped model goes).
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _DelayedPlan] = weakref.WeakKeyDictionary()
 # Every kind of scale state that precompute_scales updates: fn(module) -> contributions.
 _PROVIDERS: list[Callable[[nn.Module], list[Contribution]]] = [
     _delayed_contributions,  # DELAYED amax records (input, weight, grad_output)
@@ -163,7 +196,8 @@ def precompute_scales(module: nn.Module, *, group: dist.ProcessGroup | None = No
         if dist.get_world_size(group) > 1:
             dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
     sizes = [amaxes.numel() for amaxes, _ in contributions]
-    for (_, apply), reduced in zip(contributions, local.split(sizes), strict=True):
+    pieces = local.split(sizes) if len(sizes) > 1 else [local]
+    for (_, apply), reduced in zip(contributions, pieces, strict=True):
         apply(reduced)
 
 

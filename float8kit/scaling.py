@@ -45,7 +45,7 @@ def inverse(scale: torch.Tensor) -> torch.Tensor:
     return fp32(scale).reciprocal()
 
 
-def _quotient(limit: float, amax: torch.Tensor) -> torch.Tensor:
+def _quotient(limit: float | torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     # limit / amax (limit = fp8_max) correctly rounded to fp32, for fp32 amax > 0. torch evaluates
     # ``scalar / tensor`` as ``reciprocal(tensor) * scalar``: two roundings, and about 1 fp32
     # scale in 4 lands one ulp off (an element on a rounding tie then casts to the
@@ -116,8 +116,18 @@ def round_to_power_of_2(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(scale), scale, floored)
 
 
+def row_constants(fp8_dtypes, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For a batch of amaxes whose rows cast to ``fp8_dtypes`` (one each): the constants
+    ``amax_to_scale`` takes from one dtype, per row (fp8_max in fp64, the amax floor and the
+    smallest safe power-of-2 scale in fp32: the values its scalars are), so rows of several
+    dtypes take one batch of ops with the bits of their own dtypes'."""
+    tables = ((_FP8_MAX, torch.float64), (_AMAX_FLOOR, torch.float32), (_SAFE_POW2, torch.float32))
+    rows = [torch.tensor([t[d] for d in fp8_dtypes], dtype=dt, device=device) for t, dt in tables]
+    return tuple(rows)
+
+
 def amax_to_scale(
-    amax: torch.Tensor, fp8_dtype: torch.dtype, round_to_pow2: bool = False
+    amax: torch.Tensor, fp8_dtype: torch.dtype | tuple, round_to_pow2: bool = False
 ) -> torch.Tensor:
     """``fp8_max / max(amax, amax_floor(fp8_dtype))``, correctly rounded to fp32: always
     finite for a finite amax (an all-zero tensor gets the largest finite scale and casts to
@@ -128,13 +138,19 @@ def amax_to_scale(
     ``fp8_max * 2^-k`` (k = 119 for e4m3, 112 for e5m2: about 2.98e38), where the floored
     scale would let a value round up past fp32's max on the way back (``fp8 / scale`` =
     inf): there the scale stays the exact quotient, whose casts saturate at fp8_max and come
-    back finite. Scale rounding never turns a finite value into inf."""
+    back finite. Scale rounding never turns a finite value into inf.
+
+    ``fp8_dtype`` may be a row's ``row_constants`` instead (amaxes of several dtypes)."""
+    if isinstance(fp8_dtype, tuple):
+        limit, floor, safe = fp8_dtype
+    else:
+        limit, floor, safe = fp8_max(fp8_dtype), amax_floor(fp8_dtype), _SAFE_POW2[fp8_dtype]
     # clamp_min keeps NaN (torch.clamp propagates it), unlike torch.maximum with a scalar.
-    scale = _quotient(fp8_max(fp8_dtype), torch.clamp(fp32(amax), min=amax_floor(fp8_dtype)))
+    scale = _quotient(limit, torch.clamp(fp32(amax), min=floor))
     if round_to_pow2:
         floored = round_to_power_of_2(scale)
         # NaN, and 0 from an inf amax, fail the comparison and keep the quotient's NaN / 0
-        scale = torch.where(floored >= _SAFE_POW2[fp8_dtype], floored, scale)
+        scale = torch.where(floored >= safe, floored, scale)
     return scale
 
 
@@ -184,10 +200,14 @@ def update_amax_history(history: torch.Tensor, new_amax: torch.Tensor) -> torch.
 
 
 def history_to_scale(
-    history: torch.Tensor, fp8_dtype: torch.dtype, from_max: bool, round_to_pow2: bool = False
+    history: torch.Tensor,
+    fp8_dtype: torch.dtype | tuple,
+    from_max: bool,
+    round_to_pow2: bool = False,
 ) -> torch.Tensor:
     """Scales (R,) from (R, L) amax histories: from each row's largest amax (``from_max``)
-    or its newest one. A row with no record at all gets ``UNSET``."""
+    or its newest one. A row with no record at all gets ``UNSET``. ``fp8_dtype``: the rows'
+    float8 dtype, or their ``row_constants``."""
     amax = history.amax(dim=1) if from_max else history[:, 0]
     scale = amax_to_scale(amax, fp8_dtype, round_to_pow2)
     return torch.where(amax >= 0, scale, torch.full_like(scale, UNSET))

@@ -315,9 +315,13 @@ def test_library_lines_only_go_down():
     number is a multiply by its reciprocal); 13,143 -> 13,150, their root of v correctly
     rounded on every device (torch's CPU fp32 sqrt is not) and the eager pass state per
     thread; 13,150 -> 13,076, bit-safe cuts (config validation through two helpers, the
-    recipes through one, ``wrap_local`` with a global shape, one ``kernel_layouts``)."""
+    recipes through one, ``wrap_local`` with a global shape, one ``kernel_layouts``); 13,076 ->
+    13,160, ``precompute_scales`` keeps each model's walk (``_DelayedPlan``,
+    ``linear.float8_linears``) and runs e4m3 and e5m2 histories in one group
+    (``scaling.row_constants``): 63 -> 38 aten ops per call, host time per call about a
+    quarter less at 1 layer and a third less at 32 (bench_precompute on CPU)."""
     lines = sum(len(p.read_text().splitlines()) for p in PKG.rglob("*.py"))
-    assert lines <= 13_076, f"float8kit has {lines} lines"
+    assert lines <= 13_160, f"float8kit has {lines} lines"
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,8 @@
 """precompute_scales: batched updates, the provider contract, and ONE collective for all
 layers' scale state in a 2-process gloo group."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -42,9 +44,51 @@ def _kernels_of_one_precompute(n_layers: int) -> list[str]:
 def test_precompute_is_batched_not_a_per_layer_loop():
     few, many = _kernels_of_one_precompute(2), _kernels_of_one_precompute(8)
     assert len(many) == len(few), (few, many)  # 6 vs 24 amax records, same kernel count
-    # two groups here: e4m3 (input, weight), e5m2 (grad_output); each group's scale is the
-    # fp64 quotient rounded once (scaling._quotient: two dtype conversions more than 0.2's 47)
-    assert len(few) <= 51, few
+    # one group: e4m3 (input, weight) and e5m2 (grad_output) rows share their ops through
+    # per-row constants (scaling.row_constants; 51 kernels as two groups); the scale is the
+    # fp64 quotient rounded once (scaling._quotient)
+    assert len(few) <= 33, few
+
+
+def _step(model: nn.Module, x: torch.Tensor) -> None:
+    model(x).square().mean().backward()
+    precompute_scales(model)
+
+
+def _surgery(model: nn.Module, step: int) -> None:
+    """What a training script may do to a model between steps, each of which the kept
+    ``_DelayedPlan`` must notice."""
+    if step == 2:  # a layer added to the tree
+        model.append(_mlp(2)[0].requires_grad_(False))
+        model[-1].weight.data = model[-1].weight.data[:, :16].contiguous()
+    elif step == 4:  # every buffer replaced (a checkpoint loaded with assign=True)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(state, assign=True)
+    elif step == 5:  # one layer's config replaced: its input scaled from the newest amax
+        recent = CastConfig(scaling_type=ScalingType.DELAYED, delayed_scale_from="most_recent")
+        input_casts = dict(cast_config_input=recent, cast_config_input_for_grad_weight=recent)
+        model[0].config = dataclasses.replace(model[0].config, **input_casts)
+
+
+def test_the_kept_plan_updates_what_a_fresh_walk_would():
+    """precompute_scales keeps each model's walk (``_DelayedPlan``); with layers added,
+    buffers replaced and a config changed between steps, every buffer equals (bitwise) that
+    of a twin model whose plan is dropped before every call."""
+    torch.manual_seed(0)
+    kept, fresh = _mlp(3), _mlp(3)
+    fresh.load_state_dict(kept.state_dict())
+    for step in range(8):
+        for model in (kept, fresh):
+            torch.manual_seed(step)
+            _surgery(model, step)
+            if model is fresh:
+                precompute_mod._PLANS.pop(fresh, None)
+            _step(model, torch.randn(8, 32))
+        k, f = kept.state_dict(), fresh.state_dict()
+        assert k.keys() == f.keys()
+        for name in k:
+            assert torch.equal(k[name], f[name]), (step, name)
+    assert float(kept[-1].fp8_amax_history_input[0]) > 0  # the added layer's state moved
 
 
 def test_provider_contract():

@@ -12,6 +12,7 @@ from float8kit.scaling import (
     amax_to_scale,
     fp8_max,
     round_to_power_of_2,
+    row_constants,
 )
 from tests.helpers import sqnr
 
@@ -54,6 +55,23 @@ def test_amax_to_scale_is_correctly_rounded(dtype, compiled):
     assert near_max.sum() == 1
     want_pow2 = torch.where(near_max, want, round_to_power_of_2(want))
     assert torch.equal(to_scale(amaxes, dtype, True), want_pow2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_rows_of_several_dtypes_get_each_dtypes_own_scale(pow2):
+    """``row_constants``: one batch of amaxes, rows alternately e4m3 and e5m2 (a delayed
+    layer's input, weight and grad_output in one precompute group): every scale is bitwise
+    the one its dtype's scalar form gives, edges included (0, below the floor, fp32's max
+    region, inf, NaN)."""
+    edges = torch.tensor([0.0, 1e-45, 1e-30, 3.0, 448.0, 3.0e38, math.inf, math.nan])
+    amaxes = torch.cat([random_amaxes(), edges])
+    dtypes = [(E4M3, E5M2)[i % 2] for i in range(len(amaxes))]
+    got = amax_to_scale(amaxes, row_constants(dtypes, amaxes.device), pow2)
+    for dtype in (E4M3, E5M2):
+        rows = torch.tensor([d == dtype for d in dtypes])
+        want = amax_to_scale(amaxes[rows], dtype, pow2)
+        assert torch.equal(got[rows].view(torch.int32), want.view(torch.int32)), dtype
+    assert not torch.equal(amax_to_scale(amaxes, E4M3, pow2), got)  # the dtypes differ
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
