@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -648,7 +647,6 @@ class Float8Linear(nn.Linear):
         """Set ``config`` and create the float8 state for it: the one init for every way a
         Float8Linear comes to be (``__init__``, ``from_float``, and the in-place class swap
         of a root ``nn.Linear`` in ``convert_to_float8_training``)."""
-        _TREE_CHANGES[0] += 1  # a tree holding this layer now holds one more (float8_linears)
         self.config = config
         if config.enable_fsdp_float8_all_gather:
             # FSDP2 all-gathers this subclass in float8 (float8kit/distributed/fsdp.py, which
@@ -812,32 +810,3 @@ class Float8Linear(nn.Linear):
             flags.append("fp8_all_gather")
         base = super().extra_repr()
         return f"{base}, cast=[{', '.join(parts)}]" + (f", {', '.join(flags)}" if flags else "")
-
-
-def float8_linears(module: nn.Module) -> list[tuple[str, Float8Linear]]:
-    """``(fqn, layer)`` of every Float8Linear in ``module`` (fqn ``"<root>"`` for itself), in
-    ``named_modules`` order. ``precompute_scales`` asks it at every step: the walk is kept per
-    module (weakly) until a module is registered as a child anywhere or a Float8Linear comes
-    to be (either can change a tree; counted in ``_TREE_CHANGES``). A layer put in a tree
-    without registering it (``Sequential.insert`` writes ``_modules`` directly) is seen after
-    the next registration."""
-    kept = _FLOAT8_LINEARS.get(module)
-    if kept is None or kept[0] != _TREE_CHANGES[0]:
-        if not _TREE_CHANGES[1]:
-            _TREE_CHANGES[1] = nn.modules.module.register_module_module_registration_hook(
-                _count_tree_change
-            )
-        found = [
-            (n or "<root>", m) for n, m in module.named_modules() if isinstance(m, Float8Linear)
-        ]
-        kept = _FLOAT8_LINEARS[module] = (_TREE_CHANGES[0], found)
-    return kept[1]
-
-
-def _count_tree_change(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    _TREE_CHANGES[0] += 1
-
-
-# [changes counted, the module registration hook once set]; float8_linears' walks, by module
-_TREE_CHANGES: list = [0, None]
-_FLOAT8_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

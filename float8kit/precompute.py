@@ -21,7 +21,7 @@ from torch import nn
 from float8kit import scaling, state
 from float8kit.config import ScalingType
 from float8kit.distributed.fsdp import fsdp_weight_contributions, mesh_group
-from float8kit.linear import float8_linears
+from float8kit.linear import Float8Linear
 from float8kit.reports import REPORT_CALLS, SCALES_SET, report_flags
 from float8kit.tensor import local as local_tensor
 
@@ -30,22 +30,24 @@ Contribution = state.Contribution
 
 def _delayed_contributions(module: nn.Module) -> list[Contribution]:
     """One contribution for every DELAYED amax record of every Float8Linear in ``module``
-    (``_DelayedPlan``: built once per module tree, rebuilt when it changes)."""
+    (``_DelayedPlan``: kept per module while its layers and their state are the same)."""
+    layers = [(n or "<root>", m) for n, m in module.named_modules() if isinstance(m, Float8Linear)]
     plan = _PLANS.get(module)
-    if plan is None or not plan.current():
-        plan = _PLANS[module] = _DelayedPlan(module)
-    return plan.contributions()
+    if plan is None or not plan.current(layers):
+        plan = _PLANS[module] = _DelayedPlan(layers)
+    return plan.contributions([m for _, m in layers])
 
 
 class _DelayedPlan:
-    """Where the DELAYED state of a module tree's Float8Linear layers lives, found once.
+    """Where the DELAYED state of a module's Float8Linear layers lives, found once.
 
-    ``precompute_scales`` runs every step, and walking the module tree, asking each layer's
-    config for its DELAYED casts and looking up their buffers was most of its host time per
-    layer. The plan keeps what that walk found; ``current`` checks it cheaply at each call:
-    the same tree (``linear.float8_linears``), and every layer's config, state and buffers
-    still the objects the plan holds (``module.to()``, ``to_empty`` and
-    ``load_state_dict(assign=True)`` replace buffers).
+    ``precompute_scales`` runs every step, and asking each layer's config for its DELAYED
+    casts and looking up their buffers was most of its host time per layer. The plan keeps
+    what that found, and no module (it is kept in a ``WeakKeyDictionary`` of the modules:
+    a value naming its key would keep it alive). ``current`` checks it at each call against
+    that call's walk of the tree: the same layers under the same names, each with the config
+    and buffers the plan holds (``module.to()``, ``to_empty``, ``load_state_dict(assign=True)``
+    replace buffers; FSDP2 moves them in place, the device is checked too).
 
     ``contributions`` hands ``precompute_scales`` the stacked amax records and an ``apply`` that
     folds the reduced records into the amax histories and recomputes the scales with a few
@@ -59,17 +61,12 @@ class _DelayedPlan:
     ``SCALES_SET``; once every scale is marked, nothing is read back to the host at all.
     """
 
-    def __init__(self, module: nn.Module):
-        self.module = weakref.ref(module)
-        self.tree = float8_linears(module)
-        self.layers, self.checks, records = [], [], []
-        for fqn, mod in self.tree:
-            casts = list(state.stateful_casts(mod.config, ScalingType.DELAYED))
-            if casts:
-                self.layers.append(mod)
-            names = []
-            pow2 = mod.config.round_scales_to_power_of_2
-            for role, cast in casts:
+    def __init__(self, layers: list[tuple[str, Float8Linear]]):
+        self.ids = [(n, id(m)) for n, m in layers]
+        self.checks, records = [], []
+        for i, (fqn, mod) in enumerate(layers):
+            pow2, names = mod.config.round_scales_to_power_of_2, []
+            for role, cast in state.stateful_casts(mod.config, ScalingType.DELAYED):
                 # rows of one group share their ops (of both float8 dtypes: row_constants)
                 key = (cast.amax_history_len, cast.delayed_scale_from == "max", pow2)
                 names += [state.amax_name(role), state.history_name(role), state.scale_name(role)]
@@ -77,10 +74,9 @@ class _DelayedPlan:
                 # local tensors (same storage).
                 amax, history, scale = (local_tensor(mod._buffers[n]) for n in names[-3:])
                 operand = state.OPERAND_NAMES[role]
-                row = (key, f"{fqn}.{operand}", amax, history, scale, (mod, operand))
+                row = (key, f"{fqn}.{operand}", amax, history, scale, (i, operand))
                 records.append((*row, cast.dtype_for(role)))
-            buffers = tuple(mod._buffers[n] for n in names)
-            self.checks.append((mod, mod.config, mod.fp8_state, names, buffers))
+            self.checks.append((i, mod.config, names, tuple(mod._buffers[n] for n in names)))
         # Order the records group by group, so each group is one slice of the stacked amaxes.
         groups: dict[tuple, list] = {}
         for r in records:
@@ -93,29 +89,34 @@ class _DelayedPlan:
         columns = list(zip(*records, strict=True)) or [()] * 6
         _, names, self.pending, self.histories, self.scales, self.owners = map(list, columns)
         self.names = "\n".join(names)
-        self.counts = [mod.fp8_state.forward_count for mod in self.layers]
+        self.delayed = sorted({i for i, _ in self.owners})  # the layers with DELAYED casts
+        self.device = self.histories[0].device if self.histories else None
 
-    def current(self) -> bool:
-        """Whether the tree and its layers' state are as the plan found them (the class doc)."""
-        if float8_linears(self.module()) is not self.tree:
+    def current(self, layers: list[tuple[str, Float8Linear]]) -> bool:
+        """Whether ``layers`` and their state are as the plan found them (the class doc)."""
+        if [(n, id(m)) for n, m in layers] != self.ids:
             return False
-        for mod, config, fp8_state, names, buffers in self.checks:
-            if mod.config is not config or mod.fp8_state is not fp8_state:
+        if self.histories and self.histories[0].device != self.device:
+            return False
+        for i, config, names, buffers in self.checks:
+            mod = layers[i][1]
+            if mod.config is not config:
                 return False
             if not all(map(operator.is_, map(mod._buffers.get, names), buffers)):
                 return False
         return True
 
-    def contributions(self) -> list[Contribution]:
+    def contributions(self, layers: list[Float8Linear]) -> list[Contribution]:
         if not self.pending:
             return []
         local = torch.stack(self.pending).to(torch.float32)
         unmarked = [
-            (i, (mod, operand))
-            for i, (mod, operand) in enumerate(self.owners)
-            if operand not in mod.fp8_state.scales_set
+            (row, [(layers[i], operand)])
+            for row, (i, operand) in enumerate(self.owners)
+            if operand not in layers[i].fp8_state.scales_set
         ]
-        tied = [mod for _, mod in self.tree if mod.fp8_state.tie is not None]
+        tied = [mod for mod in layers if mod.fp8_state.tie is not None]
+        counts = [layers[i].fp8_state.forward_count for i in self.delayed]
         histories, scales, pending = self.histories, self.scales, self.pending
 
         @torch.no_grad()
@@ -136,11 +137,11 @@ class _DelayedPlan:
             torch._foreach_copy_(pending, [unset] * len(pending))
             if tied:  # ties whose layers' new scales are known equal stay (host bookkeeping)
                 state.settle_ties(tied)
-            torch._foreach_zero_(self.counts)
+            torch._foreach_zero_(counts)
             report_flags(REPORT_CALLS, ~torch.isfinite(reduced), "non_finite", self.names)
             if unmarked:
-                is_set = torch.stack([new_scales[i] for i, _ in unmarked]) >= 0
-                SCALES_SET.submit(is_set, [[owner] for _, owner in unmarked])
+                is_set = torch.stack([new_scales[row] for row, _ in unmarked]) >= 0
+                SCALES_SET.submit(is_set, [target for _, target in unmarked])
 
         return [(local, apply)]
 

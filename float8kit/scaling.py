@@ -140,7 +140,7 @@ def amax_to_scale(
     inf): there the scale stays the exact quotient, whose casts saturate at fp8_max and come
     back finite. Scale rounding never turns a finite value into inf.
 
-    ``fp8_dtype`` may be a row's ``row_constants`` instead (amaxes of several dtypes)."""
+    ``fp8_dtype`` may be the amaxes' ``row_constants`` instead (rows of several dtypes)."""
     if isinstance(fp8_dtype, tuple):
         limit, floor, safe = fp8_dtype
     else:

@@ -61,6 +61,8 @@ def _surgery(model: nn.Module, step: int) -> None:
     if step == 2:  # a layer added to the tree
         model.append(_mlp(2)[0].requires_grad_(False))
         model[-1].weight.data = model[-1].weight.data[:, :16].contiguous()
+    elif step == 3:  # a layer put in without registering it (Sequential.insert)
+        model.insert(len(model), _mlp(3)[2])
     elif step == 4:  # every buffer replaced (a checkpoint loaded with assign=True)
         state = {k: v.clone() for k, v in model.state_dict().items()}
         model.load_state_dict(state, assign=True)
@@ -68,12 +70,15 @@ def _surgery(model: nn.Module, step: int) -> None:
         recent = CastConfig(scaling_type=ScalingType.DELAYED, delayed_scale_from="most_recent")
         input_casts = dict(cast_config_input=recent, cast_config_input_for_grad_weight=recent)
         model[0].config = dataclasses.replace(model[0].config, **input_casts)
+    elif step == 7:  # a layer taken out
+        del model[2]
 
 
 def test_the_kept_plan_updates_what_a_fresh_walk_would():
-    """precompute_scales keeps each model's walk (``_DelayedPlan``); with layers added,
-    buffers replaced and a config changed between steps, every buffer equals (bitwise) that
-    of a twin model whose plan is dropped before every call."""
+    """precompute_scales keeps what it found per model (``_DelayedPlan``); with layers added
+    (registered or not), buffers replaced, a config changed and a layer removed between
+    steps, every buffer equals (bitwise) that of a twin model whose plan is dropped before
+    every call."""
     torch.manual_seed(0)
     kept, fresh = _mlp(3), _mlp(3)
     fresh.load_state_dict(kept.state_dict())
@@ -88,7 +93,24 @@ def test_the_kept_plan_updates_what_a_fresh_walk_would():
         assert k.keys() == f.keys()
         for name in k:
             assert torch.equal(k[name], f[name]), (step, name)
-    assert float(kept[-1].fp8_amax_history_input[0]) > 0  # the added layer's state moved
+    assert float(kept[-1].fp8_amax_history_input[0]) > 0  # the added layers' state moved
+    assert float(kept[-2].fp8_amax_history_input[0]) > 0
+
+
+def test_a_kept_plan_keeps_no_model_alive():
+    """The plans are kept weakly by model, and hold no module: a layer given alone to
+    precompute_scales is freed with its last reference."""
+    import gc
+    import weakref
+
+    layer = _mlp(2)[0]
+    layer(torch.randn(8, 32)).sum().backward()
+    precompute_scales(layer)
+    assert layer in precompute_mod._PLANS
+    gone = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert gone() is None
 
 
 def test_provider_contract():

@@ -545,9 +545,10 @@ def _sharded_fp8_linears(module: nn.Module) -> list[tuple[str, nn.Module]]:
     from torch.distributed.tensor import DTensor
 
     return [
-        (fqn, mod)
-        for fqn, mod in linear.float8_linears(module)
-        if isinstance(mod.weight, DTensor)
+        (fqn or "<root>", mod)
+        for fqn, mod in module.named_modules()
+        if isinstance(mod, linear.Float8Linear)
+        and isinstance(mod.weight, DTensor)
         and isinstance(mod.weight._local_tensor, Float8AllGatherWeight)
     ]
 
