@@ -12,6 +12,7 @@ from benchmarks.common import OpCounter
 from benchmarks.measures.gloo import _Count, spawn
 from float8kit import (
     CastConfig,
+    Float8Linear,
     Float8LinearConfig,
     ScalingType,
     calibrate,
@@ -58,11 +59,11 @@ def _step(model: nn.Module, x: torch.Tensor) -> None:
 def _surgery(model: nn.Module, step: int) -> None:
     """What a training script may do to a model between steps, each of which the kept
     ``_DelayedPlan`` must notice."""
+    delayed = Float8LinearConfig.from_recipe_name("delayed")
     if step == 2:  # a layer added to the tree
-        model.append(_mlp(2)[0].requires_grad_(False))
-        model[-1].weight.data = model[-1].weight.data[:, :16].contiguous()
+        model.append(Float8Linear(16, 64, config=delayed))
     elif step == 3:  # a layer put in without registering it (Sequential.insert)
-        model.insert(len(model), _mlp(3)[2])
+        model.insert(len(model), Float8Linear(64, 64, config=delayed))
     elif step == 4:  # every buffer replaced (a checkpoint loaded with assign=True)
         state = {k: v.clone() for k, v in model.state_dict().items()}
         model.load_state_dict(state, assign=True)
