@@ -277,15 +277,19 @@ def _worker_ep_load(rank: int, world: int, tmp: str) -> dict:
 
 def _worker_ep_ac(rank: int, world: int, tmp: str) -> dict:
     """Activation checkpointing under EP: of the expert gemms (what to do: nothing crosses
-    the group again), and of the whole routed block (recomputes the dispatch)."""
+    the group again), and of the whole routed block (recomputes the dispatch); and the
+    expert gemms compiled (``fullgraph``, inductor rounding bf16 as eager does) between the
+    eager dispatch and combine, which hands their backward the float8 gradient rows
+    dequantized."""
     from functools import partial
 
+    from torch._inductor import config as inductor_config
     from torch.utils.checkpoint import checkpoint
 
     data = routing("uniform", world, [37 + 5 * r for r in range(world)], 2)
     x, w, e, grad = data[rank]
     res = {}
-    for how in ("none", "expert_gemms", "whole_block"):
+    for how in ("none", "expert_gemms", "whole_block", "compiled"):
         m = moe()
         m.shard_experts(dist.group.WORLD, ep.EPConfig())
         convert(m, ROWWISE)
@@ -293,7 +297,13 @@ def _worker_ep_ac(rank: int, world: int, tmp: str) -> dict:
             m.expert_gemms = partial(checkpoint, m.expert_gemms, use_reentrant=False)
         if how == "whole_block":
             m.routed = partial(checkpoint, m.routed, use_reentrant=False)
-        with _Count("all_to_all_single") as a2a, _CountHostReads() as reads:
+        if how == "compiled":
+            m.expert_gemms = torch.compile(m.expert_gemms, fullgraph=True)
+        with (
+            inductor_config.patch(emulate_precision_casts=True),
+            _Count("all_to_all_single") as a2a,
+            _CountHostReads() as reads,
+        ):
             got = fwd_bwd(m, x, w, e, grad, torch.bfloat16)
         res[how] = {"result": got, "all_to_alls": len(a2a.sizes), "host_reads": reads.n}
     return res

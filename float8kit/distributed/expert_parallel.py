@@ -260,8 +260,8 @@ class _Dispatch(torch.autograd.Function):
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ys, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig):
-        ctx.plan, ctx.config, ctx.ep = plan, config, ep
+    def forward(ctx, ys, plan: EPPlan, config: Float8ExpertsConfig, ep: EPConfig, plain: bool):
+        ctx.plan, ctx.config, ctx.ep, ctx.plain = plan, config, ep, plain
         return _to_owners(ys, plan)
 
     @staticmethod
@@ -269,10 +269,12 @@ class _Combine(torch.autograd.Function):
         plan, config, ep = ctx.plan, ctx.config, ctx.ep
         grad_rows = grad_rows.contiguous()
         if ep.comm == "hp":
-            return _to_experts(grad_rows, plan), None, None, None
+            return _to_experts(grad_rows, plan), None, None, None, None
         # the grad_input gemm's cast, along N, on the rank that owns the tokens
         rows = _send_quantized(grad_rows, None, plan, config, ep, GemmRole.GRAD_OUTPUT)
-        return rows, None, None, None
+        # a compiled graph's backward takes plain tangents: the rows dequantized (exact), which
+        # its gemm casts again to the same products (power-of-two scales)
+        return rows.dequantize() if ctx.plain else rows, None, None, None, None
 
 
 def dispatch(
@@ -318,26 +320,23 @@ def combine(
     """The experts' outputs ``ys`` (expert-major rows, hp) back to the ranks that own the
     tokens: (rows, N) in the order of ``dispatch``'s ``token``. Its backward sends the
     gradient rows cast as the experts' grad_input gemm casts them (``ep.comm="float8"``).
-    ``ys`` must be the output of the last expert gemm itself, used by nothing else."""
+    ``ys`` must be the output of the last expert gemm itself, used by nothing else, or of a
+    compiled graph ending in it (which gets those rows dequantized: its gemm casts them
+    again to the same products)."""
     if ys.dim() != 2 or ys.size(0) != plan.num_received:
         raise ValueError(
             f"float8kit: combine takes the {plan.num_received} rows this rank received, got "
             f"{tuple(ys.shape)}"
         )
-    if ep.comm == "float8" and ys.requires_grad and not made_by_expert_gemm(ys):
-        fix = (
-            "a compiled graph's backward takes no float8 gradient rows: leave the expert "
-            'gemms eager or use EPConfig(comm="hp")'
-            if ys.grad_fn.name() == "CompiledFunctionBackward"
-            else "apply routing scores before dispatch or after combine, add a bias or cast "
-            'after combine, or use EPConfig(comm="hp")'
-        )
+    compiled = ys.grad_fn is not None and ys.grad_fn.name() == "CompiledFunctionBackward"
+    if ep.comm == "float8" and ys.requires_grad and not (compiled or made_by_expert_gemm(ys)):
         raise ValueError(
             "float8kit: combine's input must be the output of the last float8 expert gemm "
             "itself (its backward sends that gemm float8 gradient rows), got the output of "
-            f"{ys.grad_fn.name()}: {fix}"
+            f"{ys.grad_fn.name()}: apply routing scores before dispatch or after combine, add "
+            'a bias or cast after combine, or use EPConfig(comm="hp")'
         )
-    return _Combine.apply(ys, plan, config, ep)
+    return _Combine.apply(ys, plan, config, ep, compiled)
 
 
 # ---------------------------------------------------------------------------- the weights
