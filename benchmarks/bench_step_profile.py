@@ -158,7 +158,7 @@ def main() -> int:
     out = args.out or common.default_out(device, "step_profile")
     torch.manual_seed(0)
     base = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
-    ao_float8 = common.import_torchao_float8()
+    ao_float8, _ = common.import_torchao_float8()  # (None, why) where torchao is missing
     todo = [("bf16", "bf16", base)]
     for recipe in args.recipes.split(","):
         made = bench_linear.make_layers(base, recipe, ao_float8)
