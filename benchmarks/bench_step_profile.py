@@ -42,7 +42,9 @@ STEP = "bench_step_profile.step"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # cuBLAS(Lt) / CUTLASS gemm kernels (sm90 float8 gemms are nvjet_* or cutlass/xmma ones)
 GEMM = re.compile(r"gemm|nvjet|cutlass|xmma|_scaled_mm", re.IGNORECASE)
-LAUNCH = re.compile(r"^cu(da)?LaunchKernel|^cuLaunchKernelEx|^cudaLaunchKernelExC")
+# launches through the runtime (cuBLAS, aten: cudaLaunchKernel[ExC]) or the driver (Triton:
+# cuLaunchKernel[Ex])
+LAUNCH, LAUNCH_CATS = re.compile(r"^cu(da)?LaunchKernel"), ("cuda_runtime", "cuda_driver")
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -80,7 +82,7 @@ def read_trace(trace: dict, gpu: bool) -> list[dict]:
                 "first_kernel_us": min(e["ts"] for e in device) - start if device else None,
                 "first_gemm_us": min(gemms) - start if gemms else None,
                 "launches": sum(
-                    1 for e in inside if e.get("cat") == "cuda_runtime" and LAUNCH.search(e["name"])
+                    1 for e in inside if e.get("cat") in LAUNCH_CATS and LAUNCH.search(e["name"])
                 ),
                 "kernels": len(kernels),
                 "top": {n: (len(d), sum(d)) for n, d in top.items()},

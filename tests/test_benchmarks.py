@@ -374,7 +374,7 @@ def test_step_profile_reads_busy_idle_and_the_first_gemm_from_a_trace():
             ev(bsp.STEP, "user_annotation", 1000, 500),
             ev(bsp.STEP, "gpu_user_annotation", 1040, 400),
             ev("cudaLaunchKernel", "cuda_runtime", 1010, 5),
-            ev("cudaLaunchKernel", "cuda_runtime", 1020, 5),
+            ev("cuLaunchKernelEx", "cuda_driver", 1020, 5),
             ev("triton_red_fused_abs_max_0", "kernel", 1040, 60),
             ev("Memcpy DtoD", "gpu_memcpy", 1050, 20),
             ev("nvjet_sm90_qqtst_128x256", "kernel", 1200, 240),
