@@ -5,9 +5,10 @@
 #   benchmarks/gpu_acceptance.sh OUT_DIR --dry-run       # CPU: check every step's command
 #
 # A lease has 15 minutes of device time and 10 minutes a command: the steps come in two
-# parts, one device command each (part 1's step limits sum to 540 s, part 2's to 300 s;
+# parts, one device command each (part 1's step limits sum to 510 s, part 2's to 315 s;
 # on 2026-11-30 they took 330 s and 208 s; optim then made its gradients on the CPU and ran
-# out of time, 56 s since), run back to back on the same warm machine.
+# out of time, 56 s since; step_profile is new since), run back to back on the same warm
+# machine.
 # Steps, each under its own time limit:
 #   part 1 (the acceptance targets and correctness)
 #     linear_compiled  bench_linear.py: bf16 vs float8kit ($RECIPES) vs torchao, compiled
@@ -28,6 +29,9 @@
 #                      32 delayed layers, and whether it waits for a busy GPU
 #     optim            bench_optim.py: AdamW8bit / AdamW4bit's step (float8kit, torchao) on
 #                      Llama-3-8B weight shapes: time over fp32 AdamW, bytes, update SQNR
+#     step_profile     bench_step_profile.py: one compiled step at 8192x4096x4096 under
+#                      torch.profiler, float8kit vs torchao (tensorwise; delayed float8kit
+#                      only): GPU busy and idle time, host time to the first kernel and gemm
 #     train_rowwise    bench_train.py for rowwise (bf16, float8kit, torchao)
 # Writes into OUT_DIR: one JSON (+ .md) per benchmark, a log per step, steps.json (each
 # step's command, exit status, seconds) and summary.md (the card, driver, torch, the step
@@ -73,15 +77,16 @@ TIMING="--timing back_to_back,synced"
 
 # part | name | time limit (s) | command
 STEPS=(
-    "1|linear_compiled|160|$PY benchmarks/bench_linear.py --shapes $SHAPES --recipes $RECIPES --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_compiled.json"
+    "1|linear_compiled|150|$PY benchmarks/bench_linear.py --shapes $SHAPES --recipes $RECIPES --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_compiled.json"
     "1|roofline|20|$PY benchmarks/roofline.py --shapes $SHAPES --modes fwd_bwd --device cuda --linear-json $OUT/linear_compiled.json --recipe tensorwise --out $OUT/roofline.json"
-    "1|gpu_tests|190|$PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider"
-    "1|train|170|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes tensorwise,delayed --out $OUT/train.json"
-    "2|linear_more|40|$PY benchmarks/bench_linear.py --shapes 4096x8192x16384 --recipes rowwise_with_gw_hp,blockwise --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_more.json"
-    "2|memory|30|$PY -m pytest -q tests/test_memory.py -p no:cacheprovider"
-    "2|precompute|30|$PY benchmarks/bench_precompute.py --layers 1,8,32 --out $OUT/precompute.json"
-    "2|optim|90|$PY benchmarks/bench_optim.py --device cuda --out $OUT/optim.json"
-    "2|train_rowwise|110|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes rowwise --out $OUT/train_rowwise.json"
+    "1|gpu_tests|180|$PY -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider"
+    "1|train|160|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes tensorwise,delayed --out $OUT/train.json"
+    "2|linear_more|35|$PY benchmarks/bench_linear.py --shapes 4096x8192x16384 --recipes rowwise_with_gw_hp,blockwise --modes fwd_bwd $TIMING --compile --no-eager --no-plot --out $OUT/linear_more.json"
+    "2|memory|20|$PY -m pytest -q tests/test_memory.py -p no:cacheprovider"
+    "2|precompute|25|$PY benchmarks/bench_precompute.py --layers 1,8,32 --out $OUT/precompute.json"
+    "2|optim|75|$PY benchmarks/bench_optim.py --device cuda --out $OUT/optim.json"
+    "2|step_profile|60|$PY benchmarks/bench_step_profile.py --shape 8192x4096x4096 --recipes tensorwise,delayed --out $OUT/step_profile.json"
+    "2|train_rowwise|100|$PY benchmarks/bench_train.py --preset llama3-8b-4l --compile --recipes rowwise --out $OUT/train_rowwise.json"
 )
 
 # --dry-run: every step's script exists, imports and accepts its flags (argparse --help

@@ -354,3 +354,58 @@ def test_bench_experts_smoke_sqnr_vs_bf16(tmp_path):
     for row in data["rows"]:
         assert row["bf16_ms"] > 0 and row["float8kit_ms"] > 0
         assert row["float8kit_sqnr_db"] is not None and row["float8kit_sqnr_db"] >= 20, row
+
+
+def test_step_profile_reads_busy_idle_and_the_first_gemm_from_a_trace():
+    # In-process: read_trace() on a made-up Chrome trace (times in us), against what it says
+    # by hand: two steps; the device's intervals overlap (a memcpy under a kernel) and the
+    # GPU's copy of the step annotation spans them all (it must not count as busy).
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_step_profile as bsp
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def ev(name, cat, ts, dur):
+        return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+    trace = {
+        "traceEvents": [
+            ev(bsp.STEP, "user_annotation", 1000, 500),
+            ev(bsp.STEP, "gpu_user_annotation", 1040, 400),
+            ev("cudaLaunchKernel", "cuda_runtime", 1010, 5),
+            ev("cuLaunchKernelEx", "cuda_driver", 1020, 5),
+            ev("triton_red_fused_abs_max_0", "kernel", 1040, 60),
+            ev("Memcpy DtoD", "gpu_memcpy", 1050, 20),
+            ev("nvjet_sm90_qqtst_128x256", "kernel", 1200, 240),
+            ev(bsp.STEP, "user_annotation", 2000, 300),
+            ev("sm90_xmma_gemm_e4m3", "kernel", 2100, 100),
+            {"ph": "i", "name": "instant", "ts": 2050},
+        ]
+    }
+    first, second = bsp.read_trace(trace, gpu=True)
+    assert first["wall_us"] == 500 and second["wall_us"] == 300
+    assert first["busy_us"] == 60 + 240 and second["busy_us"] == 100
+    assert first["first_kernel_us"] == 40 and first["first_gemm_us"] == 200
+    assert second["first_kernel_us"] == second["first_gemm_us"] == 100
+    assert (first["launches"], first["kernels"], second["launches"]) == (2, 2, 0)
+    row = bsp.summarize([first, second], n_top=2)
+    assert row["wall_us"] == 400 and row["busy_us"] == 200 and row["idle_us"] == 200
+    assert row["top"][0] == {"kernel": "nvjet_sm90_qqtst_128x256", "calls": 0.5, "us": 120}
+    # without a GPU: the host columns only
+    (cpu, _) = bsp.read_trace(trace, gpu=False)
+    assert cpu["busy_us"] is None and cpu["wall_us"] == 500
+
+
+def test_bench_step_profile_runs_on_cpu(tmp_path):
+    # the acceptance's part 2 runs it on the GPU: here its CPU run, host columns only
+    out = tmp_path / "step_profile.json"
+    data = run_script(
+        "bench_step_profile", out, "--device", "cpu", "--shape", "32x64x32",
+        "--recipes", "tensorwise", "--warmup", "1", "--steps", "2", "--threads", "1",
+        timeout=300,
+    )  # fmt: skip
+    rows = {(r["impl"], r["recipe"]): r for r in data["rows"]}
+    assert set(rows) == {("bf16", "bf16"), ("float8kit", "tensorwise"), ("torchao", "tensorwise")}
+    for r in rows.values():
+        assert r["wall_us"] > 0 and r["busy_us"] is None and r["idle_us"] is None

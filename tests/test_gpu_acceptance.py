@@ -28,6 +28,7 @@ def test_dry_run_checks_every_step(tmp_path):
         (2, "memory"),
         (2, "precompute"),
         (2, "optim"),
+        (2, "step_profile"),
         (2, "train_rowwise"),
     ]
     assert all(s["exit"] == 0 for s in steps), steps
