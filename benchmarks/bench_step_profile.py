@@ -1,14 +1,15 @@
 """Where one compiled Linear training step spends its time, bf16 vs float8kit vs torchao, from
 torch.profiler's trace: the step a loop with a ``loss.item()`` sees (a synchronize after each).
 
-Issue 51's host-bound shape: on the H200 the compiled tensorwise step at 8192x4096x4096 ran
+The host-bound shape: on the H200 the compiled tensorwise step at 8192x4096x4096 ran
 slower than torchao's, synchronized per step (docs/gpu.md), although both libraries run the
-same three gemms and float8kit moves fewer bytes. This names where the difference is. For the bf16
-layer, and float8kit's and torchao's layers for each of ``--recipes``, it compiles the layer,
-runs ``--warmup`` steps, then profiles ``--steps`` steps (forward, backward with input grads,
-``precompute_scales`` for float8kit, a synchronize; each inside one ``record_function``) and
-reads the exported Chrome trace (its ``cat`` field names kernels, memcpys, runtime calls and
-annotations alike on every torch since 2.11). Per step, medians over the profiled steps:
+same three gemms and float8kit moves fewer bytes. This names where the difference is. For
+the bf16 layer, and float8kit's and torchao's layers for each of ``--recipes``, it compiles
+the layer, runs ``--warmup`` steps, then profiles ``--steps`` steps (forward, backward with
+input grads, ``precompute_scales`` for float8kit, a synchronize; each inside one
+``record_function``) and reads the exported Chrome trace (its ``cat`` field names kernels,
+memcpys, runtime calls and annotations alike on every torch since 2.11). Per step, medians
+over the profiled steps:
 
 - ``wall_us``: the step's range on the host, synchronize included;
 - ``busy_us``: the union of the device's kernel/memcpy/memset intervals inside it;
