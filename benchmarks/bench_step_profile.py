@@ -80,6 +80,7 @@ def read_trace(trace: dict, gpu: bool) -> list[dict]:
             {
                 "wall_us": end - start,
                 "busy_us": busy if gpu else None,
+                "idle_us": end - start - busy if gpu else None,
                 "first_kernel_us": min(e["ts"] for e in device) - start if device else None,
                 "first_gemm_us": min(gemms) - start if gemms else None,
                 "launches": sum(
@@ -93,14 +94,15 @@ def read_trace(trace: dict, gpu: bool) -> list[dict]:
 
 
 def summarize(steps: list[dict], n_top: int) -> dict:
-    """Medians over the profiled steps; the top kernels of the median step by total time."""
+    """Medians over the profiled steps; the top kernels by their time per step (the mean over
+    the profiled steps)."""
 
     def med(key):
         vals = [s[key] for s in steps if s[key] is not None]
         return round(statistics.median(vals), 1) if vals else None
 
-    row = {k: med(k) for k in ("wall_us", "busy_us", "first_kernel_us", "first_gemm_us")}
-    row["idle_us"] = None if row["busy_us"] is None else round(row["wall_us"] - row["busy_us"], 1)
+    keys = ("wall_us", "busy_us", "idle_us", "first_kernel_us", "first_gemm_us")
+    row = {k: med(k) for k in keys}
     row["launches"] = statistics.median(s["launches"] for s in steps)
     row["kernels"] = statistics.median(s["kernels"] for s in steps)
     totals: dict[str, list[float]] = {}

@@ -386,6 +386,7 @@ def test_step_profile_reads_busy_idle_and_the_first_gemm_from_a_trace():
     first, second = bsp.read_trace(trace, gpu=True)
     assert first["wall_us"] == 500 and second["wall_us"] == 300
     assert first["busy_us"] == 60 + 240 and second["busy_us"] == 100
+    assert first["idle_us"] == 500 - 300 and second["idle_us"] == 300 - 100
     assert first["first_kernel_us"] == 40 and first["first_gemm_us"] == 200
     assert second["first_kernel_us"] == second["first_gemm_us"] == 100
     assert (first["launches"], first["kernels"], second["launches"]) == (2, 2, 0)
@@ -394,7 +395,7 @@ def test_step_profile_reads_busy_idle_and_the_first_gemm_from_a_trace():
     assert row["top"][0] == {"kernel": "nvjet_sm90_qqtst_128x256", "calls": 0.5, "us": 120}
     # without a GPU: the host columns only
     (cpu, _) = bsp.read_trace(trace, gpu=False)
-    assert cpu["busy_us"] is None and cpu["wall_us"] == 500
+    assert cpu["busy_us"] is None and cpu["idle_us"] is None and cpu["wall_us"] == 500
 
 
 def test_bench_step_profile_runs_on_cpu(tmp_path):
